@@ -1,0 +1,146 @@
+"""Argument checks that must end a run before Ray starts, each naming the flag at fault.
+
+On a machine without CUDA, upstream's GPU *defaults* are replaced by choices that run there
+(DESIGN §5) unless the user set the flag; a GPU-only choice the user did make is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import re
+from dataclasses import dataclass
+
+_UNSET = object()
+
+
+class UsageError(Exception):
+    """Bad input; `flag` names the command-line flag (or file) at fault."""
+
+    def __init__(self, flag: str, message: str):
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+
+
+def explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """Destinations the user set on the command line (even to their default value).
+
+    argparse leaves alone any attribute already present on the namespace it is given, so parsing into
+    a namespace pre-filled with a sentinel leaves the sentinel exactly where nothing was passed.
+    """
+    dests = {a.dest for a in parser._actions if a.dest is not argparse.SUPPRESS and a.dest != "help"}
+    probe = argparse.Namespace(**{d: _UNSET for d in dests})
+    parsed, _ = parser.parse_known_args(argv, namespace=probe)
+    return {d for d in dests if getattr(parsed, d) is not _UNSET}
+
+
+# Upstream defaults that cannot run without CUDA, and what replaces them there.
+CPU_DEFAULTS = {
+    "ds.attn_implementation": "sdpa",
+    "vllm.sync_backend": "gloo",
+    "vllm.enforce_eager": True,
+    "actor.num_gpus_per_node": 1,
+    "ref.num_gpus_per_node": 1,
+    "critic.num_gpus_per_node": 1,
+    "reward.num_gpus_per_node": 1,
+}
+
+
+@dataclass(frozen=True)
+class _GpuOnly:
+    dest: str
+    refused: object  # a predicate on the value
+    why: str
+
+
+GPU_ONLY = (
+    _GpuOnly("ds.param_dtype", lambda v: v == "fp16", "fp16 training needs CUDA; use bf16"),
+    _GpuOnly("ds.attn_implementation", lambda v: "flash" in str(v), "flash attention needs CUDA; use sdpa or eager"),
+    _GpuOnly("vllm.sync_backend", lambda v: v == "nccl", "NCCL needs CUDA; the CPU weight sync uses gloo"),
+    _GpuOnly("vllm.sync_with_ray", bool, "Ray's collective gloo group cannot run beside DeepSpeed here"),
+    _GpuOnly("vllm.enable_sleep", bool, "vLLM sleep mode needs the CUDA memory allocator"),
+    _GpuOnly("vllm.tensor_parallel_size", lambda v: v > 1, "vLLM tensor parallelism is not supported on CPU"),
+    _GpuOnly("train.colocate_all", bool, "colocation syncs weights through CUDA IPC"),
+    _GpuOnly("ds.packing_samples", bool, "sample packing needs flash attention's varlen kernels"),
+    _GpuOnly("ds.ring_attn_size", lambda v: v > 1, "ring attention needs flash attention"),
+    _GpuOnly("ds.load_in_4bit", bool, "4-bit loading needs bitsandbytes' CUDA kernels"),
+    _GpuOnly("ds.use_liger_kernel", bool, "Liger kernels are Triton GPU kernels"),
+)
+
+
+def adapt_to_cpu(args: argparse.Namespace, explicit: set[str]) -> list[str]:
+    """Replace unset GPU defaults, refuse explicit GPU-only choices. Returns what was replaced."""
+    for rule in GPU_ONLY:
+        value = getattr(args, rule.dest)
+        if rule.refused(value):
+            if rule.dest in explicit:
+                raise UsageError(f"--{rule.dest}", f"{value!r} is not available on a machine without CUDA: {rule.why}")
+            if rule.dest not in CPU_DEFAULTS:
+                raise UsageError(f"--{rule.dest}", f"default {value!r} cannot run without CUDA: {rule.why}")
+    replaced = []
+    for dest, cpu_value in CPU_DEFAULTS.items():
+        if dest not in explicit and getattr(args, dest) != cpu_value:
+            replaced.append(f"--{dest} {getattr(args, dest)!r} -> {cpu_value!r}")
+            setattr(args, dest, cpu_value)
+    return replaced
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def check_model_path(flag: str, path: str | None, *, required: bool = False) -> None:
+    """A model must be a local directory with a config.json, or a hub id when the hub is reachable."""
+    if not path:
+        if required:
+            raise UsageError(flag, "is required")
+        return
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise UsageError(flag, f"{path!r} is a directory without config.json, not a Hugging Face model")
+        return
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    if offline or not _HUB_ID.match(path):
+        raise UsageError(flag, f"model path {path!r} does not exist" + (" (HF_HUB_OFFLINE is set)" if offline else ""))
+
+
+def check_reward_script(flag: str, url: str | None) -> None:
+    """A local reward script must exist and define reward_func (checked without running it)."""
+    if not url or not url.endswith(".py"):
+        return
+    for path in url.split(","):
+        if not os.path.isfile(path):
+            raise UsageError(flag, f"reward script {path!r} does not exist")
+        try:
+            tree = ast.parse(open(path, encoding="utf-8").read(), filename=path)
+        except SyntaxError as err:
+            raise UsageError(flag, f"reward script {path!r} does not parse: {err}") from err
+        if not any(isinstance(n, ast.FunctionDef) and n.name == "reward_func" for n in tree.body):
+            raise UsageError(flag, f"reward script {path!r} defines no reward_func(queries, prompts, labels)")
+
+
+def check_dataset(flag: str, spec: str | None) -> None:
+    """Local dataset files named on the command line must exist (hub names are left to upstream)."""
+    if not spec:
+        raise UsageError(flag, "is required")
+    for item in spec.split(","):
+        path = item.split("@")[0].strip()
+        looks_local = path.startswith((".", "/", "~")) or os.path.splitext(path)[1] in (
+            ".json", ".jsonl", ".parquet", ".csv", ".arrow", ".txt",
+        )
+        if looks_local and not os.path.exists(os.path.expanduser(path)):
+            raise UsageError(flag, f"dataset {path!r} does not exist")
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """Paths and files, checked before anything expensive starts."""
+    check_model_path("--actor.model_name_or_path", getattr(args, "actor.model_name_or_path"), required=True)
+    if not getattr(args, "reward.remote_url"):
+        check_model_path("--reward.model_name_or_path", getattr(args, "reward.model_name_or_path"), required=True)
+    check_model_path("--critic.model_name_or_path", getattr(args, "critic.model_name_or_path"))
+    check_reward_script("--reward.remote_url", getattr(args, "reward.remote_url"))
+    check_dataset("--data.prompt_dataset", getattr(args, "data.prompt_dataset"))
+    if getattr(args, "vllm.sync_check_steps") < 0:
+        raise UsageError("--vllm.sync_check_steps", "must be >= 0 (0 disables the check)")
+    if getattr(args, "vllm.sync_check_tolerance") <= 0:
+        raise UsageError("--vllm.sync_check_tolerance", "must be > 0")

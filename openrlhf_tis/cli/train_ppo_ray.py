@@ -1,0 +1,59 @@
+"""`python -m openrlhf_tis.cli.train_ppo_ray`: upstream's train_ppo_ray with the fork wired in.
+
+Every upstream flag works unchanged (upstream's own parser is reused, see upstream.py); the fork's
+flags are added to it. Bad input ends here, naming the flag, before Ray starts.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from openrlhf_tis import patches
+from openrlhf_tis.cli.checks import UsageError, adapt_to_cpu, check_inputs, explicit_dests
+from openrlhf_tis.cli.fork_flags import add_fork_arguments
+from openrlhf_tis.cli.ray_cluster import start_ray
+from openrlhf_tis.cli.upstream import run_upstream_main, upstream_parser
+from openrlhf_tis.patches import fork_classes
+from openrlhf_tis.patches._guard import UnsupportedUpstreamError
+
+
+def build_parser():
+    """Upstream's parser plus the fork's flags (patches must be in place to import upstream)."""
+    parser = upstream_parser()
+    parser.prog = "openrlhf_tis.cli.train_ppo_ray"
+    add_fork_arguments(parser)
+    return parser
+
+
+def parse(argv: list[str], cpu: bool):
+    """Parse and check the command line; raises UsageError naming the flag at fault."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if cpu:
+        for note in adapt_to_cpu(args, explicit_dests(parser, argv)):
+            print(f"[openrlhf_tis] no CUDA: {note}", file=sys.stderr)
+    if not getattr(args, "logger.run_dir"):
+        setattr(args, "logger.run_dir", time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime()))
+    check_inputs(args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    cpu = not torch.cuda.is_available()
+    try:
+        patches.apply_platform_patches()
+        args = parse(argv, cpu)
+        fork_classes.apply()
+    except (UsageError, UnsupportedUpstreamError) as err:
+        print(f"openrlhf_tis.cli.train_ppo_ray: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    start_ray(args, cpu)
+    run_upstream_main(args)
+
+
+if __name__ == "__main__":
+    main()

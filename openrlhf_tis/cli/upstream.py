@@ -1,0 +1,60 @@
+"""Reuse upstream's `train_ppo_ray` command line exactly: its parser, its checks, its `train()`.
+
+OpenRLHF 0.11.2 builds the parser, validates the arguments and calls `train(args)` inside the
+module's `if __name__ == "__main__":` block, so none of it can be imported. The module is run as
+`__main__` twice with `ArgumentParser.parse_args` intercepted: once to capture the parser (the fork
+adds its flags to it), once to hand it the fork's parsed namespace and let upstream's own checks and
+`train()` run unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import runpy
+from collections.abc import Callable, Iterator
+
+UPSTREAM_CLI = "openrlhf.cli.train_ppo_ray"
+
+
+class _Captured(Exception):
+    def __init__(self, parser: argparse.ArgumentParser):
+        self.parser = parser
+
+
+@contextlib.contextmanager
+def _intercept_parse_args(handler: Callable[[argparse.ArgumentParser], argparse.Namespace]) -> Iterator[None]:
+    original = argparse.ArgumentParser.parse_args
+    calls = []
+
+    def parse_args(self, args=None, namespace=None):
+        if calls:  # only upstream's own first call is intercepted
+            return original(self, args, namespace)
+        calls.append(self)
+        return handler(self)
+
+    argparse.ArgumentParser.parse_args = parse_args
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.parse_args = original
+
+
+def upstream_parser() -> argparse.ArgumentParser:
+    """The exact ArgumentParser upstream's train_ppo_ray builds."""
+
+    def capture(parser):
+        raise _Captured(parser)
+
+    with _intercept_parse_args(capture):
+        try:
+            runpy.run_module(UPSTREAM_CLI, run_name="__main__")
+        except _Captured as captured:
+            return captured.parser
+    raise RuntimeError(f"{UPSTREAM_CLI} did not build an argument parser; upstream changed its CLI")
+
+
+def run_upstream_main(args: argparse.Namespace) -> None:
+    """Run upstream's __main__ block (its checks, then train()) on already parsed arguments."""
+    with _intercept_parse_args(lambda _parser: args):
+        runpy.run_module(UPSTREAM_CLI, run_name="__main__")

