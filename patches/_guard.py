@@ -49,7 +49,7 @@ def replace(owner: Any, attr: str, new: Any, *, patch: str) -> Any:
     originals = owner.__dict__.get("__openrlhf_tis_originals__")
     if originals is None:
         originals = {}
-        setattr(owner, "__openrlhf_tis_originals__", originals)
+        owner.__openrlhf_tis_originals__ = originals
     if attr not in originals:
         originals[attr] = getattr(owner, attr)
         setattr(owner, attr, new)

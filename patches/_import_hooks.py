@@ -15,11 +15,11 @@ import importlib.abc
 import importlib.util
 import sys
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from types import ModuleType
-from typing import ContextManager
 
 _after: dict[str, list[Callable[[ModuleType], None]]] = {}
-_around: dict[str, list[Callable[[], ContextManager]]] = {}
+_around: dict[str, list[Callable[[], AbstractContextManager]]] = {}
 
 
 class _PatchFinder(importlib.abc.MetaPathFinder):
@@ -70,7 +70,7 @@ def after_import(module_name: str, hook: Callable[[ModuleType], None]) -> None:
     _install()
 
 
-def around_import(module_name: str, ctx: Callable[[], ContextManager]) -> bool:
+def around_import(module_name: str, ctx: Callable[[], AbstractContextManager]) -> bool:
     """Run the import of `module_name` inside ctx(); False when it was already imported."""
     if module_name in sys.modules:
         return False

@@ -60,7 +60,7 @@ def cpu_update_weight(self, name, dtype, shape, empty_cache=False):
         )
     weight = torch.empty(shape, dtype=dtype)
     if self._model_update_with_ray:
-        raise RuntimeError("weight sync: --vllm.sync_with_ray is not supported on CPU (Ray's gloo group cannot run here)")
+        raise RuntimeError("weight sync: --vllm.sync_with_ray is not supported on CPU (Ray's gloo group fails here)")
     self._model_update_group.broadcast(weight, src=0)
     pending = self.__dict__.setdefault("_openrlhf_tis_pending_weights", [])
     pending.append((name, weight))

@@ -1,0 +1,25 @@
+"""Shared fixtures: the CPU platform patches and a tiny locally built model (no hub access)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def platform_patches():
+    """openrlhf cannot even be imported on CPU without them (flash_attn at module level)."""
+    from openrlhf_tis import patches
+
+    patches.apply_platform_patches()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from openrlhf_tis.demo.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny_model")

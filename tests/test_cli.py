@@ -1,0 +1,136 @@
+"""The fork's CLI: every upstream flag unchanged, and bad input refused before Ray starts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+import ray
+
+from openrlhf_tis.cli import train_ppo_ray
+from openrlhf_tis.cli.checks import CPU_DEFAULTS, explicit_dests
+from openrlhf_tis.cli.upstream import upstream_parser
+
+
+@pytest.fixture(scope="module")
+def parsers():
+    return upstream_parser(), train_ppo_ray.build_parser()
+
+
+def _sample_argv(action: argparse.Action) -> list[str]:
+    """A valid, non-default value for one upstream option."""
+    flag = action.option_strings[0]
+    if action.nargs == 0:
+        return [flag]
+    if action.choices:
+        value = [c for c in action.choices if c != action.default][0]
+    elif action.type is int:
+        value = 3
+    elif action.type is float:
+        value = 0.25
+    else:
+        value = "some_value"
+    count = {"+": 2, "*": 2, None: 1, "?": 1}.get(action.nargs, action.nargs)
+    return [flag, *[str(value)] * count]
+
+
+def test_every_upstream_flag_is_accepted_unchanged(parsers):
+    upstream, fork = parsers
+    options = [a for a in upstream._actions if a.option_strings and a.dest != "help"]
+    assert len(options) > 150  # upstream 0.11.2 has ~170: a capture that lost flags must fail here
+    for action in options:
+        argv = _sample_argv(action)
+        expected = vars(upstream.parse_args(argv))
+        got = vars(fork.parse_args(argv))
+        assert {k: got[k] for k in expected} == expected, argv
+
+
+def test_explicit_flags_are_told_from_defaults(parsers):
+    _, fork = parsers
+    argv = ["--ds.attn_implementation", "flash_attention_2", "--vllm.enforce_eager", "--train.seed", "42"]
+    assert explicit_dests(fork, argv) == {"ds.attn_implementation", "vllm.enforce_eager", "train.seed"}
+
+
+def _run_main(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_ppo_ray.main(argv)
+    assert exit_info.value.code == 2
+    assert not ray.is_initialized()  # refused before Ray started
+    return capsys.readouterr().err
+
+
+@pytest.fixture()
+def valid_argv(tiny_model_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input": "1 + 1?", "label": "2"}) + "\n")
+    reward = tmp_path / "reward.py"
+    reward.write_text("def reward_func(queries, prompts, labels):\n    return {}\n")
+    return ["--actor.model_name_or_path", str(tiny_model_dir), "--reward.remote_url", str(reward),
+            "--data.prompt_dataset", str(prompts), "--logger.run_dir", str(tmp_path / "run")]
+
+
+@pytest.mark.parametrize(
+    ("extra", "flag"),
+    [
+        (["--ds.param_dtype", "fp16"], "--ds.param_dtype"),
+        (["--ds.attn_implementation", "flash_attention_2"], "--ds.attn_implementation"),
+        (["--vllm.sync_backend", "nccl"], "--vllm.sync_backend"),
+        (["--train.colocate_all"], "--train.colocate_all"),
+        (["--vllm.sync_check_steps", "-1"], "--vllm.sync_check_steps"),
+    ],
+)
+def test_gpu_only_choices_are_refused_on_cpu(valid_argv, extra, flag, capsys):
+    assert flag in _run_main(valid_argv + extra, capsys)
+
+
+def test_missing_inputs_name_their_flag(valid_argv, tmp_path, capsys):
+    def with_value(flag, value):
+        argv = list(valid_argv)
+        argv[argv.index(flag) + 1] = value
+        return argv
+
+    err = _run_main(with_value("--actor.model_name_or_path", str(tmp_path / "nope")), capsys)
+    assert "--actor.model_name_or_path" in err and "does not exist" in err
+    err = _run_main(with_value("--reward.remote_url", str(tmp_path / "missing.py")), capsys)
+    assert "--reward.remote_url" in err
+    no_func = tmp_path / "no_func.py"
+    no_func.write_text("def other():\n    pass\n")
+    assert "reward_func" in _run_main(with_value("--reward.remote_url", str(no_func)), capsys)
+    err = _run_main(with_value("--data.prompt_dataset", str(tmp_path / "missing.jsonl")), capsys)
+    assert "--data.prompt_dataset" in err
+
+
+def test_unsupported_upstream_version_is_refused(valid_argv, monkeypatch, capsys):
+    import importlib.metadata
+
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "0.10.0" if name == "openrlhf" else real_version(name))
+    err = _run_main(valid_argv, capsys)
+    assert "openrlhf==0.11.2" in err and "0.10.0" in err
+
+
+def test_cpu_defaults_replace_unset_gpu_defaults(parsers):
+    from openrlhf_tis.cli.checks import adapt_to_cpu
+
+    _, fork = parsers
+    args = fork.parse_args(["--ds.attn_implementation", "eager"])
+    adapt_to_cpu(args, explicit_dests(fork, ["--ds.attn_implementation", "eager"]))
+    assert getattr(args, "ds.attn_implementation") == "eager"  # the user's choice stays
+    for dest, value in CPU_DEFAULTS.items():
+        if dest != "ds.attn_implementation":
+            assert getattr(args, dest) == value
+
+
+def test_console_entry_point_refuses_in_a_fresh_process(tmp_path):
+    """The real command, as a user runs it: one clear line, exit 2, no Ray."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "openrlhf_tis.cli.train_ppo_ray", "--actor.model_name_or_path", str(tmp_path / "x")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2
+    assert "error: --actor.model_name_or_path" in proc.stderr
+    assert "Started a local Ray instance" not in proc.stderr + proc.stdout

