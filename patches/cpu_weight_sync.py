@@ -71,6 +71,10 @@ def cpu_update_weight(self, name, dtype, shape, empty_cache=False):
 
 def reload_into_engine(model_runner, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     """Load a full set of checkpoint-format weights into a running vLLM-CPU model."""
+    from openrlhf_tis.rollout.engine_sync import prepare_for_engine
+
+    # INT8 engines: quantize with the run's transferred calibration (never cast floats into int8).
+    named_tensors = prepare_for_engine(model_runner, named_tensors)
     model_runner.reload_weights(weights_iterator=iter(named_tensors))
     model = model_runner.model
     if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):

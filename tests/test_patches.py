@@ -35,7 +35,7 @@ def test_torch_cuda_calls_are_harmless_without_cuda():
     assert not torch.cuda.is_available()
     torch.cuda.set_device(0)
     torch.cuda.synchronize()
-    assert torch.cuda.current_stream() is None
+    torch.cuda.current_stream()  # vLLM's CPU worker installs its own placeholder later: must not raise either
     assert torch.zeros(2).to(torch.cuda.current_device()).device.type == "cpu"
 
 

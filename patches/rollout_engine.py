@@ -1,0 +1,30 @@
+"""Start the rollout engines from the fork's rollout model directory (INT8 checkpoint, fp32 head).
+
+OpenRLHF 0.11.2's `create_vllm_engines` (openrlhf/trainer/ray/vllm_engine.py) hard-codes the engine
+kwargs (dtype bf16, no quantization) and is handed `--actor.model_name_or_path`. vLLM, however, reads
+`quantization_config` and `head_dtype` from the model's config.json, so pointing the engines (only
+them: the trainer keeps the original model) at the directory written by
+openrlhf_tis.rollout.checkpoint.write_rollout_model is enough. `train()` imports the function by name
+from `openrlhf.trainer.ray` when it runs, so the package attribute is replaced (driver only).
+"""
+
+from __future__ import annotations
+
+from ._guard import replace, require_version
+
+NAME = "rollout_engine"
+
+
+def apply(rollout_model_dir: str) -> bool:
+    """Make every engine `train()` creates load `rollout_model_dir` instead of the actor's model."""
+    require_version("openrlhf", "==0.11.2", patch=NAME)
+    import openrlhf.trainer.ray as upstream_ray
+
+    original = upstream_ray.create_vllm_engines
+
+    def create_vllm_engines(num_engines, tensor_parallel_size, pretrain, *args, **kwargs):
+        print(f"[openrlhf_tis] vLLM engines start from {rollout_model_dir} (rollout variant of {pretrain})")
+        return original(num_engines, tensor_parallel_size, rollout_model_dir, *args, **kwargs)
+
+    replace(upstream_ray, "create_vllm_engines", create_vllm_engines, patch=NAME)
+    return True

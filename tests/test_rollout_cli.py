@@ -1,0 +1,65 @@
+"""--vllm.rollout_precision through train_ppo_ray: checks before Ray, and the engines' start directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import ray
+
+from openrlhf_tis.cli import train_ppo_ray
+from openrlhf_tis.rollout.calibration import save_calibration
+from openrlhf_tis.rollout.checkpoint import read_config, read_plan
+
+
+@pytest.fixture()
+def valid_argv(tiny_model_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input": "1 + 1?", "label": "2"}) + "\n")
+    reward = tmp_path / "reward.py"
+    reward.write_text("def reward_func(queries, prompts, labels):\n    return {}\n")
+    return ["--actor.model_name_or_path", str(tiny_model_dir), "--reward.remote_url", str(reward),
+            "--data.prompt_dataset", str(prompts), "--logger.run_dir", str(tmp_path / "run")]
+
+
+def _refused(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        train_ppo_ray.main(argv)
+    assert exit_info.value.code == 2
+    assert not ray.is_initialized()
+    return capsys.readouterr().err
+
+
+def test_bad_precision_requests_are_one_message_before_ray(valid_argv, tiny_model_dir, tmp_path, capsys):
+    other = dict(read_config(tiny_model_dir), num_hidden_layers=12)
+    cal = save_calibration(tmp_path / "cal.safetensors", {}, other, 0.5, 0)
+    err = _refused(valid_argv + ["--vllm.rollout_precision", "int8", "--vllm.int8_calibration", str(cal)], capsys)
+    assert "--vllm.int8_calibration" in err and "another model" in err and "num_hidden_layers" in err
+    err = _refused(valid_argv + ["--vllm.rollout_precision", "fp8"], capsys)
+    assert "--vllm.rollout_precision: fp8 rollouts are not wired" in err
+    err = _refused(valid_argv + ["--vllm.int8_scales", "frozen"], capsys)
+    assert "--vllm.int8_scales: only applies" in err
+    assert not (tmp_path / "run" / "rollout_model").exists()
+
+
+def test_int8_run_writes_the_rollout_model_and_points_the_engines_at_it(valid_argv, tmp_path, monkeypatch):
+    import openrlhf.trainer.ray as upstream_ray
+
+    calls = []
+    monkeypatch.setattr(upstream_ray, "create_vllm_engines", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(upstream_ray, "__openrlhf_tis_originals__", {}, raising=False)
+    args = train_ppo_ray.parse(valid_argv + ["--vllm.rollout_precision", "int8", "--vllm.int8_scales", "frozen",
+                                             "--vllm.fp32_lm_head"], cpu=True)
+    dst = train_ppo_ray.prepare_rollout_engines(args)
+    assert dst == str((tmp_path / "run" / "rollout_model").resolve())
+    assert read_plan(dst)["scale_mode"] == "frozen"
+    cfg = read_config(dst)
+    assert cfg["head_dtype"] == "float32" and cfg["quantization_config"]["format"] == "int-quantized"
+    upstream_ray.create_vllm_engines(1, 1, "actor_model", 42, logprobs_mode="processed_logprobs")
+    assert calls == [((1, 1, dst, 42), {"logprobs_mode": "processed_logprobs"})]
+
+
+def test_default_precision_changes_nothing(valid_argv):
+    args = train_ppo_ray.parse(valid_argv, cpu=True)
+    assert getattr(args, "vllm.rollout_precision") == "bf16"
+    assert train_ppo_ray.prepare_rollout_engines(args) is None
