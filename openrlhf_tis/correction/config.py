@@ -1,0 +1,410 @@
+"""What the rollout-correction core does, as one frozen dataclass, plus named presets.
+
+Notation used throughout `openrlhf_tis.correction` (docs/correction.md has the derivations):
+    μ       behaviour policy: the rollout engine's (vLLM) probability of the sampled token
+    π_old   the trainer's probability of the same token before the update (DeepSpeed forward)
+    π_θ     the policy being trained
+    r_t     = π_old(a_t) / μ(a_t) = exp(old_t − rollout_t), the per-token importance ratio
+
+Every field names the paper or framework it comes from. `validate()` refuses combinations that are
+undefined, `validate(training=True)` also those that are wrong for training; both name the flag
+(`--algo.correction.<field>`) that sets the offending value, so the CLI can print it unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+LEVELS = ("token", "sequence", "geometric")
+MODES = ("truncate", "clip", "mask", "raw", "none")
+LOSSES = ("decoupled", "bypass_ppo", "bypass_reinforce")
+DENOMINATORS = ("all", "kept")
+STATISTICS = ("ratio", "k1", "k2", "k3", "binary_kl", "binary_kl_sym", "tv")
+AGGREGATIONS = ("token", "sum", "mean", "max")
+# Statistics that are >= 0 and exactly 0 on-policy: only an upper bound makes sense.
+NONNEGATIVE_STATISTICS = ("k2", "k3", "binary_kl", "binary_kl_sym", "tv")
+FLAG_PREFIX = "--algo.correction."
+
+
+class CorrectionConfigError(ValueError):
+    """A configuration that cannot be right; `flag` is the command-line flag that sets the bad value."""
+
+    def __init__(self, flag: str, message: str):
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+        self.message = message
+
+
+def _flag(name: str) -> str:
+    return FLAG_PREFIX + name
+
+
+@dataclass(frozen=True)
+class RejectionCriterion:
+    """One rejection-sampling test: keep a unit iff lower <= agg(statistic) <= upper.
+
+    Written on the command line as `STAT:AGG:UPPER` or `STAT:AGG:LOWER:UPPER` (an empty field means
+    unbounded), e.g. `k3:mean:0.01`, `ratio:mean:0.999:1.001`, `k1:token:-0.5:0.5`. Several criteria
+    are chained with AND (verl `rollout_rs="a,b"`).
+    """
+
+    statistic: str
+    """ratio r_t (MIS/IcePop) | k1 = −log r_t | k2 = ½(log r_t)² | k3 = r_t − 1 − log r_t (verl rollout_rs
+    k1/k2/k3; Schulman's KL-approximation note) | binary_kl, binary_kl_sym, tv on the sampled token's
+    probabilities (OpenRLHF 0.11.2 gating; KPop = binary_kl_sym)."""
+    agg: str = "token"
+    """token (per token) | sum | mean | max over the sequence's valid tokens (verl token_/seq_sum_/seq_mean_/seq_max_).
+    For `ratio`, sum and mean are taken on log r, i.e. the sequence product and geometric mean (Geo-RS)."""
+    lower: float | None = None
+    """Lowest kept value (None: unbounded). k1 bounds are on k1 itself, not on a ratio (see docs)."""
+    upper: float | None = None
+    """Highest kept value (None: unbounded)."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.statistic}_{self.agg}"
+
+    @property
+    def token_level(self) -> bool:
+        return self.agg == "token"
+
+    @classmethod
+    def parse(cls, spec: str | RejectionCriterion) -> RejectionCriterion:
+        """`STAT:AGG:UPPER` or `STAT:AGG:LOWER:UPPER` -> criterion (validated)."""
+        if isinstance(spec, RejectionCriterion):
+            return spec
+        parts = [p.strip() for p in str(spec).split(":")]
+        if len(parts) not in (3, 4):
+            raise CorrectionConfigError(
+                _flag("rejection"), f"{spec!r} is not STAT:AGG:UPPER or STAT:AGG:LOWER:UPPER (e.g. k3:mean:0.01)"
+            )
+
+        def num(text: str) -> float | None:
+            if text == "":
+                return None
+            try:
+                return float(text)
+            except ValueError:
+                raise CorrectionConfigError(_flag("rejection"), f"{text!r} in {spec!r} is not a number") from None
+
+        lower, upper = (None, num(parts[2])) if len(parts) == 3 else (num(parts[2]), num(parts[3]))
+        crit = cls(parts[0], parts[1], lower, upper)
+        crit.validate()
+        return crit
+
+    def spec(self) -> str:
+        fmt = lambda v: "" if v is None else repr(float(v))  # noqa: E731
+        return f"{self.statistic}:{self.agg}:{fmt(self.lower)}:{fmt(self.upper)}"
+
+    def validate(self, *, training: bool = False) -> None:
+        """Refuse undefined criteria; with training=True also those that would reject on-policy data."""
+        flag = _flag("rejection")
+        if self.statistic not in STATISTICS:
+            raise CorrectionConfigError(flag, f"statistic {self.statistic!r} is not one of {STATISTICS}")
+        if self.agg not in AGGREGATIONS:
+            raise CorrectionConfigError(flag, f"aggregation {self.agg!r} is not one of {AGGREGATIONS}")
+        if self.lower is None and self.upper is None:
+            raise CorrectionConfigError(flag, f"{self.name} needs at least one bound")
+        for v in (self.lower, self.upper):
+            if v is not None and math.isnan(v):
+                raise CorrectionConfigError(flag, f"{self.name} has a NaN bound")
+        if self.lower is not None and self.upper is not None and self.lower > self.upper:
+            raise CorrectionConfigError(flag, f"{self.name}: lower {self.lower} > upper {self.upper}")
+        if self.statistic in ("ratio", "k1") and self.agg == "max":
+            raise CorrectionConfigError(flag, f"{self.statistic}:max tests one side only; use k2:max or k3:max, "
+                                        "or veto_threshold for per-token ratios")
+        if self.statistic == "ratio" and self.lower is not None and self.lower < 0:
+            raise CorrectionConfigError(flag, f"{self.name}: a ratio bound cannot be negative ({self.lower})")
+        if not training:
+            return
+        # A criterion must keep on-policy data: there r = 1, log r = 0 and every divergence is 0.
+        if self.statistic == "ratio":
+            if (self.lower is not None and self.lower > 1) or (self.upper is not None and self.upper < 1):
+                raise CorrectionConfigError(
+                    flag, f"{self.name}: bounds [{self.lower}, {self.upper}] exclude ratio 1, i.e. on-policy data"
+                )
+        elif self.statistic == "k1":
+            if (self.lower is not None and self.lower > 0) or (self.upper is not None and self.upper < 0):
+                raise CorrectionConfigError(
+                    flag, f"{self.name}: bounds [{self.lower}, {self.upper}] exclude k1 = 0, i.e. on-policy data"
+                )
+        else:  # nonnegative divergences
+            if self.lower is not None and self.lower > 0:
+                raise CorrectionConfigError(
+                    flag, f"{self.name} is 0 on-policy; a lower bound {self.lower} > 0 would reject on-policy data"
+                )
+            if self.upper is not None and self.upper <= 0:
+                raise CorrectionConfigError(flag, f"{self.name} needs an upper bound > 0, got {self.upper}")
+
+
+@dataclass(frozen=True)
+class CorrectionConfig:
+    """The rollout–training mismatch correction: IS weights, rejection masks, veto, normalization, loss."""
+
+    level: str = "token"
+    """Granularity of the IS weight: token r_t (TIS, Yao et al. 2025), sequence Π_t r_t (sequence IS/MIS,
+    Liu et al. 2025 "When Speed Kills Stability"), geometric exp(mean_t log r_t) (Geo, Miles)."""
+    mode: str = "truncate"
+    """truncate w = min(r, upper) (TIS) | clip w = clamp(r, lower, upper) (Miles CIS) | mask w = r inside
+    [lower, upper], unit dropped outside (IcePop; MIS at sequence level) | raw w = r, unbounded (vanilla IS,
+    TIS talk baseline) | none w = 1 (no IS weight; masks still apply)."""
+    lower: float | None = None
+    """Lower bound on the weight for clip and mask; None means 1/upper (Miles, verl). Unused by truncate."""
+    upper: float = 2.0
+    """Upper bound on the weight (TIS cap C = 2, Yao et al. 2025)."""
+    rejection: tuple[RejectionCriterion, ...] = ()
+    """Rejection-sampling criteria chained with AND (verl rollout_rs; Geo-RS = ratio:mean)."""
+    veto_threshold: float | None = None
+    """Catastrophic-token veto v in (0, 1): drop a whole sequence holding a token with r_t < v or r_t > 1/v
+    (verl rollout_token_veto_threshold, Miles rs_veto_threshold). None: off."""
+    veto_sides: str = "both"
+    """both: veto r_t < v and r_t > 1/v | low: only r_t < v (Miles, verl)."""
+    veto_min_prob: float | None = None
+    """Probability veto: drop a sequence holding a token whose probability under μ or under π_old is below
+    this value (both policies: a token one engine deems near-impossible). None: off."""
+    opsm_delta: float | None = None
+    """OPSM (DeepSeek-V3.2 off-policy sequence masking): drop the tokens of a sequence whose advantage is
+    negative when mean_t log(μ/π_θ) over the sequence exceeds delta. Needs π_θ and advantages. None: off."""
+    batch_normalize: bool = False
+    """Self-normalize: divide weights by the mean kept weight, so they average 1 (per kept token at token
+    level, per kept sequence at sequence/geometric level) (verl rollout_is_batch_normalize, Miles)."""
+    normalize_scope: str = "global"
+    """global: the mean is taken over the whole data-parallel batch (all ranks, verl) | local: over this
+    process's batch only (Miles)."""
+    loss: str = "decoupled"
+    """decoupled: 3-policy PPO, clip on π_θ/π_old times w(π_old/μ) (Hilton et al. 2021; TIS) |
+    bypass_ppo: π_old := μ, PPO clip on π_θ/μ, old-log-prob forward skipped (verl bypass; TIS talk
+    "PPO-IS") | bypass_reinforce: −w·A·log π_θ with w from π_θ/μ (verl bypass pg_is)."""
+    denominator: str = "all"
+    """Loss denominator: all = every action token (upstream; rejected tokens shrink the gradient) | kept =
+    only tokens that survived the masks (verl modified response mask)."""
+    nonfinite: str = "sequence"
+    """A NaN/inf log-prob makes its token invalid; `sequence` also drops the rest of its sequence (its
+    sequence weight and statistics are undefined), `token` drops only the token."""
+    log_ratio_clamp: float = 20.0
+    """|log w| is clamped here before exp for raw weights and metrics (verl/Miles SAFETY_BOUND)."""
+    compile: bool = False
+    """torch.compile the elementwise core and the metrics into fused kernels (first call compiles)."""
+
+    def __post_init__(self) -> None:
+        crits = self.rejection
+        if isinstance(crits, str | RejectionCriterion):
+            crits = (crits,)
+        object.__setattr__(self, "rejection", tuple(RejectionCriterion.parse(c) for c in (crits or ())))
+
+    # ── derived values ──
+    @property
+    def lower_bound(self) -> float:
+        """The lower bound actually applied by clip and mask."""
+        return 1.0 / self.upper if self.lower is None else float(self.lower)
+
+    @property
+    def sequence_level(self) -> bool:
+        return self.level != "token"
+
+    @property
+    def bypass(self) -> bool:
+        return self.loss.startswith("bypass")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the correction changes anything at all compared with plain PPO."""
+        return (
+            self.mode != "none" or bool(self.rejection) or self.veto_threshold is not None
+            or self.veto_min_prob is not None or self.opsm_delta is not None or self.loss != "decoupled"
+        )
+
+    def replace(self, **changes: Any) -> CorrectionConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ── validation ──
+    def validate(self, *, training: bool = False) -> CorrectionConfig:
+        """Raise CorrectionConfigError (naming the flag) for undefined settings; return self.
+
+        With training=True (the CLI and the actor) also refuse what is defined but wrong for training:
+        bounds that exclude the on-policy weight 1, a veto at or above 1, and IS weights on top of the
+        bypass PPO ratio. The bare core accepts those, so its formulas can be tested on any bounds.
+        """
+        for name, allowed in (("level", LEVELS), ("mode", MODES), ("loss", LOSSES), ("denominator", DENOMINATORS),
+                              ("veto_sides", ("both", "low")), ("normalize_scope", ("global", "local")),
+                              ("nonfinite", ("sequence", "token"))):
+            if getattr(self, name) not in allowed:
+                raise CorrectionConfigError(_flag(name), f"{getattr(self, name)!r} is not one of {allowed}")
+        for name in ("lower", "upper", "veto_threshold", "veto_min_prob", "opsm_delta", "log_ratio_clamp"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int | float) or math.isnan(v)):
+                raise CorrectionConfigError(_flag(name), f"{v!r} is not a number")
+        if self.mode in ("truncate", "clip", "mask"):
+            if not self.upper > 0:
+                raise CorrectionConfigError(_flag("upper"), f"must be > 0, got {self.upper}")
+            if self.lower is not None and self.lower < 0:
+                raise CorrectionConfigError(_flag("lower"), f"a ratio bound cannot be negative, got {self.lower}")
+            if self.mode != "truncate" and self.lower_bound > self.upper:
+                default = " (lower defaults to 1/upper)" if self.lower is None else ""
+                raise CorrectionConfigError(_flag("lower"), f"lower {self.lower_bound} > upper {self.upper}{default}")
+        for crit in self.rejection:
+            crit.validate(training=training)
+        if self.veto_threshold is not None and not self.veto_threshold > 0:
+            raise CorrectionConfigError(_flag("veto_threshold"), f"must be > 0, got {self.veto_threshold}")
+        if self.veto_min_prob is not None and not 0 < self.veto_min_prob <= 1:
+            raise CorrectionConfigError(_flag("veto_min_prob"), f"must lie in (0, 1], got {self.veto_min_prob}")
+        if self.opsm_delta is not None and self.opsm_delta < 0:
+            raise CorrectionConfigError(_flag("opsm_delta"), f"must be >= 0, got {self.opsm_delta}")
+        if not self.log_ratio_clamp > 0:
+            raise CorrectionConfigError(_flag("log_ratio_clamp"), f"must be > 0, got {self.log_ratio_clamp}")
+        if training:
+            self._validate_for_training()
+        return self
+
+    def _validate_for_training(self) -> None:
+        if self.mode in ("truncate", "clip", "mask"):
+            # At every level the on-policy weight is exactly 1; bounds that exclude it would reweight or
+            # reject data that needs no correction at all.
+            if self.upper < 1:
+                raise CorrectionConfigError(
+                    _flag("upper"), f"{self.upper} < 1 excludes the on-policy weight 1 at {self.level} level"
+                )
+            if self.mode != "truncate" and self.lower_bound > 1:
+                raise CorrectionConfigError(
+                    _flag("lower"), f"{self.lower_bound} > 1 excludes the on-policy weight 1 at {self.level} level"
+                )
+        if self.veto_threshold is not None and not self.veto_threshold < 1:
+            raise CorrectionConfigError(
+                _flag("veto_threshold"), f"must lie in (0, 1) (vetoes r < v or r > 1/v), got {self.veto_threshold}"
+            )
+        if self.veto_min_prob is not None and not self.veto_min_prob < 1:
+            raise CorrectionConfigError(_flag("veto_min_prob"), f"must be < 1, got {self.veto_min_prob}")
+        # In bypass PPO the clipped ratio π_θ/μ already is the importance weight; multiplying by another
+        # weight from π_θ/μ would count the correction twice (verl bypass_mode does not apply them either).
+        if self.loss == "bypass_ppo" and self.mode in ("truncate", "clip", "raw"):
+            raise CorrectionConfigError(
+                _flag("mode"), f"{self.mode!r} weights would double-count the PPO ratio π_θ/μ under "
+                "--algo.correction.loss bypass_ppo; use mode none (or mask, which only drops tokens)"
+            )
+
+    # ── serialization (travels to Ray workers inside the argument namespace) ──
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["rejection"] = [c.spec() for c in self.rejection]
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CorrectionConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise CorrectionConfigError(FLAG_PREFIX + sorted(unknown)[0], "unknown correction option")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> CorrectionConfig:
+        return cls.from_dict(json.loads(text))
+
+
+# ── presets ──────────────────────────────────────────────────────────────────────────────────────────
+# Each preset reproduces one published recipe; overrides on top are allowed (preset(name, upper=3)).
+
+_INF = math.inf
+
+
+@dataclass(frozen=True)
+class Preset:
+    config: CorrectionConfig
+    source: str = field(default="")
+
+
+PRESETS: dict[str, Preset] = {
+    # TIS talk ablation baselines (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+    # Off-Policy RL Training"), so its comparison can be reproduced.
+    "off": Preset(CorrectionConfig(mode="none"), "plain PPO, no correction (TIS talk baseline)"),
+    "ppo_is": Preset(CorrectionConfig(mode="none", loss="bypass_ppo"),
+                     "μ replaces π_old inside the PPO clip (TIS talk baseline 'PPO-IS'; = verl bypass ppo_clip)"),
+    "vanilla_is": Preset(CorrectionConfig(mode="raw"), "untruncated token IS π_old/μ (TIS talk baseline)"),
+    "tis": Preset(CorrectionConfig(level="token", mode="truncate", upper=2.0), "token TIS, C = 2 (Yao et al. 2025)"),
+    "seq_tis": Preset(CorrectionConfig(level="sequence", mode="truncate", upper=2.0), "sequence TIS (verl seq_is)"),
+    "icepop": Preset(CorrectionConfig(level="token", mode="mask", lower=0.5, upper=5.0),
+                     "token masking outside [0.5, 5] (IcePop, Ring-1T)"),
+    "token_mis": Preset(CorrectionConfig(level="token", mode="mask", lower=0.5, upper=2.0),
+                        "token masked IS (TRL token_mask, Miles mask)"),
+    "seq_mis": Preset(CorrectionConfig(level="sequence", mode="mask", lower=0.0, upper=2.0),
+                      "sequence masked IS: drop sequences with Π r > 2 (MIS, Liu et al. 2025)"),
+    "geo_rs": Preset(CorrectionConfig(mode="none", rejection=(RejectionCriterion("ratio", "mean", 0.999, 1.001),)),
+                     "geometric rejection sampling, keep exp(mean log r) in [0.999, 1.001] (Geo-RS, verl/Miles)"),
+    "geo_rs_token_tis": Preset(
+        CorrectionConfig(mode="truncate", upper=2.0,
+                         rejection=(RejectionCriterion("ratio", "mean", 0.999, 1.001),)),
+        "Geo-RS plus token TIS (verl decoupled_geo_rs_token_tis)"),
+    "k3_rs": Preset(CorrectionConfig(mode="none", rejection=(RejectionCriterion("k3", "mean", None, 0.01),)),
+                    "reject sequences with mean k3 > 0.01 (verl seq_mean_k3 trust region)"),
+    "mis_full": Preset(
+        CorrectionConfig(level="token", mode="mask", lower=0.5, upper=2.0, veto_threshold=1e-4,
+                         rejection=(RejectionCriterion("ratio", "mean", 0.99, 1.01),
+                                    RejectionCriterion("k3", "max", None, 1.0)),
+                         batch_normalize=True),
+        "token MIS + Geo-RS + per-token k3 cap + veto + self-normalization (Miles mis.yaml, extended)"),
+    "opsm": Preset(CorrectionConfig(mode="none", opsm_delta=0.1),
+                   "off-policy sequence masking (DeepSeek-V3.2; the paper gives no δ, 0.1 is a starting point)"),
+    "bypass_ppo": Preset(CorrectionConfig(mode="none", loss="bypass_ppo"), "verl bypass mode, PPO clip on π_θ/μ"),
+    "bypass_reinforce": Preset(CorrectionConfig(mode="truncate", upper=2.0, loss="bypass_reinforce"),
+                               "verl bypass pg_is: −min(π_θ/μ, 2)·A·log π_θ"),
+    # OpenRLHF 0.11.2's own schemes (its --algo.advantage.is_correction_* flags, see from_upstream).
+    "upstream_tis": Preset(CorrectionConfig(mode="clip", lower=0.5, upper=5.0),
+                           "OpenRLHF token clip of the ratio into [0.5, 5] (TIS)"),
+    "upstream_icepop": Preset(CorrectionConfig(mode="mask", lower=0.5, upper=5.0),
+                              "OpenRLHF token mask outside [0.5, 5] (ICEPOP)"),
+    "upstream_seq_mask_tis": Preset(
+        CorrectionConfig(mode="raw", rejection=(RejectionCriterion("ratio", "mean", 0.5, 5.0),)),
+        "OpenRLHF seq-mask-tis: keep sequences with geometric-mean ratio in [0.5, 5], token IS weights"),
+}
+
+
+def preset(name: str, **overrides: Any) -> CorrectionConfig:
+    """The named preset with `overrides` applied, validated."""
+    if name not in PRESETS:
+        raise CorrectionConfigError(_flag("preset"), f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name].config.replace(**overrides).validate(training=True)
+
+
+def from_upstream(level: str, mode: str = "mask", gating: str = "ratio",
+                  threshold: tuple[float, ...] | list[float] = (0.5, 5.0)) -> CorrectionConfig:
+    """The config equivalent to OpenRLHF 0.11.2's `--algo.advantage.is_correction_{level,mode,gating,threshold}`.
+
+    Upstream gates a statistic per unit (token, or the per-sequence mean) and either clamps the token
+    ratio (clip: token/ratio only) or drops out-of-band units while survivors keep their raw per-token
+    ratio (mask). Its binary_kl/tv gates clamp probabilities to [1e-6, 1 − 1e-6], as ours do.
+    """
+    flag = "--algo.advantage.is_correction_"
+    if level == "off":
+        return PRESETS["off"].config
+    threshold = list(threshold)
+    if len(threshold) == 1:  # upstream: a single value is an upper bound only
+        threshold = [0.0, threshold[0]]
+    if len(threshold) != 2:
+        raise CorrectionConfigError(flag + "threshold", "takes HIGH or LOW HIGH")
+    low, high = float(threshold[0]), float(threshold[1])
+    if level not in ("token", "seq"):
+        raise CorrectionConfigError(flag + "level", f"{level!r} is not off/token/seq")
+    if mode not in ("mask", "clip"):
+        raise CorrectionConfigError(flag + "mode", f"{mode!r} is not mask/clip")
+    if gating not in ("ratio", "binary_kl", "tv"):
+        raise CorrectionConfigError(flag + "gating", f"{gating!r} is not ratio/binary_kl/tv")
+    if mode == "clip":
+        if level != "token" or gating != "ratio":
+            raise CorrectionConfigError(flag + "mode", "clip requires level token and gating ratio")
+        return CorrectionConfig(level="token", mode="clip", lower=low, upper=high).validate()
+    if gating == "ratio":
+        if level == "token":
+            return CorrectionConfig(level="token", mode="mask", lower=low, upper=high).validate()
+        crit = RejectionCriterion("ratio", "mean", low, high)
+    else:
+        if low > 0:
+            raise CorrectionConfigError(flag + "threshold", f"gating {gating} takes an upper bound only")
+        crit = RejectionCriterion(gating, "token" if level == "token" else "mean", None, high)
+    return CorrectionConfig(level="token", mode="raw", rejection=(crit,)).validate()

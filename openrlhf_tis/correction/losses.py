@@ -1,0 +1,172 @@
+"""Policy losses with the rollout correction: decoupled 3-policy PPO, bypass PPO-clip, bypass REINFORCE.
+
+Per token, with ρ_t = π_θ/π_old (clamped in log space to ±20 like OpenRLHF), advantage A_t and the
+correction's weight w_t and mask m_t (weights.py):
+
+    decoupled         ℓ_t = −w(π_old/μ)_t · min(ρ_t A_t, clip(ρ_t, 1−ε_lo, 1+ε_hi) A_t)   Hilton et al. 2021; TIS
+    bypass_ppo        ℓ_t = −min(ρ̃_t A_t, clip(ρ̃_t, 1−ε_lo, 1+ε_hi) A_t),  ρ̃ = π_θ/μ      verl bypass; TIS "PPO-IS"
+    bypass_reinforce  ℓ_t = −sg(w(π_θ/μ)_t) · A_t · log π_θ(a_t)                           verl bypass pg_is
+    dual clip (A<0)   ℓ_t = −max(min(…), c·A_t)                                              Ye et al. 2020
+
+The TIS talk's baselines are presets of these (config.py): PPO without correction (`off`), PPO-IS
+(`ppo_is` = bypass_ppo), vanilla IS (`vanilla_is`, raw weights) and TIS (`tis`).
+
+Aggregation reproduces OpenRLHF 0.11.2's `aggregate_loss` (token-mean over the global token count, or
+seq-mean-token-mean over the global sequence count, times dp_size to undo DP gradient averaging);
+with `denominator="kept"` only surviving tokens/sequences count. A batch where nothing survives gives
+loss 0 and zero gradient, never NaN: every masked term goes through `torch.where`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import CorrectionConfig
+from .weights import AllReduce, CorrectionOutput, compute_correction
+
+LOG_RATIO_CLAMP = 20.0  # OpenRLHF clamps log(π_θ/π_old) to ±20 before exp
+
+
+def aggregate_loss(
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    token_level: bool = True,
+    dp_size: int = 1,
+    batch_num_tokens: float | torch.Tensor | None = None,
+    global_batch_size: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Scalar loss from a per-token loss, the OpenRLHF 0.11.2 way (NaN-safe where it returns NaN).
+
+    token_level: Σ_t m_t ℓ_t / N · dp_size, N the global action-token count (local mean without N).
+    otherwise:   Σ_s (Σ_t m ℓ / Σ_t m) / S · dp_size over sequences with a token, S the global count.
+    """
+    keep = mask.bool()
+    terms = torch.where(keep, loss, 0.0)
+    if token_level:
+        if batch_num_tokens is None:
+            return terms.sum() / keep.sum().clamp(min=1)
+        return terms.sum() / batch_num_tokens * dp_size
+    counts = keep.sum(-1)
+    seq_loss = terms.sum(-1) / counts.clamp(min=1)
+    seq_keep = counts > 0
+    seq_terms = torch.where(seq_keep, seq_loss, 0.0)
+    if global_batch_size is None:
+        return seq_terms.sum() / seq_keep.sum().clamp(min=1)
+    return seq_terms.sum() / global_batch_size * dp_size
+
+
+def ppo_clip_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float,
+                  dual_clip: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate −min(ρA, clip(ρ)A) (dual-clipped for A<0) and where clipping bound."""
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    surr1 = ratio * advantages
+    surr2 = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
+    clipped = torch.min(surr1, surr2)
+    if dual_clip is not None:
+        clipped = torch.where(advantages < 0, torch.max(clipped, dual_clip * advantages), clipped)
+    return -clipped, surr2 < surr1
+
+
+@dataclass
+class PolicyLossOutput:
+    loss: torch.Tensor
+    """Scalar loss to backpropagate."""
+    clip_ratio: torch.Tensor
+    """Share of action tokens where the PPO clip binds (upstream `ppo_clip_ratio`)."""
+    ppo_kl: torch.Tensor
+    """Mean log(π_old/π_θ) over action tokens, π_old := μ in bypass losses (upstream `ppo_kl`)."""
+    correction: CorrectionOutput
+    """Weights, mask and metrics of the correction."""
+
+
+def policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    rollout_log_probs: torch.Tensor | None,
+    config: CorrectionConfig,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    token_level_loss: bool = True,
+    dp_size: int = 1,
+    batch_num_tokens: float | torch.Tensor | None = None,
+    global_batch_size: float | torch.Tensor | None = None,
+    allreduce: AllReduce | None = None,
+    normalizer: float | torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    with_metrics: bool = True,
+) -> PolicyLossOutput:
+    """The corrected policy loss for one micro-batch (see the module docstring for the formulas).
+
+    `old_log_probs` is ignored by the bypass losses (π_old := μ) and may then be None. Without rollout
+    log-probs only an inactive correction (`config.enabled` False) is possible.
+    """
+    cfg = config.validate()
+    am = action_mask
+    if rollout_log_probs is None:
+        if cfg.enabled:
+            raise ValueError("the rollout correction needs rollout log-probs (vLLM logprobs), got None")
+        rollout_log_probs = old_log_probs  # metrics then describe a perfect match; nothing is corrected
+    lp_detached = log_probs.detach()
+    kwargs = dict(log_probs=log_probs, advantages=advantages, entropy=entropy, allreduce=allreduce,
+                  normalizer=normalizer, with_metrics=with_metrics)
+
+    if cfg.loss == "decoupled":
+        corr = compute_correction(old_log_probs, rollout_log_probs, am, cfg, **kwargs)
+        token_loss, clipped = ppo_clip_loss(log_probs - old_log_probs, advantages, clip_eps_low, clip_eps_high,
+                                            dual_clip)
+        ref = old_log_probs
+    else:
+        # π_old := μ. The correction reads π_θ (detached) against μ, as verl's bypass mode does.
+        corr = compute_correction(lp_detached, rollout_log_probs, am, cfg, **kwargs)
+        ref = torch.where(torch.isfinite(rollout_log_probs), rollout_log_probs, lp_detached)
+        if cfg.loss == "bypass_ppo":
+            token_loss, clipped = ppo_clip_loss(log_probs - ref, advantages, clip_eps_low, clip_eps_high, dual_clip)
+        else:
+            token_loss = -advantages * log_probs  # REINFORCE; w = sg(·) multiplies below
+            clipped = torch.zeros_like(am, dtype=torch.bool)
+
+    if cfg.enabled:
+        keep = corr.mask.bool()
+        weights = corr.weights if cfg.loss != "bypass_ppo" else torch.ones_like(corr.weights)
+        token_loss = torch.where(keep, token_loss * weights.to(token_loss.dtype), 0.0)
+        loss_mask = keep if cfg.denominator == "kept" else am.bool()
+    else:
+        # Correction off: the loss is exactly upstream's; the correction only produced metrics.
+        loss_mask = am.bool()
+        token_loss = torch.where(loss_mask, token_loss, 0.0)
+
+    if cfg.enabled and cfg.denominator == "kept":
+        loss = _kept_mean(token_loss, loss_mask, token_level_loss, dp_size, allreduce)
+    else:
+        loss = aggregate_loss(token_loss, loss_mask, token_level=token_level_loss, dp_size=dp_size,
+                              batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)
+
+    amb = am.bool()
+    n_act = amb.sum().clamp(min=1)
+    clip_ratio = (clipped & amb).sum() / n_act
+    ppo_kl = torch.where(amb & torch.isfinite(ref), ref.detach() - lp_detached, 0.0).sum() / n_act
+    return PolicyLossOutput(loss=loss, clip_ratio=clip_ratio.detach(), ppo_kl=ppo_kl.detach(), correction=corr)
+
+
+def _kept_mean(token_loss: torch.Tensor, keep: torch.Tensor, token_level: bool, dp_size: int,
+               allreduce: AllReduce | None) -> torch.Tensor:
+    """Mean over surviving tokens (or surviving sequences) of this micro-batch across all DP ranks."""
+    if token_level:
+        total = keep.sum().to(token_loss.dtype).reshape(1)
+        if allreduce is not None:
+            total = allreduce(total.clone())
+        return token_loss.sum() / total.clamp(min=1).squeeze(0) * (dp_size if allreduce is not None else 1)
+    counts = keep.sum(-1)
+    seq_keep = counts > 0
+    seq_loss = torch.where(seq_keep, token_loss.sum(-1) / counts.clamp(min=1), 0.0)
+    total = seq_keep.sum().to(token_loss.dtype).reshape(1)
+    if allreduce is not None:
+        total = allreduce(total.clone())
+    return seq_loss.sum() / total.clamp(min=1).squeeze(0) * (dp_size if allreduce is not None else 1)

@@ -1,0 +1,308 @@
+"""The correction wired into upstream's PPO actor, exercised without Ray or DeepSpeed.
+
+The actor trainer is built around a small torch policy and a stand-in strategy, so upstream's own
+`training_step` / `ppo_train` run unchanged with the fork's loss inside them.
+"""
+
+from __future__ import annotations
+
+import math
+import runpy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from openrlhf_tis import patches
+
+patches.apply_platform_patches()  # openrlhf.models imports flash_attn at module level
+import openrlhf.trainer.ray.ppo_actor as upstream_actor  # noqa: E402
+from openrlhf.models import PolicyLoss  # noqa: E402
+from openrlhf.trainer.ppo_utils import NaiveReplayBuffer  # noqa: E402
+from openrlhf.trainer.ppo_utils.experience import Experience, split_experience_batch  # noqa: E402
+
+from openrlhf_tis.correction import CorrectionConfig, policy_loss, preset  # noqa: E402
+from openrlhf_tis.trainer import ppo_actor  # noqa: E402
+
+VOCAB, B, T = 11, 4, 9
+
+
+class TinyPolicy(nn.Module):
+    """Stands in for openrlhf.models.Actor: same call signature, log-probs of the sampled tokens."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, sequences, action_mask, attention_mask=None, return_output=False, ring_attn_group=None,
+                packed_seq_lens=None, return_entropy=False):
+        logits = self.head(self.emb(sequences))[:, :-1]
+        logp = torch.log_softmax(logits, -1)
+        lp = logp.gather(-1, sequences[:, 1:, None]).squeeze(-1)[:, -action_mask.shape[1]:] * action_mask.float()
+        entropy = -(logp.exp() * logp).sum(-1)
+        out = SimpleNamespace(entropy=entropy, aux_loss=torch.zeros(()))
+        return (lp, out) if return_output else lp
+
+
+class Strategy:
+    ring_attn_group = None
+    accumulated_gradient = 1
+
+    def __init__(self, args):
+        self.args = args
+
+    def backward(self, loss, model, optimizer):
+        loss.backward()
+
+    def optimizer_step(self, optimizer, model, scheduler, name=None):
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def get_grad_norm(self, model):
+        return 0.0
+
+    def is_rank_0(self):
+        return True
+
+    def all_reduce(self, data):
+        return data
+
+    def print(self, *args):
+        pass
+
+
+def make_args(resolved: CorrectionConfig | None, **upstream):
+    adv = dict(is_correction_level="off", is_correction_mode="mask", is_correction_gating="ratio",
+               is_correction_threshold=[0.5, 5.0])
+    adv.update(upstream)
+    return SimpleNamespace(
+        actor=SimpleNamespace(eps_clip_low_high=(0.2, 0.2), dual_clip=None, loss_agg_mode="token-mean",
+                              policy_loss_type="ppo", entropy_coef=None, aux_loss_coef=0.0),
+        algo=SimpleNamespace(kl=SimpleNamespace(use_loss=False, init_coef=0.0), advantage=SimpleNamespace(**adv),
+                             correction=SimpleNamespace(resolved=resolved.to_json() if resolved else None)),
+        train=SimpleNamespace(dynamic_batch_enable=False, max_epochs=1),
+        ds=SimpleNamespace(packing_samples=False, tensor_parallel_size=1, ring_attn_size=1),
+    )
+
+
+def make_trainer(cls, args, seed=0):
+    """An actor trainer as upstream's __init__ leaves it, minus the vLLM sync group and DeepSpeed."""
+    trainer = object.__new__(cls)
+    trainer.strategy = Strategy(args)
+    trainer.args = args
+    trainer.actor = TinyPolicy(seed)
+    trainer.ema_model = None
+    trainer.actor_optim = torch.optim.SGD(trainer.actor.parameters(), lr=0.1)
+    trainer.actor_scheduler = SimpleNamespace(get_last_lr=lambda: [0.1])
+    trainer.max_epochs = 1
+    trainer.aux_loss = False
+    trainer.dataloader_pin_memory = False
+    trainer.replay_buffer = NaiveReplayBuffer(2, 0, True, False, False)
+    trainer.actor_loss_fn = PolicyLoss(
+        is_correction_level=args.algo.advantage.is_correction_level,
+        is_correction_mode=args.algo.advantage.is_correction_mode,
+        is_correction_gating=args.algo.advantage.is_correction_gating,
+        is_correction_threshold=args.algo.advantage.is_correction_threshold,
+    )
+    if cls is not upstream_actor.ActorPPOTrainer:
+        trainer._setup_correction()
+    return trainer
+
+
+def make_experience(seed=0, spread=0.3) -> Experience:
+    g = torch.Generator().manual_seed(seed)
+    seqs = torch.randint(0, VOCAB, (B, T), generator=g)
+    attn = torch.ones(B, T, dtype=torch.long)
+    attn[1, -2:] = 0
+    am = torch.zeros(B, T - 1, dtype=torch.bool)
+    am[:, 3:] = True
+    am[1, -2:] = False
+    with torch.no_grad():
+        old = TinyPolicy(seed=1)(seqs, am)  # π_old: a slightly different policy than the trained one
+    roll = (old + torch.randn(old.shape, generator=g) * spread) * am
+    adv = torch.randn(B, 1, generator=g).expand(B, T - 1) * am
+    return Experience(sequences=seqs, attention_mask=attn, action_mask=am, action_log_probs=old,
+                      rollout_log_probs=roll, advantages=adv.contiguous(), info={})
+
+
+def test_fork_classes_substitutes_the_policy_actor():
+    from openrlhf_tis.patches import fork_classes
+
+    fork_classes.apply()
+    assert upstream_actor.PolicyModelActor is ppo_actor.PolicyModelActor
+    plain = ppo_actor.PolicyModelActor.__ray_metadata__.modified_class.__ray_actor_class__
+    assert issubclass(plain, ppo_actor._UpstreamPolicyModelActor)
+    # upstream's CLI module binds the name at import: a fresh run of it (as the fork's runpy does) sees ours.
+    namespace = runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="not_main")
+    assert namespace["PolicyModelActor"] is ppo_actor.PolicyModelActor
+
+
+def test_config_from_args_prefers_the_resolved_config():
+    assert ppo_actor.correction_config_from_args(make_args(preset("tis"))) == preset("tis")
+    up = make_args(None, is_correction_level="token", is_correction_mode="clip")
+    assert ppo_actor.correction_config_from_args(up) == preset("upstream_tis")
+    assert not ppo_actor.correction_config_from_args(make_args(None)).enabled
+
+
+@pytest.mark.parametrize("name", ["tis", "mis_full", "bypass_ppo", "bypass_reinforce", "geo_rs"])
+def test_training_step_uses_the_core_and_returns_metrics(name):
+    cfg = preset(name)
+    trainer = make_trainer(ppo_actor.CorrectionActorPPOTrainer, make_args(cfg))
+    exp = make_experience(spread=0.003 if name in ("mis_full", "geo_rs") else 0.3)  # let Geo-RS keep some
+    # The loss the step must take, computed directly with the same policy before the update.
+    lp = TinyPolicy(0)(exp.sequences, exp.action_mask)
+    want = policy_loss(lp, exp.action_log_probs, exp.advantages, exp.action_mask, exp.rollout_log_probs, cfg)
+    status = trainer.training_step(exp, kl_ctl=0.0, step=0)
+    metrics = status["metrics"]
+    assert metrics["policy_loss"].item() == pytest.approx(want.loss.item(), rel=1e-5, abs=1e-7)
+    for key in ("mismatch/k3_kl", "mismatch/chi2_seq", "correction/masked_frac", "correction/ess", "vllm_kl",
+                "is_filter_ratio", "ppo_kl", "ppo_clip_ratio"):
+        assert key in metrics and status["weights"][key] == "token", key
+    assert metrics["mismatch/k3_kl"].item() == pytest.approx(want.correction.metrics["mismatch/k3_kl"], rel=1e-5)
+    # The parameters moved: the step really backpropagated the corrected loss.
+    assert want.correction.mask.any()
+    assert not torch.allclose(trainer.actor.head.weight, TinyPolicy(0).head.weight)
+
+
+def test_correction_off_step_matches_upstream_actor():
+    exp = make_experience(seed=3)
+    ours = make_trainer(ppo_actor.CorrectionActorPPOTrainer, make_args(preset("off")))
+    theirs = make_trainer(upstream_actor.ActorPPOTrainer, make_args(None))
+    s_ours = ours.training_step(make_experience(seed=3), kl_ctl=0.0, step=0)
+    s_theirs = theirs.training_step(exp, kl_ctl=0.0, step=0)
+    assert s_ours["metrics"]["policy_loss"].item() == pytest.approx(s_theirs["metrics"]["policy_loss"].item(),
+                                                                    rel=1e-6)
+    for a, b in zip(ours.actor.parameters(), theirs.actor.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_upstream_flags_step_matches_upstream_actor():
+    flags = dict(is_correction_level="seq", is_correction_mode="mask", is_correction_threshold=[0.8, 1.25])
+    ours = make_trainer(ppo_actor.CorrectionActorPPOTrainer, make_args(None, **flags))
+    theirs = make_trainer(upstream_actor.ActorPPOTrainer, make_args(None, **flags))
+    s_ours = ours.training_step(make_experience(seed=4), kl_ctl=0.0, step=0)
+    s_theirs = theirs.training_step(make_experience(seed=4), kl_ctl=0.0, step=0)
+    assert s_ours["metrics"]["policy_loss"].item() == pytest.approx(s_theirs["metrics"]["policy_loss"].item(),
+                                                                    rel=1e-5)
+    assert s_ours["metrics"]["vllm_kl"].item() == pytest.approx(s_theirs["metrics"]["vllm_kl"].item(), rel=1e-5)
+
+
+def test_all_masked_and_nan_rollouts_in_a_step():
+    trainer = make_trainer(ppo_actor.CorrectionActorPPOTrainer, make_args(preset("mis_full")))
+    exp = make_experience(seed=5)
+    exp.rollout_log_probs = torch.full_like(exp.rollout_log_probs, math.nan)
+    before = [p.detach().clone() for p in trainer.actor.parameters()]
+    status = trainer.training_step(exp, kl_ctl=0.0, step=0)
+    assert status["metrics"]["policy_loss"].item() == 0.0
+    assert status["metrics"]["correction/nonfinite_frac"].item() == 1.0
+    for a, b in zip(before, trainer.actor.parameters(), strict=True):
+        torch.testing.assert_close(a, b)  # zero gradient: SGD left every weight where it was
+
+
+def test_ppo_train_logs_metrics_and_normalizes_over_the_replay_buffer():
+    cfg = preset("tis", batch_normalize=True)
+    trainer = make_trainer(ppo_actor.CorrectionActorPPOTrainer, make_args(cfg))
+    for seed in (6, 7):
+        trainer.replay_buffer.append(make_experience(seed=seed))
+    status = trainer.ppo_train(kl_ctl=0.0)
+    assert "mismatch/k3_kl" in status and "correction/norm_factor" in status
+    # The normalizer is the mean kept weight of every item of the buffer, whichever micro-batch holds them.
+    items = [it for seed in (6, 7) for it in split_experience_batch(make_experience(seed=seed))]
+    ws = torch.cat([(torch.exp(it.action_log_probs - it.rollout_log_probs).clamp(max=2.0))[it.action_mask]
+                    for it in items])
+    assert status["correction/norm_factor"] == pytest.approx(ws.mean().item(), rel=1e-5)
+    assert trainer.actor_loss_fn.normalizer.item() == pytest.approx(ws.mean().item(), rel=1e-5)
+
+
+def test_gspo_keeps_upstreams_loss():
+    args = make_args(preset("off"))
+    args.actor.policy_loss_type = "gspo"
+    trainer = make_trainer(ppo_actor.CorrectionActorPPOTrainer, args)
+    assert isinstance(trainer.actor_loss_fn, PolicyLoss)
+
+
+# ── bypass: the π_old forward is never dispatched ──
+
+class _ForbiddenGroup:
+    def async_run_method_batch(self, **_kwargs):
+        raise AssertionError("bypass mode must not run the π_old forward")
+
+    def async_run_method(self, **_kwargs):
+        raise AssertionError("bypass mode must not touch the actor group")
+
+
+def test_bypass_experience_maker_skips_the_old_forward(monkeypatch):
+    import openrlhf.trainer.ppo_utils.experience_maker as em
+
+    monkeypatch.setattr(em.ray, "put", lambda obj: obj)
+    monkeypatch.setattr(em.ray, "get", lambda ref: ref)
+    args = make_args(preset("bypass_ppo"))
+    args.train.colocate_all = args.train.colocate_actor_ref = args.train.colocate_critic_reward = False
+    args.algo.kl.estimator = "k1"
+    args.algo.advantage.estimator = "reinforce"
+    controller = SimpleNamespace(args=args)
+    controller.experience_maker = em.RemoteExperienceMaker(
+        _ForbiddenGroup(), None, None, None, SimpleNamespace(value=0.0), SimpleNamespace(args=args), None)
+    assert ppo_actor.install_bypass_experience_maker(controller)
+    samples = [make_experience(seed=8), make_experience(seed=9)]
+    for s in samples:
+        s.rewards = torch.zeros(B)
+        s.rollout_log_probs[0, 4] = math.nan
+    made = controller.experience_maker.make_experience(samples)
+    for s in made:
+        assert torch.isfinite(s.action_log_probs).all()
+        want = torch.nan_to_num(s.rollout_log_probs, nan=0.0) * s.action_mask
+        torch.testing.assert_close(s.action_log_probs, want)
+    # Not in bypass mode: nothing is switched.
+    other = SimpleNamespace(args=make_args(preset("tis")), experience_maker=object())
+    assert not ppo_actor.install_bypass_experience_maker(other)
+
+
+def test_actor_forward_is_skipped_in_bypass_mode(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ppo_actor._UpstreamPolicyModelActor, "forward", lambda self, *a, **k: calls.append(1))
+    actor = object.__new__(ppo_actor._CorrectionPolicyModelActor)
+    args = make_args(preset("bypass_ppo"))
+    actor.strategy = Strategy(args)
+    actor.trainer = SimpleNamespace(correction=preset("bypass_ppo"))
+    am = torch.ones(3, 5)
+    out = actor.forward(torch.zeros(3, 6, dtype=torch.long), am, torch.ones(3, 6))
+    assert torch.equal(out, torch.zeros(3, 5)) and not calls
+    args.algo.kl.init_coef = 0.01  # the reward's KL penalty reads π_old: the forward must run
+    actor.forward(torch.zeros(3, 6, dtype=torch.long), am, torch.ones(3, 6))
+    args.algo.kl.use_loss = True  # KL as a loss instead: skipped again
+    actor.forward(torch.zeros(3, 6, dtype=torch.long), am, torch.ones(3, 6))
+    actor.trainer = SimpleNamespace(correction=preset("tis"))
+    actor.forward(torch.zeros(3, 6, dtype=torch.long), am, torch.ones(3, 6))
+    assert len(calls) == 2
+
+
+def test_bypass_step_uses_rollout_as_old():
+    trainer = make_trainer(ppo_actor.CorrectionActorPPOTrainer, make_args(preset("bypass_ppo")))
+    exp = make_experience(seed=10)
+    exp.action_log_probs = torch.zeros_like(exp.action_log_probs)  # the actor's placeholder
+    exp.rollout_log_probs[2, 5] = math.inf
+    trainer.training_step(exp, kl_ctl=0.0, step=0)
+    torch.testing.assert_close(exp.action_log_probs, ppo_actor.rollout_as_old(exp.rollout_log_probs,
+                                                                              exp.action_mask))
+    assert torch.isfinite(exp.action_log_probs).all()
+
+
+def test_policy_actor_reclasses_upstreams_trainer(monkeypatch):
+    args = make_args(preset("icepop"))
+
+    def upstream_init(self, strategy, pretrain, max_steps=None, vllm_engines=None):
+        self.strategy = strategy
+        self.trainer = make_trainer(upstream_actor.ActorPPOTrainer, args)
+
+    monkeypatch.setattr(ppo_actor._UpstreamPolicyModelActor, "init_model_from_pretrained", upstream_init)
+    actor = object.__new__(ppo_actor._CorrectionPolicyModelActor)
+    actor.init_model_from_pretrained(Strategy(args), "unused")
+    assert type(actor.trainer) is ppo_actor.CorrectionActorPPOTrainer
+    assert isinstance(actor.trainer.actor_loss_fn, ppo_actor.CorrectionPolicyLoss)
+    assert actor.trainer.correction == preset("icepop")
+    status = actor.trainer.training_step(make_experience(seed=11), kl_ctl=0.0, step=0)
+    assert "correction/bounds_masked_frac" in status["metrics"]
