@@ -261,29 +261,22 @@ def test_bypass_experience_maker_skips_the_old_forward(monkeypatch):
     assert not ppo_actor.install_bypass_experience_maker(other)
 
 
-def test_actor_forward_is_skipped_in_bypass_mode(monkeypatch):
+def test_actor_forward_stays_exact_in_bypass_mode(monkeypatch):
+    """Bypass skips π_old in the experience maker, never in the actor: the weight-sync check scores with it."""
     calls = []
-    monkeypatch.setattr(ppo_actor._UpstreamPolicyModelActor, "forward", lambda self, *a, **k: calls.append(1))
+    monkeypatch.setattr(ppo_actor._UpstreamPolicyModelActor, "forward",
+                        lambda self, *a, **k: calls.append(1) or torch.full((3, 5), -1.0))
     actor = object.__new__(ppo_actor._CorrectionPolicyModelActor)
-    args = make_args(preset("bypass_ppo"))
-    actor.strategy = Strategy(args)
+    actor.strategy = Strategy(make_args(preset("bypass_ppo")))
     actor.trainer = SimpleNamespace(correction=preset("bypass_ppo"))
-    am = torch.ones(3, 5)
-    out = actor.forward(torch.zeros(3, 6, dtype=torch.long), am, torch.ones(3, 6))
-    assert torch.equal(out, torch.zeros(3, 5)) and not calls
-    args.algo.kl.init_coef = 0.01  # the reward's KL penalty reads π_old: the forward must run
-    actor.forward(torch.zeros(3, 6, dtype=torch.long), am, torch.ones(3, 6))
-    args.algo.kl.use_loss = True  # KL as a loss instead: skipped again
-    actor.forward(torch.zeros(3, 6, dtype=torch.long), am, torch.ones(3, 6))
-    actor.trainer = SimpleNamespace(correction=preset("tis"))
-    actor.forward(torch.zeros(3, 6, dtype=torch.long), am, torch.ones(3, 6))
-    assert len(calls) == 2
+    out = actor.forward(torch.zeros(3, 6, dtype=torch.long), torch.ones(3, 5), torch.ones(3, 6))
+    assert calls == [1] and torch.equal(out, torch.full((3, 5), -1.0))
 
 
 def test_bypass_step_uses_rollout_as_old():
     trainer = make_trainer(ppo_actor.CorrectionActorPPOTrainer, make_args(preset("bypass_ppo")))
     exp = make_experience(seed=10)
-    exp.action_log_probs = torch.zeros_like(exp.action_log_probs)  # the actor's placeholder
+    exp.action_log_probs = torch.zeros_like(exp.action_log_probs)  # whatever pi_old the experience carried
     exp.rollout_log_probs[2, 5] = math.inf
     trainer.training_step(exp, kl_ctl=0.0, step=0)
     torch.testing.assert_close(exp.action_log_probs, ppo_actor.rollout_as_old(exp.rollout_log_probs,

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 
 import pytest
-import ray
+from _support import refused
 
 from openrlhf_tis.cli import train_ppo_ray
 from openrlhf_tis.cli.checks import CPU_DEFAULTS, explicit_dests
@@ -54,24 +53,6 @@ def test_explicit_flags_are_told_from_defaults(parsers):
     assert explicit_dests(fork, argv) == {"ds.attn_implementation", "vllm.enforce_eager", "train.seed"}
 
 
-def _run_main(argv, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        train_ppo_ray.main(argv)
-    assert exit_info.value.code == 2
-    assert not ray.is_initialized()  # refused before Ray started
-    return capsys.readouterr().err
-
-
-@pytest.fixture()
-def valid_argv(tiny_model_dir, tmp_path):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"input": "1 + 1?", "label": "2"}) + "\n")
-    reward = tmp_path / "reward.py"
-    reward.write_text("def reward_func(queries, prompts, labels):\n    return {}\n")
-    return ["--actor.model_name_or_path", str(tiny_model_dir), "--reward.remote_url", str(reward),
-            "--data.prompt_dataset", str(prompts), "--logger.run_dir", str(tmp_path / "run")]
-
-
 @pytest.mark.parametrize(
     ("extra", "flag"),
     [
@@ -83,7 +64,7 @@ def valid_argv(tiny_model_dir, tmp_path):
     ],
 )
 def test_gpu_only_choices_are_refused_on_cpu(valid_argv, extra, flag, capsys):
-    assert flag in _run_main(valid_argv + extra, capsys)
+    assert flag in refused(valid_argv + extra, capsys)
 
 
 def test_missing_inputs_name_their_flag(valid_argv, tmp_path, capsys):
@@ -92,14 +73,14 @@ def test_missing_inputs_name_their_flag(valid_argv, tmp_path, capsys):
         argv[argv.index(flag) + 1] = value
         return argv
 
-    err = _run_main(with_value("--actor.model_name_or_path", str(tmp_path / "nope")), capsys)
+    err = refused(with_value("--actor.model_name_or_path", str(tmp_path / "nope")), capsys)
     assert "--actor.model_name_or_path" in err and "does not exist" in err
-    err = _run_main(with_value("--reward.remote_url", str(tmp_path / "missing.py")), capsys)
+    err = refused(with_value("--reward.remote_url", str(tmp_path / "missing.py")), capsys)
     assert "--reward.remote_url" in err
     no_func = tmp_path / "no_func.py"
     no_func.write_text("def other():\n    pass\n")
-    assert "reward_func" in _run_main(with_value("--reward.remote_url", str(no_func)), capsys)
-    err = _run_main(with_value("--data.prompt_dataset", str(tmp_path / "missing.jsonl")), capsys)
+    assert "reward_func" in refused(with_value("--reward.remote_url", str(no_func)), capsys)
+    err = refused(with_value("--data.prompt_dataset", str(tmp_path / "missing.jsonl")), capsys)
     assert "--data.prompt_dataset" in err
 
 
@@ -109,7 +90,7 @@ def test_unsupported_upstream_version_is_refused(valid_argv, monkeypatch, capsys
     real_version = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version",
                         lambda name: "0.10.0" if name == "openrlhf" else real_version(name))
-    err = _run_main(valid_argv, capsys)
+    err = refused(valid_argv, capsys)
     assert "openrlhf==0.11.2" in err and "0.10.0" in err
 
 

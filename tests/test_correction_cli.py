@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import ray
+from _support import refused
 
 from openrlhf_tis.cli import train_ppo_ray
 from openrlhf_tis.correction import CorrectionConfig, from_upstream, preset
 
 
 @pytest.fixture()
-def argv(tiny_model_dir, tmp_path):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"input": "1 + 1?", "label": "2"}) + "\n")
-    reward = tmp_path / "reward.py"
-    reward.write_text("def reward_func(queries, prompts, labels):\n    return {}\n")
-    return ["--actor.model_name_or_path", str(tiny_model_dir), "--reward.remote_url", str(reward),
-            "--data.prompt_dataset", str(prompts), "--logger.run_dir", str(tmp_path / "run"),
-            "--vllm.num_engines", "1"]
+def argv(valid_argv):
+    return valid_argv + ["--vllm.num_engines", "1"]
 
 
 def _parse(argv):
@@ -33,14 +25,6 @@ def _parse(argv):
 
 def _resolved(args) -> CorrectionConfig:
     return CorrectionConfig.from_json(getattr(args, "algo.correction.resolved"))
-
-
-def _refused(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        train_ppo_ray.main(argv)
-    assert exit_info.value.code == 2
-    assert not ray.is_initialized()
-    return capsys.readouterr().err
 
 
 def test_default_is_off_but_rollout_log_probs_are_collected(argv):
@@ -93,13 +77,13 @@ def test_upstream_flags_map_onto_the_core(argv):
     ],
 )
 def test_bad_corrections_are_refused_naming_the_flag(argv, extra, flag, capsys):
-    err = _refused(argv + extra, capsys)
+    err = refused(argv + extra, capsys)
     assert flag in err, err
 
 
-def test_correction_without_vllm_is_refused(argv, capsys):
+def test_correction_without_vllm_isrefused(argv, capsys):
     no_engines = argv[: argv.index("--vllm.num_engines")]
-    err = _refused(no_engines + ["--algo.correction.preset", "tis"], capsys)
+    err = refused(no_engines + ["--algo.correction.preset", "tis"], capsys)
     assert "--vllm.num_engines" in err
     # Without a correction nothing is refused (and nothing is requested from upstream).
     args = _parse(no_engines)

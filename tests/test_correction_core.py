@@ -75,15 +75,19 @@ def configs(draw):
 
 # ── against the reference ──
 
-@SETTINGS
-@given(batches(), configs())
-def test_matches_float64_reference(batch, cfg):
-    old, roll, am = batch
+def assert_matches_reference(old, roll, am, cfg) -> None:
     out = compute_correction(_tensor(old), _tensor(roll), torch.tensor(am), cfg)
     W, M = reference(old, roll, am, cfg)
     assert out.mask.tolist() == M
     for got, want in zip(out.weights.tolist(), W, strict=True):
         assert _close(got, want, 1e-9), (got, want)
+
+
+@SETTINGS
+@given(batches(), configs())
+def test_matches_float64_reference(batch, cfg):
+    old, roll, am = batch
+    assert_matches_reference(old, roll, am, cfg)
 
 
 @SETTINGS
@@ -92,11 +96,7 @@ def test_matches_float64_reference(batch, cfg):
 def test_rejection_matches_reference(batch, criteria, level):
     old, roll, am = batch
     cfg = CorrectionConfig(level=level, mode="raw", rejection=tuple(criteria))
-    out = compute_correction(_tensor(old), _tensor(roll), torch.tensor(am), cfg)
-    W, M = reference(old, roll, am, cfg)
-    assert out.mask.tolist() == M
-    for got, want in zip(out.weights.tolist(), W, strict=True):
-        assert _close(got, want, 1e-9), (got, want)
+    assert_matches_reference(old, roll, am, cfg)
 
 
 @SETTINGS

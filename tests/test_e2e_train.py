@@ -15,11 +15,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
+from openrlhf_tis.runs import query_tokens, select_samples, should_dump, token_steps
 
 pytestmark = pytest.mark.e2e
 REWARD = Path(__file__).resolve().parents[1] / "openrlhf_tis" / "demo" / "reward_func.py"
@@ -32,6 +34,8 @@ SYNC_MEAN_TOLERANCE = 1e-2
 
 
 TOTAL_STEPS = 6
+DUMP_EVERY = 2  # dumps steps 1, 2, 4, 6: before the kill, and after the resume
+SAMPLES_PER_STEP, GROUP, DUMP_SAMPLES = 8, 2, 8  # 4 prompts x 2 samples; --logger.token_dump_samples default
 
 
 def _train_argv(model_dir: Path, work: Path) -> list[str]:
@@ -44,10 +48,11 @@ def _train_argv(model_dir: Path, work: Path) -> list[str]:
         "--rollout.n_samples_per_prompt", "2", "--rollout.batch_size", "4", "--rollout.micro_batch_size", "8",
         "--train.batch_size", "8", "--train.micro_batch_size", "8", "--data.max_len", "128",
         "--rollout.max_new_tokens", "24", "--data.max_samples", str(4 * TOTAL_STEPS), "--train.num_episodes", "1",
-        "--ds.zero_stage", "2", "--actor.adam.lr", "1e-3", "--actor.lr_warmup_ratio", "0",
+        "--ds.zero_stage", "2", "--actor.adam.lr", "1e-3", "--actor.lr_warmup_ratio", "0", "--actor.min_lr_ratio", "1",
         "--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "mask",
         "--ckpt.path", str(work / "ckpt"), "--ckpt.output_dir", str(work / "final"), "--ckpt.save_steps", "1",
         "--ckpt.load_enable", "--eval.steps", "-1", "--train.seed", "42", "--logger.run_dir", str(work / "run"),
+        "--logger.token_dump_steps", str(DUMP_EVERY),
     ]
 
 
@@ -115,3 +120,30 @@ def test_trained_weights_differ_from_the_initial_ones(finished_run, tiny_model_d
     moved = [name for name, w in final.items() if name in initial and
              not torch.allclose(w.float(), initial[name].float(), atol=1e-3)]
     assert len(moved) >= len(initial) // 2, moved
+
+
+def test_token_dumps_hold_the_planned_samples_of_the_dumped_steps(finished_run):
+    work, steps = finished_run
+    run = work / "run"
+    expected = [s for s in range(1, TOTAL_STEPS + 1) if should_dump(s, DUMP_EVERY)]
+    assert token_steps(run) == expected
+    tokens = query_tokens(run)
+    assert len(tokens) and not tokens.duplicated(["step", "sample_id", "position"]).any()
+    for step, rows in tokens.groupby("step"):
+        want = select_samples(SAMPLES_PER_STEP, DUMP_SAMPLES, step, seed=42, group_size=GROUP)
+        assert sorted(rows["sample_id"].unique()) == want.tolist(), step
+        assert (rows["prompt_id"] == rows["sample_id"] // GROUP).all()
+    # every dumped row has the engine's log-prob, π_old, π_θ and the entropy of the training forward
+    for column in ("rollout_logprob", "old_logprob", "train_logprob", "entropy", "is_weight_raw", "reward"):
+        assert np.isfinite(tokens[column]).all(), column
+    # Same weights on both sides (π_θ at the first update is what vLLM sampled with), bf16 kernels apart.
+    gap = (tokens["train_logprob"] - tokens["rollout_logprob"]).abs()
+    assert gap.mean() < 0.05, gap.describe()
+    assert (tokens["masked"] == (tokens["mask_reason"] != "kept")).all()
+    assert (tokens["entropy"] > -1e-4).all() and tokens["token_text"].notna().all()
+    # the dump's cost is logged on the dumped steps' metrics lines, only there
+    dumped = {s["step"] for s in steps if "run_store/token_dump_s" in s}
+    assert dumped == set(expected)
+    for s in steps:
+        if s["step"] in dumped:
+            assert s["run_store/token_dump_tokens"] == (tokens["step"] == s["step"]).sum()

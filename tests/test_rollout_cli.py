@@ -2,42 +2,21 @@
 
 from __future__ import annotations
 
-import json
-
-import pytest
-import ray
+from _support import refused
 
 from openrlhf_tis.cli import train_ppo_ray
 from openrlhf_tis.rollout.calibration import save_calibration
 from openrlhf_tis.rollout.checkpoint import read_config, read_plan
 
 
-@pytest.fixture()
-def valid_argv(tiny_model_dir, tmp_path):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"input": "1 + 1?", "label": "2"}) + "\n")
-    reward = tmp_path / "reward.py"
-    reward.write_text("def reward_func(queries, prompts, labels):\n    return {}\n")
-    return ["--actor.model_name_or_path", str(tiny_model_dir), "--reward.remote_url", str(reward),
-            "--data.prompt_dataset", str(prompts), "--logger.run_dir", str(tmp_path / "run")]
-
-
-def _refused(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        train_ppo_ray.main(argv)
-    assert exit_info.value.code == 2
-    assert not ray.is_initialized()
-    return capsys.readouterr().err
-
-
 def test_bad_precision_requests_are_one_message_before_ray(valid_argv, tiny_model_dir, tmp_path, capsys):
     other = dict(read_config(tiny_model_dir), num_hidden_layers=12)
     cal = save_calibration(tmp_path / "cal.safetensors", {}, other, 0.5, 0)
-    err = _refused(valid_argv + ["--vllm.rollout_precision", "int8", "--vllm.int8_calibration", str(cal)], capsys)
+    err = refused(valid_argv + ["--vllm.rollout_precision", "int8", "--vllm.int8_calibration", str(cal)], capsys)
     assert "--vllm.int8_calibration" in err and "another model" in err and "num_hidden_layers" in err
-    err = _refused(valid_argv + ["--vllm.rollout_precision", "fp8"], capsys)
+    err = refused(valid_argv + ["--vllm.rollout_precision", "fp8"], capsys)
     assert "--vllm.rollout_precision: fp8 rollouts are not wired" in err
-    err = _refused(valid_argv + ["--vllm.int8_scales", "frozen"], capsys)
+    err = refused(valid_argv + ["--vllm.int8_scales", "frozen"], capsys)
     assert "--vllm.int8_scales: only applies" in err
     assert not (tmp_path / "run" / "rollout_model").exists()
 

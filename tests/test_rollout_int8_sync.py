@@ -11,39 +11,17 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 
 import pytest
 import torch
+from _support import engine_prompt_logprobs, reference_logprobs, start_engine
 
 from openrlhf_tis.patches.cpu_weight_sync import reload_into_engine
 from openrlhf_tis.rollout.checkpoint import write_rollout_model
 
-TOKENS = [5, 17, 42, 99, 123, 7, 300, 256, 12, 64, 77, 401, 3, 88, 150, 222]
-
 
 def _engine(model_dir):
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-
-    return LLM(model=str(model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0,
-               distributed_executor_backend="uni", logprobs_mode="processed_logprobs", max_logprobs=1)
-
-
-def prompt_logprobs(llm) -> torch.Tensor:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    out = llm.generate(TokensPrompt(prompt_token_ids=TOKENS), SamplingParams(max_tokens=1, prompt_logprobs=0),
-                       use_tqdm=False)[0]
-    return torch.tensor([out.prompt_logprobs[i][t].logprob for i, t in enumerate(TOKENS) if i > 0])
-
-
-def reference_logprobs(model) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(torch.tensor([TOKENS])).logits[0, :-1].double()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(TOKENS[1:])[:, None])[:, 0]
+    return start_engine(model_dir, logprobs_mode="processed_logprobs", max_logprobs=1)
 
 
 def _sync(worker, named):
@@ -71,14 +49,14 @@ def test_int8_engine_sync_matches_fresh_engine_bitwise(int8_dir, tiny_model_dir,
         c = o.outputs[0]
         lps = [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
         assert len(lps) == 8 and all(torch.isfinite(torch.tensor(lps)))
-    initial = prompt_logprobs(llm)
+    initial = engine_prompt_logprobs(llm)
     initial_gap = (initial - reference_logprobs(model)).abs().mean().item()
 
     # 2. Syncing the unchanged initial weights reproduces the engine bit for bit (the checkpoint and a
     #    sync quantize identically), so nothing in the reload path perturbs the kernels.
     named0 = [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]
     llm.collective_rpc(_sync, args=(named0,))
-    assert torch.equal(prompt_logprobs(llm), initial)
+    assert torch.equal(engine_prompt_logprobs(llm), initial)
 
     # 3. A "training step" much larger than int8 rounding, including the tied embeddings.
     torch.manual_seed(1)
@@ -90,7 +68,7 @@ def test_int8_engine_sync_matches_fresh_engine_bitwise(int8_dir, tiny_model_dir,
     stale_gap = (initial - target).abs().mean().item()
     named = [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]
     llm.collective_rpc(_sync, args=(named,))
-    synced = prompt_logprobs(llm)
+    synced = engine_prompt_logprobs(llm)
     synced_gap = (synced - target).abs().mean().item()
     stats = [json.loads(line) for line in (int8_dir / "sync_stats.jsonl").read_text().splitlines()]
     del llm
@@ -110,7 +88,7 @@ def test_int8_engine_sync_matches_fresh_engine_bitwise(int8_dir, tiny_model_dir,
         if f.name.startswith(("tokenizer", "special_tokens", "generation")):
             (new_src / f.name).write_bytes(f.read_bytes())
     fresh = _engine(write_rollout_model(new_src, tmp_path / "new_int8", precision="int8"))
-    fresh_lp = prompt_logprobs(fresh)
+    fresh_lp = engine_prompt_logprobs(fresh)
     del fresh
     gc.collect()
     assert torch.equal(synced, fresh_lp), (synced - fresh_lp).abs().max()

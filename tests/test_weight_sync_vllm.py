@@ -4,42 +4,18 @@ so per-tensor loads cannot reach them, and a tied head keeps a stale packed copy
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from _support import engine_prompt_logprobs, reference_logprobs, start_engine
 
 from openrlhf_tis.patches.cpu_weight_sync import reload_into_engine
-
-TOKENS = [5, 17, 42, 99, 123, 7, 300, 256, 12, 64, 77, 401, 3, 88, 150, 222]
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-
-    llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0,
-              distributed_executor_backend="uni")
+    llm = start_engine(tiny_model_dir)
     yield llm
     del llm
-
-
-def engine_prompt_logprobs(llm) -> torch.Tensor:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    out = llm.generate(TokensPrompt(prompt_token_ids=TOKENS), SamplingParams(max_tokens=1, prompt_logprobs=0),
-                       use_tqdm=False)[0]
-    return torch.tensor([out.prompt_logprobs[i][t].logprob for i, t in enumerate(TOKENS) if i > 0])
-
-
-def reference_logprobs(model) -> torch.Tensor:
-    """float64 log-softmax of the HF model on the same tokens: the independent reference."""
-    with torch.no_grad():
-        logits = model(torch.tensor([TOKENS])).logits[0, :-1].double()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(TOKENS[1:])[:, None])[:, 0]
 
 
 def _reload(worker, named):

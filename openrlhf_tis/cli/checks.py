@@ -144,12 +144,10 @@ def check_inputs(args: argparse.Namespace) -> None:
         raise UsageError("--vllm.sync_check_steps", "must be >= 0 (0 disables the check)")
     if getattr(args, "vllm.sync_check_tolerance") <= 0:
         raise UsageError("--vllm.sync_check_tolerance", "must be > 0")
-    if hasattr(args, "vllm.rollout_precision"):
-        from openrlhf_tis.rollout.precision import check_cli_precision
+    from openrlhf_tis.rollout.precision import check_cli_precision
 
-        check_cli_precision(args)
-    if hasattr(args, "algo.correction.preset"):
-        check_correction(args)
+    check_cli_precision(args)
+    check_correction(args)
 
 
 CORRECTION_FIELDS = (

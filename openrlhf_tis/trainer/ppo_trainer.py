@@ -2,16 +2,24 @@
 
 Upstream's class is a Ray actor; Ray forbids subclassing actor classes, so the plain class it wraps
 is subclassed and wrapped again. patches/fork_classes.py points upstream's `train()` at it.
+
+Step numbering: upstream's `train_step(samples, global_step)` trains with `ppo_train(global_step)` and
+returns `global_step + 1`, the number `save_logs_and_checkpoints` writes as the metrics line's `step`
+(1 for the first step, and a resumed run continues from the checkpoint's number). The token dump of a
+step therefore carries `global_steps + 1` of `ppo_train`, the same number as its metrics line.
 """
 
 from __future__ import annotations
+
+import os
 
 import ray
 import torch
 from openrlhf.trainer.ppo_trainer import PPOTrainer as _UpstreamActorClass
 
 from openrlhf_tis.runs.store import RunWriter
-from openrlhf_tis.trainer.ppo_actor import install_bypass_experience_maker
+from openrlhf_tis.runs.tokens import select_samples, should_dump
+from openrlhf_tis.trainer.ppo_actor import TokenDumpPlan, install_bypass_experience_maker
 from openrlhf_tis.trainer.sync_check import SyncChecker
 
 _UpstreamPPOTrainer = _UpstreamActorClass.__ray_metadata__.modified_class.__ray_actor_class__
@@ -27,6 +35,26 @@ def rollout_logprob_coverage(experiences) -> float:
         if lp is not None and lp.shape == mask.shape:
             covered += int((torch.isfinite(lp) & mask).sum())
     return covered / max(total, 1)
+
+
+def token_dump_plan(args, step: int, num_samples: int) -> TokenDumpPlan | None:
+    """The dump plan of `step` (a metrics-line step number), or None when the step is not dumped.
+
+    Step 1 and every `--logger.token_dump_steps`-th; `--logger.token_dump_samples` samples chosen by
+    (train seed, step), whole prompt groups, so a resumed run picks what the killed one would have.
+    The run directory is made absolute here, where metrics.jsonl is resolved, so the actors' files land
+    beside it whatever their working directory.
+    """
+    logger = args.logger
+    run_dir = getattr(logger, "run_dir", None)
+    if not run_dir or num_samples <= 0 or not should_dump(step, getattr(logger, "token_dump_steps", 0)):
+        return None
+    group = max(int(args.rollout.n_samples_per_prompt), 1)
+    ids = select_samples(num_samples, logger.token_dump_samples, step, seed=args.train.seed, group_size=group)
+    if len(ids) == 0:
+        return None
+    return TokenDumpPlan(step=step, run_dir=os.path.abspath(run_dir), sample_ids=tuple(int(i) for i in ids),
+                         group_size=group)
 
 
 class _TisPPOTrainer(_UpstreamPPOTrainer):
@@ -46,6 +74,7 @@ class _TisPPOTrainer(_UpstreamPPOTrainer):
         self._syncs = 0
         self._sync_metrics: dict[str, float] = {}
         self._run = RunWriter(self.args.logger.run_dir) if self.args.logger.run_dir else None
+        self._step_samples = 0  # samples of the step being trained (train_step), for the dump plan
         # Bypass mode: the experience maker must not even dispatch the pi_old forward (see ppo_actor).
         install_bypass_experience_maker(self)
 
@@ -73,10 +102,28 @@ class _TisPPOTrainer(_UpstreamPPOTrainer):
         return stats
 
     def train_step(self, rollout_samples, global_step: int):
+        self._step_samples = len(rollout_samples)  # upstream numbers them 0..n-1 (Experience.index)
         status, global_step = super().train_step(rollout_samples, global_step)
         status.update(self._sync_metrics)
         self._sync_metrics = {}
         return status, global_step
+
+    def ppo_train(self, global_steps: int) -> dict:
+        # Called before upstream increments the step: the step being trained is logged as global_steps + 1.
+        self._announce_token_dump(global_steps + 1, trains_actor=global_steps > self.args.critic.freezing_steps)
+        return super().ppo_train(global_steps)
+
+    def _announce_token_dump(self, step: int, trains_actor: bool) -> None:
+        """Tell every actor the dump plan before its `fit`; nothing is sent on steps without a dump.
+
+        A step whose actor is frozen (critic warm-up) is not announced: a plan left unconsumed would be
+        applied to the next step's fit under the wrong step number.
+        """
+        if self.actor_model_group is None or not trains_actor:
+            return
+        plan = token_dump_plan(self.args, step, getattr(self, "_step_samples", 0))
+        if plan is not None:
+            ray.get(self.actor_model_group.async_run_method(method_name="set_token_dump", plan=plan))
 
     def save_logs_and_checkpoints(self, global_step: int, logs_dict=None, client_states=None) -> None:
         if self._run is not None and logs_dict:

