@@ -1,10 +1,12 @@
-"""Second real run, the other code paths: an INT8 W8A8 rollout engine (re-quantized at every sync) and
-bypass PPO (π_old := μ, the old-log-prob forward never dispatched), through the same CLI on CPU."""
+"""Second real run, the other code paths: an INT8 W8A8 rollout engine (re-quantized at every sync),
+bypass PPO (π_old := μ, the old-log-prob forward never dispatched), and upstream's TensorBoard and
+W&B (offline) loggers beside the run store, through the same CLI on CPU."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,8 +37,11 @@ def run(tiny_model_dir, tmp_path_factory):
         "--ckpt.path", str(work / "ckpt"), "--ckpt.output_dir", str(work / "final"),
         "--logger.run_dir", str(work / "run"), "--logger.token_dump_steps", "0",
         "--vllm.rollout_precision", "int8", "--algo.correction.preset", "bypass_ppo",
+        # upstream's loggers keep working beside the run store; W&B offline needs no network
+        "--logger.tensorboard_dir", str(work / "tb"), "--logger.wandb.key", "0" * 40,
     ]
-    proc = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=900)
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(work)}
+    proc = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=900, env=env)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
     steps = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -62,3 +67,10 @@ def test_bypass_trains_with_rollout_logprobs_as_old(run):
         assert math.isfinite(s["policy_loss"]) and s["actor_grad_norm"] > 0
         assert s["rollout/logprob_coverage"] == 1.0
         assert math.isfinite(s["mismatch/k3_kl"]) and s["mismatch/k3_kl"] >= 0
+
+
+def test_upstream_loggers_write_beside_the_run_store(run):
+    work, _, _ = run
+    assert list((work / "tb").rglob("events.out.tfevents.*"))
+    offline_runs = list((work / "wandb").glob("offline-run-*"))
+    assert offline_runs and list(offline_runs[0].glob("*.wandb"))

@@ -6,6 +6,7 @@ flags are added to it. Bad input ends here, naming the flag, before Ray starts.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -37,8 +38,8 @@ def parse(argv: list[str], cpu: bool):
     if cpu:
         for note in adapt_to_cpu(args, explicit_dests(parser, argv)):
             print(f"[openrlhf_tis] no CUDA: {note}", file=sys.stderr)
-    if not getattr(args, "logger.run_dir"):
-        setattr(args, "logger.run_dir", time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime()))
+    run_dir = getattr(args, "logger.run_dir") or time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())
+    setattr(args, "logger.run_dir", os.path.abspath(run_dir))  # every Ray process writes to the same place
     check_inputs(args)
     open_run_dir(args)
     return args
