@@ -59,6 +59,7 @@ def test_int8_engine_is_resynced_and_verified_every_step(run):
         # or corrupt engine (the sync moved the engine's log-probs by several times this gap).
         assert s["sync/vllm_vs_trainer_mean_abs_logprob"] < 0.02, s
         assert s["sync/vllm_logprob_change_mean_abs"] > 3 * s["sync/vllm_vs_trainer_mean_abs_logprob"], s
+        assert s["rollout/int8_saturated_fraction"] == 0.0 and 0 < s["rollout/int8_max_rel_error"] < 0.01, s
 
 
 def test_bypass_trains_with_rollout_logprobs_as_old(run):

@@ -170,5 +170,14 @@ def append_sync_stats(model_dir: str | Path, record: dict) -> None:
         pass
 
 
+def read_last_sync_stats(model_dir: str | Path) -> dict | None:
+    """The most recent sync record in `model_dir` (None before the first INT8 sync)."""
+    path = Path(model_dir) / STATS_FILE
+    if not path.exists():
+        return None
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return json.loads(lines[-1]) if lines else None
+
+
 __all__ = ["NotQuantizableError", "QuantStats", "append_sync_stats", "check_quantizable", "load_int8_plan",
-           "read_plan", "scale_name", "write_rollout_model"]
+           "read_last_sync_stats", "read_plan", "scale_name", "write_rollout_model"]

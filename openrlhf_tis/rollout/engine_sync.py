@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from openrlhf_tis.rollout.checkpoint import append_sync_stats, load_int8_plan, read_plan
+from openrlhf_tis.rollout.checkpoint import append_sync_stats, load_int8_plan, read_last_sync_stats, read_plan
 from openrlhf_tis.rollout.quantize import is_quantized_weight, quantize_named_weights
 
 _PLAN_ATTR = "_openrlhf_tis_rollout_plan"
@@ -67,8 +67,4 @@ def last_sync_stats(model_runner) -> dict | None:
     model_dir, meta, plan, counter = _plan(model_runner)
     if plan is None or counter[0] == 0:
         return None
-    import json
-    from pathlib import Path
-
-    lines = (Path(model_dir) / "sync_stats.jsonl").read_text(encoding="utf-8").splitlines()
-    return json.loads(lines[-1]) if lines else None
+    return read_last_sync_stats(model_dir)

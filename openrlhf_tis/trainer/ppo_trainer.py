@@ -17,6 +17,7 @@ import ray
 import torch
 from openrlhf.trainer.ppo_trainer import PPOTrainer as _UpstreamActorClass
 
+from openrlhf_tis.rollout.checkpoint import read_last_sync_stats
 from openrlhf_tis.runs.store import RunWriter
 from openrlhf_tis.runs.tokens import select_samples, should_dump
 from openrlhf_tis.trainer.ppo_actor import TokenDumpPlan, install_bypass_experience_maker
@@ -95,6 +96,17 @@ class _TisPPOTrainer(_UpstreamPPOTrainer):
         super().broadcast_to_vllm()
         if due:
             self._sync_metrics.update(self._sync_checker.after_sync(probe))
+        self._sync_metrics.update(self._quantized_sync_metrics())
+
+    def _quantized_sync_metrics(self) -> dict[str, float]:
+        """INT8 engines log each re-quantization beside their checkpoint (single node: same filesystem)."""
+        if getattr(self.args.vllm, "rollout_precision", "bf16") != "int8" or not self.args.logger.run_dir:
+            return {}
+        record = read_last_sync_stats(os.path.join(self.args.logger.run_dir, "rollout_model"))
+        if record is None:
+            return {}
+        return {f"rollout/int8_{key}": float(record[key])
+                for key in ("saturated_fraction", "max_rel_error", "quantize_s") if key in record}
 
     def _compute_rollout_stats(self, experiences) -> dict:
         stats = super()._compute_rollout_stats(experiences)
