@@ -1,0 +1,1 @@
+"""The demo task: a tiny locally built model, arithmetic prompts and a rule-based reward."""
