@@ -53,17 +53,18 @@ def gloo_stateless_init_process_group(master_address, master_port, rank, world_s
 
 def cpu_update_weight(self, name, dtype, shape, empty_cache=False):
     """WorkerWrap.update_weight for vLLM-CPU: buffer every tensor, reload once per sync."""
-    if dtype != self.model_config.dtype:
+    engine_dtype = self.model_config.dtype
+    if dtype != engine_dtype and not (engine_dtype == torch.float32 and dtype.is_floating_point):
         raise TypeError(
-            f"weight sync: trainer sends {name} as {dtype} but the vLLM engine runs {self.model_config.dtype}; "
+            f"weight sync: trainer sends {name} as {dtype} but the vLLM engine runs {engine_dtype}; "
             "set --ds.param_dtype to the engine dtype (bf16)"
         )
-    weight = torch.empty(shape, dtype=dtype)
+    weight = torch.empty(shape, dtype=dtype)  # the broadcast receives exactly what the trainer sends
     if self._model_update_with_ray:
         raise RuntimeError("weight sync: --vllm.sync_with_ray is not supported on CPU (Ray's gloo group fails here)")
     self._model_update_group.broadcast(weight, src=0)
     pending = self.__dict__.setdefault("_openrlhf_tis_pending_weights", [])
-    pending.append((name, weight))
+    pending.append((name, weight.to(engine_dtype)))  # an fp32 engine gets the bf16 values exactly
     if empty_cache:  # upstream marks the last parameter of a sync this way
         reload_into_engine(self.model_runner, pending)
         pending.clear()

@@ -1,4 +1,4 @@
-"""Start the rollout engines from the fork's rollout model directory (INT8 checkpoint, fp32 head).
+"""Start the rollout engines from the fork's rollout model directory (INT8 checkpoint, fp32/fp8, fp32 head).
 
 OpenRLHF 0.11.2's `create_vllm_engines` (openrlhf/trainer/ray/vllm_engine.py) hard-codes the engine
 kwargs (dtype bf16, no quantization) and is handed `--actor.model_name_or_path`. vLLM, however, reads
@@ -9,6 +9,8 @@ from `openrlhf.trainer.ray` when it runs, so the package attribute is replaced (
 """
 
 from __future__ import annotations
+
+import ray
 
 from ._guard import replace, require_version
 
@@ -27,4 +29,11 @@ def apply(rollout_model_dir: str) -> bool:
         return original(num_engines, tensor_parallel_size, rollout_model_dir, *args, **kwargs)
 
     replace(upstream_ray, "create_vllm_engines", create_vllm_engines, patch=NAME)
+    # create_vllm_engines builds its actors from this module global; the fork's subclass reads the
+    # rollout directory's plan and sets the engine dtype / quantization upstream hard-codes.
+    import openrlhf.trainer.ray.vllm_engine as upstream_engine
+
+    from openrlhf_tis.rollout.engine_actor import PrecisionRolloutRayActor
+
+    replace(upstream_engine, "RolloutRayActor", ray.remote(PrecisionRolloutRayActor), patch=NAME)
     return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from _support import refused
 
 from openrlhf_tis.cli import train_ppo_ray
@@ -14,19 +15,30 @@ def test_bad_precision_requests_are_one_message_before_ray(valid_argv, tiny_mode
     cal = save_calibration(tmp_path / "cal.safetensors", {}, other, 0.5, 0)
     err = refused(valid_argv + ["--vllm.rollout_precision", "int8", "--vllm.int8_calibration", str(cal)], capsys)
     assert "--vllm.int8_calibration" in err and "another model" in err and "num_hidden_layers" in err
-    err = refused(valid_argv + ["--vllm.rollout_precision", "fp8"], capsys)
-    assert "--vllm.rollout_precision: fp8 rollouts are not wired" in err
     err = refused(valid_argv + ["--vllm.int8_scales", "frozen"], capsys)
     assert "--vllm.int8_scales: only applies" in err
     assert not (tmp_path / "run" / "rollout_model").exists()
 
 
-def test_int8_run_writes_the_rollout_model_and_points_the_engines_at_it(valid_argv, tmp_path, monkeypatch):
+@pytest.fixture()
+def engine_calls(monkeypatch):
+    """Upstream's engine factory recorded instead of run; the rollout_engine patch undone after the test."""
     import openrlhf.trainer.ray as upstream_ray
+    import openrlhf.trainer.ray.vllm_engine as upstream_engine
 
     calls = []
     monkeypatch.setattr(upstream_ray, "create_vllm_engines", lambda *a, **k: calls.append((a, k)))
-    monkeypatch.setattr(upstream_ray, "__openrlhf_tis_originals__", {}, raising=False)
+    for module in (upstream_ray, upstream_engine):
+        monkeypatch.setattr(module, "__openrlhf_tis_originals__", {}, raising=False)
+    monkeypatch.setattr(upstream_engine, "RolloutRayActor", upstream_engine.RolloutRayActor)
+    return calls
+
+
+def test_int8_run_writes_the_rollout_model_and_points_the_engines_at_it(valid_argv, tmp_path, engine_calls):
+    import openrlhf.trainer.ray as upstream_ray
+    import openrlhf.trainer.ray.vllm_engine as upstream_engine
+
+    calls = engine_calls
     args = train_ppo_ray.parse(valid_argv + ["--vllm.rollout_precision", "int8", "--vllm.int8_scales", "frozen",
                                              "--vllm.fp32_lm_head"], cpu=True)
     dst = train_ppo_ray.prepare_rollout_engines(args)
@@ -36,9 +48,25 @@ def test_int8_run_writes_the_rollout_model_and_points_the_engines_at_it(valid_ar
     assert cfg["head_dtype"] == "float32" and cfg["quantization_config"]["format"] == "int-quantized"
     upstream_ray.create_vllm_engines(1, 1, "actor_model", 42, logprobs_mode="processed_logprobs")
     assert calls == [((1, 1, dst, 42), {"logprobs_mode": "processed_logprobs"})]
+    assert "PrecisionRolloutRayActor" in upstream_engine.RolloutRayActor.__ray_metadata__.class_name
 
 
 def test_default_precision_changes_nothing(valid_argv):
     args = train_ppo_ray.parse(valid_argv, cpu=True)
     assert getattr(args, "vllm.rollout_precision") == "bf16"
     assert train_ppo_ray.prepare_rollout_engines(args) is None
+
+
+@pytest.mark.parametrize(
+    ("precision", "expected"),
+    [("fp32", {"dtype": "float32"}), ("fp8", {"dtype": "bfloat16", "quantization": "fp8_per_channel"}),
+     ("int8", {"dtype": "bfloat16"})],
+)
+def test_engines_take_dtype_and_quantization_from_the_rollout_dir(valid_argv, precision, expected, engine_calls):
+    from openrlhf_tis.rollout.engine_actor import plan_engine_overrides
+
+    args = train_ppo_ray.parse(valid_argv + ["--vllm.rollout_precision", precision], cpu=True)
+    rollout_dir = train_ppo_ray.prepare_rollout_engines(args)
+    assert read_plan(rollout_dir)["precision"] == precision
+    assert plan_engine_overrides(rollout_dir, cuda=False) == expected
+    assert plan_engine_overrides(getattr(args, "actor.model_name_or_path"), cuda=False) == {}  # plain model

@@ -56,7 +56,8 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
         help="Precision of the vLLM rollout engines. int8: W8A8 compressed-tensors (per-channel int8 weights, "
         "dynamic per-token int8 activations; embeddings and lm_head unquantized), written under the run dir "
         "before the engines start and re-quantized at every weight sync (FlashRL-style calibration transfer). "
-        "fp32/fp8 are available to openrlhf_tis.rollout and the benchmark but not yet to this command.",
+        "fp32: float32 engine (bf16 trainer weights upcast at each sync); fp8: online FP8 (fp8_per_channel on "
+        "CPU). Non-bf16 precisions are wired for the CPU weight sync.",
     )
     parser.add_argument(
         "--vllm.int8_scales",

@@ -84,7 +84,7 @@ def check_quantizable(model_dir: str | Path) -> int:
 def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "bf16", scale_mode: str = "recompute",
                         calibration: str | Path | None = None, fp32_head: bool = False,
                         engine_dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write the rollout model directory for `precision` ("bf16" or "int8"); return its path.
+    """Write the rollout model directory for `precision` (bf16, fp32, fp8 or int8); return its path.
 
     INT8 weights are quantized from the source cast to `engine_dtype` first: that is what the trainer
     sends at every sync (`--ds.param_dtype bf16`), so quantizing the initial trainer weights at a sync
@@ -118,14 +118,14 @@ def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "b
         save_file({k: v.contiguous() for k, v in out}, str(dst / "model.safetensors"), metadata={"format": "pt"})
         config["quantization_config"] = compressed_tensors_config()
         plan_meta["initial_quant"] = stats.as_dict()
-    elif precision == "bf16":
+    elif precision in ("bf16", "fp32", "fp8"):  # same weights; the engine reads its dtype from the plan
         if calibration:
             raise ValueError("a calibration file only applies to int8 rollouts")
         for f in src.iterdir():
             if f.name.endswith(_WEIGHT_SUFFIXES) or f.name == "model.safetensors.index.json":
                 os.symlink(f.resolve(), dst / f.name)
     else:
-        raise ValueError(f"write_rollout_model handles bf16 and int8, not {precision!r}")
+        raise ValueError(f"write_rollout_model handles bf16, fp32, fp8 and int8, not {precision!r}")
     if fp32_head:
         config["head_dtype"] = "float32"  # vLLM ModelConfig.head_dtype: lm_head projection in fp32
     with open(dst / "config.json", "w", encoding="utf-8") as f:

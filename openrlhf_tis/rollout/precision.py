@@ -103,15 +103,11 @@ def check_cli_precision(args) -> None:
 
     precision = getattr(args, "vllm.rollout_precision")
     cuda = torch.cuda.is_available()
-    if precision in ("fp32", "fp8"):
-        # Upstream create_vllm_engines hard-codes dtype bf16 / no quantization and its sync asserts the
-        # trainer dtype equals the engine's; these two need engine kwargs that path cannot pass yet.
-        raise UsageError(FLAG, f"{precision} rollouts are not wired into train_ppo_ray yet (use bf16 or int8; "
-                         "benchmarks/bench_rollout.py measures all four)")
-    if precision == "int8" and cuda:
-        # On CUDA upstream's WorkerWrap.update_weight loads tensor by tensor into the engine: bf16 weights
-        # would be cast into int8 parameters unscaled (DESIGN §5, trap 3).
-        raise UsageError(FLAG, "int8 rollouts are wired for the CPU weight sync only; on CUDA use bf16")
+    if precision != "bf16" and cuda:
+        # On CUDA upstream's WorkerWrap.update_weight loads tensor by tensor and asserts the trainer's dtype:
+        # bf16 weights would be cast into int8 / fp8 parameters unscaled (DESIGN §5, trap 3), and an fp32
+        # engine refuses them. The CPU weight sync (patches/cpu_weight_sync.py) handles all four.
+        raise UsageError(FLAG, f"{precision} rollouts are wired for the CPU weight sync only; on CUDA use bf16")
     check_rollout_precision(precision, getattr(args, "actor.model_name_or_path"), cuda=cuda,
                             calibration=getattr(args, "vllm.int8_calibration"),
                             scales=getattr(args, "vllm.int8_scales"), fp32_head=getattr(args, "vllm.fp32_lm_head"))

@@ -1,0 +1,38 @@
+"""The rollout engine actor that honours the rollout directory's precision (fp32, fp8).
+
+Upstream's `create_vllm_engines` passes a fixed `dtype="bfloat16"` and no quantization to every
+engine. The fork points the engines at `<run_dir>/rollout_model` (patches/rollout_engine.py), whose
+plan file names the precision; this subclass of upstream's actor turns that plan into the engine's
+dtype / quantization arguments just before the engine is built, in the engine's own process.
+"""
+
+from __future__ import annotations
+
+import torch
+from openrlhf.trainer.ray.vllm_engine import RolloutRayActor as _UpstreamActorClass
+
+from openrlhf_tis.rollout.checkpoint import read_plan
+from openrlhf_tis.rollout.precision import engine_kwargs
+
+_UpstreamRolloutRayActor = _UpstreamActorClass.__ray_metadata__.modified_class.__ray_actor_class__
+
+
+def plan_engine_overrides(model_dir: str, cuda: bool) -> dict:
+    """dtype / quantization for the engine of a rollout directory; {} for a plain model directory.
+
+    The lm_head dtype is not among them: it travels in the directory's config.json (`head_dtype`).
+    """
+    plan = read_plan(model_dir)
+    if plan is None:
+        return {}
+    kwargs = engine_kwargs(plan["precision"], model_dir, cuda=cuda)
+    kwargs.pop("model")
+    return kwargs
+
+
+class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
+    async def __init__(self, *args, **kwargs):
+        overrides = plan_engine_overrides(kwargs["model"], cuda=torch.cuda.is_available())
+        if overrides:
+            print(f"[openrlhf_tis] rollout engine {kwargs['model']}: {overrides}")
+        await super().__init__(*args, **{**kwargs, **overrides})
