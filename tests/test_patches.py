@@ -111,3 +111,42 @@ def test_unpad_then_pad_matches_a_loop_reference(batch):
     assert torch.equal(padded, x * mask[..., None])
     padded.sum().backward()
     assert torch.equal(x.grad, mask[..., None].expand_as(x).double())
+
+
+class _FilledGroup:
+    """Stands in for the gloo group: the 'broadcast' delivers what the trainer sent."""
+
+    def __init__(self, sent: torch.Tensor):
+        self.sent = sent
+
+    def broadcast(self, tensor, src=0, stream=None):
+        tensor.copy_(self.sent)
+
+
+def _worker(engine_dtype, sent, model_dir):
+    runner = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(model=str(model_dir), quantization=None),
+        model=types.SimpleNamespace(config=types.SimpleNamespace(tie_word_embeddings=False)),
+        reloaded=[],
+    )
+    runner.reload_weights = lambda weights_iterator: runner.reloaded.extend(weights_iterator)
+    return types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=engine_dtype), _model_update_with_ray=False,
+                                 _model_update_group=_FilledGroup(sent), model_runner=runner)
+
+
+def test_cpu_weight_sync_buffers_until_the_last_tensor_and_upcasts_for_fp32_engines(tmp_path):
+    from openrlhf_tis.patches.cpu_weight_sync import cpu_update_weight
+
+    sent = torch.randn(4, 3).to(torch.bfloat16)
+    worker = _worker(torch.float32, sent, tmp_path)
+    cpu_update_weight(worker, "a.weight", torch.bfloat16, (4, 3))
+    assert worker.model_runner.reloaded == []  # nothing reaches the engine before the sync's last tensor
+    cpu_update_weight(worker, "b.weight", torch.bfloat16, (4, 3), empty_cache=True)
+    names = [name for name, _ in worker.model_runner.reloaded]
+    assert names == ["a.weight", "b.weight"]
+    for _, weight in worker.model_runner.reloaded:
+        assert weight.dtype == torch.float32 and torch.equal(weight, sent.float())  # bf16 -> fp32 is exact
+
+    bf16_engine = _worker(torch.bfloat16, sent.float(), tmp_path)
+    with pytest.raises(TypeError, match="--ds.param_dtype"):
+        cpu_update_weight(bf16_engine, "a.weight", torch.float32, (4, 3))
