@@ -115,3 +115,12 @@ def test_console_entry_point_refuses_in_a_fresh_process(tmp_path):
     assert proc.returncode == 2
     assert "error: --actor.model_name_or_path" in proc.stderr
     assert "Started a local Ray instance" not in proc.stderr + proc.stdout
+
+
+def test_run_dir_is_made_absolute_for_every_process(valid_argv, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = list(valid_argv)
+    argv[argv.index("--logger.run_dir") + 1] = "relative_run"
+    args = train_ppo_ray.parse(argv, cpu=True)
+    assert getattr(args, "logger.run_dir") == str(tmp_path / "relative_run")
+    assert (tmp_path / "relative_run" / "config.json").is_file()

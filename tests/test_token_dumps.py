@@ -223,12 +223,11 @@ def _controller_args(every: int = 10, k: int = 8, run_dir: str | None = "run"):
     )
 
 
-def test_plan_names_dumped_steps_and_whole_groups(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+def test_plan_names_dumped_steps_and_whole_groups():
     args = _controller_args(every=3, k=3)
     assert [s for s in range(1, 10) if ppo_trainer.token_dump_plan(args, s, 16)] == [1, 3, 6, 9]
     plan = ppo_trainer.token_dump_plan(args, 6, 16)
-    assert plan.run_dir == str(tmp_path / "run") and plan.group_size == GROUP
+    assert plan.run_dir == args.logger.run_dir and plan.group_size == GROUP
     assert len(plan.sample_ids) == 4 and all(plan.sample_ids[i] // GROUP == plan.sample_ids[i + 1] // GROUP
                                              for i in (0, 2))
     assert plan.sample_ids == tuple(select_samples(16, 3, 6, seed=42, group_size=GROUP))

@@ -43,8 +43,7 @@ def token_dump_plan(args, step: int, num_samples: int) -> TokenDumpPlan | None:
 
     Step 1 and every `--logger.token_dump_steps`-th; `--logger.token_dump_samples` samples chosen by
     (train seed, step), whole prompt groups, so a resumed run picks what the killed one would have.
-    The run directory is made absolute here, where metrics.jsonl is resolved, so the actors' files land
-    beside it whatever their working directory.
+    The CLI made the run directory absolute, so the actors' files land beside metrics.jsonl.
     """
     logger = args.logger
     run_dir = getattr(logger, "run_dir", None)
@@ -54,7 +53,7 @@ def token_dump_plan(args, step: int, num_samples: int) -> TokenDumpPlan | None:
     ids = select_samples(num_samples, logger.token_dump_samples, step, seed=args.train.seed, group_size=group)
     if len(ids) == 0:
         return None
-    return TokenDumpPlan(step=step, run_dir=os.path.abspath(run_dir), sample_ids=tuple(int(i) for i in ids),
+    return TokenDumpPlan(step=step, run_dir=run_dir, sample_ids=tuple(int(i) for i in ids),
                          group_size=group)
 
 
