@@ -48,3 +48,14 @@ def reference_logprobs(model) -> torch.Tensor:
     with torch.no_grad():
         logits = model(torch.tensor([TOKENS])).logits[0, :-1].double()
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(TOKENS[1:])[:, None])[:, 0]
+
+
+def take_training_step(model, scale: float = 0.05, seed: int = 1) -> list[tuple[str, torch.Tensor]]:
+    """Move every weight far more than bf16/int8 rounding, keep the model on bf16-representable values,
+    and return what the trainer would send: every parameter in bf16, in checkpoint naming."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn_like(p))
+    model.to(torch.bfloat16).to(torch.float32)
+    return [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]

@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from _support import engine_prompt_logprobs, reference_logprobs, start_engine
+from _support import engine_prompt_logprobs, reference_logprobs, start_engine, take_training_step
 
 from openrlhf_tis.patches.cpu_weight_sync import reload_into_engine
 from openrlhf_tis.rollout.checkpoint import write_rollout_model
@@ -59,14 +59,9 @@ def test_int8_engine_sync_matches_fresh_engine_bitwise(int8_dir, tiny_model_dir,
     assert torch.equal(engine_prompt_logprobs(llm), initial)
 
     # 3. A "training step" much larger than int8 rounding, including the tied embeddings.
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.to(torch.bfloat16).to(torch.float32)
+    named = take_training_step(model)
     target = reference_logprobs(model)
     stale_gap = (initial - target).abs().mean().item()
-    named = [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]
     llm.collective_rpc(_sync, args=(named,))
     synced = engine_prompt_logprobs(llm)
     synced_gap = (synced - target).abs().mean().item()

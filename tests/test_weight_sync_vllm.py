@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _support import engine_prompt_logprobs, reference_logprobs, start_engine
+from _support import engine_prompt_logprobs, reference_logprobs, start_engine, take_training_step
 
 from openrlhf_tis.patches.cpu_weight_sync import reload_into_engine
 
@@ -35,16 +35,12 @@ def test_reload_makes_the_engine_follow_new_weights(engine, tiny_model_dir):
     model.to(torch.bfloat16).to(torch.float32)
     initial_gap = (before - reference_logprobs(model)).abs().mean().item()
 
-    torch.manual_seed(1)
-    with torch.no_grad():  # a "training step" much larger than bf16 rounding
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.to(torch.bfloat16).to(torch.float32)
+    named = take_training_step(model)  # much larger than bf16 rounding
     target = reference_logprobs(model)
     stale_gap = (before - target).abs().mean().item()
 
-    # What the trainer sends: every parameter in bf16, in checkpoint naming; the tied lm_head has none.
-    named = [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]
+    # The trainer sends every parameter in checkpoint naming; the tied lm_head has none of its own.
+    assert not any(n.startswith("lm_head") for n, _ in named)
     assert not any(n.startswith("lm_head") for n, _ in named)
     # Control: vLLM's own reload alone leaves the tied head's packed copy stale (measured gap ~0.6).
     engine.collective_rpc(_reload_without_head_repack, args=(named,))
