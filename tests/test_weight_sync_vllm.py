@@ -41,7 +41,6 @@ def test_reload_makes_the_engine_follow_new_weights(engine, tiny_model_dir):
 
     # The trainer sends every parameter in checkpoint naming; the tied lm_head has none of its own.
     assert not any(n.startswith("lm_head") for n, _ in named)
-    assert not any(n.startswith("lm_head") for n, _ in named)
     # Control: vLLM's own reload alone leaves the tied head's packed copy stale (measured gap ~0.6).
     engine.collective_rpc(_reload_without_head_repack, args=(named,))
     stale_head_gap = (engine_prompt_logprobs(engine) - target).abs().mean().item()
