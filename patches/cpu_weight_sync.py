@@ -20,13 +20,17 @@ Every sync is verified end to end by the trainer's sync check (openrlhf_tis.trai
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
-from ._guard import PatchTargetMissingError, replace, require_version
+from ._guard import PatchTargetMissingError, add, replace, require_version, upstream_original
 from ._import_hooks import after_import
 
 NAME = "cpu_weight_sync"
+# One flat broadcast carries at most this much (the engine holds it until the sync's last bucket anyway).
+BUCKET_BYTES = 512 << 20
 
 
 class GlooBroadcastGroup:
@@ -53,21 +57,80 @@ def gloo_stateless_init_process_group(master_address, master_port, rank, world_s
 
 def cpu_update_weight(self, name, dtype, shape, empty_cache=False):
     """WorkerWrap.update_weight for vLLM-CPU: buffer every tensor, reload once per sync."""
+    cpu_update_weights_bucket(self, [(name, tuple(shape))], dtype, empty_cache)
+
+
+def cpu_update_weights_bucket(self, names_shapes, dtype, last=False):
+    """Receive one flat broadcast holding several tensors of `dtype`; reload after the sync's last bucket.
+
+    Upstream sends one Ray call and one broadcast per parameter (hundreds per sync, each a round trip);
+    the fork's CPU trainer (`cpu_broadcast_to_vllm`) sends a few flat buckets instead.
+    """
     engine_dtype = self.model_config.dtype
     if dtype != engine_dtype and not (engine_dtype == torch.float32 and dtype.is_floating_point):
         raise TypeError(
-            f"weight sync: trainer sends {name} as {dtype} but the vLLM engine runs {engine_dtype}; "
+            f"weight sync: trainer sends {names_shapes[0][0]} as {dtype} but the vLLM engine runs {engine_dtype}; "
             "set --ds.param_dtype to the engine dtype (bf16)"
         )
-    weight = torch.empty(shape, dtype=dtype)  # the broadcast receives exactly what the trainer sends
     if self._model_update_with_ray:
         raise RuntimeError("weight sync: --vllm.sync_with_ray is not supported on CPU (Ray's gloo group fails here)")
-    self._model_update_group.broadcast(weight, src=0)
+    numels = [math.prod(shape) for _, shape in names_shapes]
+    flat = torch.empty(sum(numels), dtype=dtype)  # the broadcast receives exactly what the trainer sends
+    self._model_update_group.broadcast(flat, src=0)
     pending = self.__dict__.setdefault("_openrlhf_tis_pending_weights", [])
-    pending.append((name, weight.to(engine_dtype)))  # an fp32 engine gets the bf16 values exactly
-    if empty_cache:  # upstream marks the last parameter of a sync this way
+    for (name, shape), part in zip(names_shapes, flat.split(numels), strict=True):
+        pending.append((name, part.view(shape).to(engine_dtype)))  # an fp32 engine gets the bf16 values exactly
+    if last:  # upstream marks the last parameter of a sync with empty_cache=True; buckets likewise
         reload_into_engine(self.model_runner, pending)
         pending.clear()
+
+
+def sync_buckets(params: list[tuple[str, torch.dtype, int]], limit_bytes: int) -> list[list[int]]:
+    """Group parameter indices into buckets of one dtype and at most `limit_bytes` (one oversized
+    parameter gets a bucket of its own), keeping the parameters' order."""
+    buckets: list[list[int]] = []
+    size, dtype = 0, None
+    for i, (_, param_dtype, numel) in enumerate(params):
+        nbytes = numel * param_dtype.itemsize
+        if not buckets or param_dtype != dtype or size + nbytes > limit_bytes:
+            buckets.append([])
+            size, dtype = 0, param_dtype
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
+def cpu_broadcast_to_vllm(self) -> None:
+    """ActorPPOTrainer.broadcast_to_vllm on CPU: a few flat gloo broadcasts instead of one per parameter.
+
+    Same contract as upstream's: rank 0 sends every synced parameter (ZeRO-3 parameters gathered
+    first), prefix caches are reset, all ranks meet at a barrier.
+    """
+    import deepspeed
+    import ray
+
+    args = self.strategy.args
+    rank0 = torch.distributed.get_rank() == 0
+    resets = [e.reset_prefix_cache.remote() for e in self.vllm_engines] if rank0 and getattr(
+        args.vllm, "enable_prefix_caching", False) else []
+    zero3 = args.ds.zero_stage == 3
+    is_vlm = getattr(self.actor, "is_vlm", False)
+    params = [(n, p) for n, p in self.actor.model.module.named_parameters() if p.requires_grad or not is_vlm]
+    meta = [(n, p.dtype, p.ds_numel if zero3 else p.numel()) for n, p in params]
+    buckets = sync_buckets(meta, BUCKET_BYTES)
+    for b, indices in enumerate(buckets):
+        bucket = [params[i] for i in indices]
+        with deepspeed.zero.GatheredParameters([p for _, p in bucket], enabled=zero3):
+            if not rank0:
+                continue
+            names_shapes = [(n, tuple(p.ds_shape if zero3 else p.shape)) for n, p in bucket]
+            flat = torch.cat([p.data.reshape(-1) for _, p in bucket])
+            refs = [e.update_weights_bucket.remote(names_shapes, flat.dtype, b == len(buckets) - 1)
+                    for e in self.vllm_engines]
+            self._model_update_group.broadcast(flat, src=0)
+            ray.get(refs)
+    ray.get(resets)
+    torch.distributed.barrier()
 
 
 def reload_into_engine(model_runner, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -92,6 +155,21 @@ def _patch_worker(module) -> None:
     if worker_wrap is None:
         raise PatchTargetMissingError(f"patch {NAME!r}: {module.__name__}.WorkerWrap no longer exists upstream")
     replace(worker_wrap, "update_weight", cpu_update_weight, patch=NAME)
+    add(worker_wrap, "update_weights_bucket", cpu_update_weights_bucket, patch=NAME)
+
+
+def _patch_trainer(module) -> None:
+    replace(module.ActorPPOTrainer, "broadcast_to_vllm", _broadcast_to_vllm, patch=NAME)
+
+
+def _broadcast_to_vllm(self) -> None:
+    # DeepSpeed tensor parallelism gathers through its own layer wrappers: keep upstream's per-parameter
+    # loop there (it reaches the engines through cpu_update_weight).
+    if self.strategy.args.ds.tensor_parallel_size > 1:
+        from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+
+        return upstream_original(ActorPPOTrainer, "broadcast_to_vllm")(self)
+    return cpu_broadcast_to_vllm(self)
 
 
 def apply() -> bool:
@@ -104,4 +182,5 @@ def apply() -> bool:
     after_import("openrlhf.utils.distributed_util", _patch_sync_group)
     after_import("openrlhf.trainer.ray.ppo_actor", _patch_sync_group)
     after_import("openrlhf.trainer.ray.vllm_worker_wrap", _patch_worker)
+    after_import("openrlhf.trainer.ray.ppo_actor", _patch_trainer)
     return True

@@ -8,7 +8,8 @@ is a Ray actor class in an importable module, so Ray workers load it by referenc
 The policy actor likewise: `openrlhf.cli.train_ppo_ray` binds `PolicyModelActor` with a module-level
 `from openrlhf.trainer.ray.ppo_actor import PolicyModelActor`; the fork runs that module (runpy) after
 this patch, so pointing the attribute at the fork's actor (the rollout correction as policy loss,
-openrlhf_tis/trainer/ppo_actor.py) reaches `train()`.
+openrlhf_tis/trainer/ppo_actor.py) reaches `train()`. The engine actor class is the fork's too
+(patches/rollout_engine.py: use_fork_engine_actor).
 """
 
 from __future__ import annotations
@@ -31,4 +32,8 @@ def apply() -> bool:
     from openrlhf_tis.trainer.ppo_actor import PolicyModelActor
 
     replace(upstream_actor, "PolicyModelActor", PolicyModelActor, patch=NAME)
+
+    from .rollout_engine import use_fork_engine_actor
+
+    use_fork_engine_actor()
     return True

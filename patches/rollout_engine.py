@@ -17,6 +17,19 @@ from ._guard import replace, require_version
 NAME = "rollout_engine"
 
 
+def use_fork_engine_actor() -> None:
+    """Build every engine from the fork's actor class (precision from the plan, bucketed CPU sync).
+
+    create_vllm_engines builds its actors from this module global; with a plain model directory
+    (no plan) the fork's actor starts the engine exactly as upstream's does.
+    """
+    import openrlhf.trainer.ray.vllm_engine as upstream_engine
+
+    from openrlhf_tis.rollout.engine_actor import PrecisionRolloutRayActor
+
+    replace(upstream_engine, "RolloutRayActor", ray.remote(PrecisionRolloutRayActor), patch=NAME)
+
+
 def apply(rollout_model_dir: str) -> bool:
     """Make every engine `train()` creates load `rollout_model_dir` instead of the actor's model."""
     require_version("openrlhf", "==0.11.2", patch=NAME)
@@ -29,11 +42,5 @@ def apply(rollout_model_dir: str) -> bool:
         return original(num_engines, tensor_parallel_size, rollout_model_dir, *args, **kwargs)
 
     replace(upstream_ray, "create_vllm_engines", create_vllm_engines, patch=NAME)
-    # create_vllm_engines builds its actors from this module global; the fork's subclass reads the
-    # rollout directory's plan and sets the engine dtype / quantization upstream hard-codes.
-    import openrlhf.trainer.ray.vllm_engine as upstream_engine
-
-    from openrlhf_tis.rollout.engine_actor import PrecisionRolloutRayActor
-
-    replace(upstream_engine, "RolloutRayActor", ray.remote(PrecisionRolloutRayActor), patch=NAME)
+    use_fork_engine_actor()
     return True

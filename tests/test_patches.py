@@ -120,7 +120,7 @@ class _FilledGroup:
         self.sent = sent
 
     def broadcast(self, tensor, src=0, stream=None):
-        tensor.copy_(self.sent)
+        tensor.copy_(self.sent.reshape(tensor.shape))
 
 
 def _worker(engine_dtype, sent, model_dir):
@@ -150,3 +150,32 @@ def test_cpu_weight_sync_buffers_until_the_last_tensor_and_upcasts_for_fp32_engi
     bf16_engine = _worker(torch.bfloat16, sent.float(), tmp_path)
     with pytest.raises(TypeError, match="--ds.param_dtype"):
         cpu_update_weight(bf16_engine, "a.weight", torch.float32, (4, 3))
+
+
+def test_bucketed_receive_splits_one_broadcast_into_the_named_tensors(tmp_path):
+    from openrlhf_tis.patches.cpu_weight_sync import cpu_update_weights_bucket
+
+    a, b = torch.randn(4, 3).to(torch.bfloat16), torch.randn(5).to(torch.bfloat16)
+    worker = _worker(torch.bfloat16, torch.cat([a.reshape(-1), b]), tmp_path)
+    cpu_update_weights_bucket(worker, [("a.weight", (4, 3)), ("b.bias", (5,))], torch.bfloat16, last=True)
+    (name_a, got_a), (name_b, got_b) = worker.model_runner.reloaded
+    assert (name_a, name_b) == ("a.weight", "b.bias")
+    assert torch.equal(got_a, a) and torch.equal(got_b, b)
+
+
+@given(st.lists(st.tuples(st.sampled_from([torch.bfloat16, torch.float32]), st.integers(1, 300)), max_size=30),
+       st.integers(1, 1000))
+def test_sync_buckets_keep_order_one_dtype_and_the_size_limit(params, limit):
+    from openrlhf_tis.patches.cpu_weight_sync import sync_buckets
+
+    named = [(f"p{i}", dtype, numel) for i, (dtype, numel) in enumerate(params)]
+    buckets = sync_buckets(named, limit)
+    assert [i for bucket in buckets for i in bucket] == list(range(len(named)))  # every parameter once, in order
+    for bucket in buckets:
+        assert len({named[i][1] for i in bucket}) == 1
+        size = sum(named[i][2] * named[i][1].itemsize for i in bucket)
+        assert size <= limit or len(bucket) == 1  # only a parameter larger than the limit travels alone
+    for prev, nxt in zip(buckets, buckets[1:], strict=False):  # greedy: the next one did not fit or changed dtype
+        first = named[nxt[0]]
+        size = sum(named[i][2] * named[i][1].itemsize for i in prev)
+        assert first[1] != named[prev[0]][1] or size + first[2] * first[1].itemsize > limit

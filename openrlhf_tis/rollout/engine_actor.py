@@ -1,9 +1,11 @@
-"""The rollout engine actor that honours the rollout directory's precision (fp32, fp8).
+"""The fork's rollout engine actor: honours the rollout directory's precision, syncs in buckets.
 
 Upstream's `create_vllm_engines` passes a fixed `dtype="bfloat16"` and no quantization to every
 engine. The fork points the engines at `<run_dir>/rollout_model` (patches/rollout_engine.py), whose
 plan file names the precision; this subclass of upstream's actor turns that plan into the engine's
 dtype / quantization arguments just before the engine is built, in the engine's own process.
+It also exposes the CPU weight sync's bucketed receive (patches/cpu_weight_sync.py), which upstream's
+actor has no method for.
 """
 
 from __future__ import annotations
@@ -36,3 +38,7 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         if overrides:
             print(f"[openrlhf_tis] rollout engine {kwargs['model']}: {overrides}")
         await super().__init__(*args, **{**kwargs, **overrides})
+
+    async def update_weights_bucket(self, names_shapes, dtype, last=False):
+        """Receive one flat broadcast of several parameters (CPU weight sync); reload after the last."""
+        return await self.llm.collective_rpc("update_weights_bucket", args=(names_shapes, dtype, last))

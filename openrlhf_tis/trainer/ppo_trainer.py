@@ -12,6 +12,7 @@ step therefore carries `global_steps + 1` of `ppo_train`, the same number as its
 from __future__ import annotations
 
 import os
+import time
 
 import ray
 import torch
@@ -89,12 +90,19 @@ class _TisPPOTrainer(_UpstreamPPOTrainer):
         return states
 
     def broadcast_to_vllm(self) -> None:
+        # Upstream's `timing/broadcast` covers this whole method; `sync/weights_s` is the weight sync
+        # alone and `sync/check_s` the probe scoring (not `timing/*`: step_total sums those).
         self._syncs += 1
         due = self._sync_checker is not None and self._syncs % self._sync_every == 0
+        t0 = time.perf_counter()
         probe = self._sync_checker.before_sync() if due else None
+        t1 = time.perf_counter()
         super().broadcast_to_vllm()
+        t2 = time.perf_counter()
         if due:
             self._sync_metrics.update(self._sync_checker.after_sync(probe))
+            self._sync_metrics["sync/check_s"] = t1 - t0 + time.perf_counter() - t2
+        self._sync_metrics["sync/weights_s"] = t2 - t1
         self._sync_metrics.update(self._quantized_sync_metrics())
 
     def _quantized_sync_metrics(self) -> dict[str, float]:
