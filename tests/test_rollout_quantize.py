@@ -45,7 +45,7 @@ from openrlhf_tis.rollout.quantize import (
 def test_quantize_error_is_at_most_half_a_step_and_nothing_saturates():
     torch.manual_seed(0)
     w = torch.randn(64, 96) * torch.logspace(-3, 1, 64)[:, None]  # rows of very different magnitude
-    q, s, saturated = quantize_per_channel(w)
+    q, s, saturated, _ = quantize_per_channel(w)
     assert q.dtype == torch.int8 and s.shape == (64, 1) and s.dtype == torch.float32
     assert saturated == 0
     assert ((w - dequantize(q, s)).abs() <= s / 2 * (1 + 1e-6)).all()  # round-to-nearest bound
@@ -59,11 +59,36 @@ def test_frozen_scales_count_saturation_exactly():
     drifted = w.clone()
     drifted[0, 0] = 2.0 * w[0].abs().max()  # beyond +-127 steps of its row
     drifted[3, 5] = -3.0 * w[3].abs().max()
-    q, s, saturated = quantize_per_channel(drifted, frozen)
+    q, s, saturated, _ = quantize_per_channel(drifted, frozen)
     assert saturated == 2 and torch.equal(s, frozen)
     assert q[0, 0] == 127 and q[3, 5] == -128
-    _, _, again = quantize_per_channel(drifted)  # recomputed scales absorb the drift
+    again = quantize_per_channel(drifted).saturated  # recomputed scales absorb the drift
     assert again == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=st.integers(1, 6), cols=st.integers(1, 40), drift=st.floats(0.0, 4.0), frozen=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_quantization_matches_a_float64_reference(rows, cols, drift, frozen, seed):
+    """The sync's fused path (row extremes, in-place ops, saturation only where a row can saturate)
+    against the textbook formula in float64: same int8 values, same count, same error."""
+    g = torch.Generator().manual_seed(seed)
+    w0 = torch.randn(rows, cols, generator=g) * torch.logspace(-2, 1, rows)[:, None]
+    w = (w0 * (1 + drift * torch.rand(rows, cols, generator=g))).to(torch.bfloat16)
+    given_scale = per_channel_scale(w0) if frozen else None
+    q, scale, saturated, max_rel_error = quantize_per_channel(w, given_scale)
+
+    wd = w.double()
+    s = (wd.abs().amax(1, keepdim=True) / 127).float().double() if given_scale is None else given_scale.double()
+    ref = torch.round((w.float() / s.float()).double())  # the quotient as the engine's fp32 division rounds it
+    assert torch.equal(scale.double(), s)
+    assert saturated == int(((ref < -128) | (ref > 127)).sum())
+    assert torch.equal(q, ref.clamp(-128, 127).to(torch.int8))
+    expected_err = float((wd - q.double() * s).abs().max() / wd.abs().max())
+    # measured in fp32 steps (w / s - q) * s: off by the fp32 rounding of w / s, ~1 ulp of max|w|
+    assert max_rel_error == pytest.approx(expected_err, rel=1e-5, abs=2**-22)
+    if not frozen:
+        assert saturated == 0 and max_rel_error <= 0.5 / 127 * (1 + 1e-5)
 
 
 def test_names_and_layout_follow_compressed_tensors():

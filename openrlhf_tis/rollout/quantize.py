@@ -27,6 +27,7 @@ import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -60,21 +61,56 @@ def input_scale_name(weight_name: str) -> str:
 
 def per_channel_scale(weight: torch.Tensor) -> torch.Tensor:
     """Symmetric per-output-channel scale [N, 1] in fp32: max |w| of the row maps to 127."""
-    amax = weight.detach().float().abs().amax(dim=1, keepdim=True)
-    return (amax / INT8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return _scale_from_extremes(*_row_extremes(weight.detach().float()))
 
 
-def quantize_per_channel(weight: torch.Tensor,
-                         scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Return (int8 weight, fp32 scale [N, 1], number of saturated values).
+def _row_extremes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # amin + amax: torch.aminmax over dim 1 measured ~10x slower than the two on CPU (torch 2.13)
+    return x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)
+
+
+def _scale_from_extremes(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    return (torch.maximum(hi, -lo) / INT8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+class Quantized(NamedTuple):
+    """One quantized weight: int8 values, fp32 scale [N, 1], clamped-value count, max|w - q s| / max|w|."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    saturated: int
+    max_rel_error: float
+
+
+def quantize_per_channel(weight: torch.Tensor, scale: torch.Tensor | None = None) -> Quantized:
+    """Round-to-nearest int8 per output channel: q = clamp(round(w / s), -128, 127).
 
     With `scale=None` the scale is recomputed and nothing saturates; with a given (frozen) scale,
     values whose rounded quotient falls outside [-128, 127] are clamped and counted.
     """
-    scale = per_channel_scale(weight) if scale is None else scale.to(torch.float32).reshape(-1, 1)
-    q = torch.round(weight.detach().float() / scale)
-    saturated = int(((q < INT8_MIN) | (q > INT8_MAX)).sum())
-    return q.clamp_(INT8_MIN, INT8_MAX).to(torch.int8), scale, saturated
+    return _quantize_in_place(weight.detach().to(torch.float32, copy=True), scale)
+
+
+def _quantize_in_place(w: torch.Tensor, scale: torch.Tensor | None) -> Quantized:
+    """quantize_per_channel on an fp32 tensor it may overwrite (a sync's hot path: ~7 passes, not ~16).
+
+    round() and division by s > 0 are monotone, so a row's extreme quotients bound all of its values:
+    only rows whose extremes round outside [-128, 127] can saturate, and only those are counted.
+    """
+    lo, hi = _row_extremes(w)
+    w_absmax = float(torch.maximum(hi, -lo).max().clamp(min=1e-30))
+    scale = _scale_from_extremes(lo, hi) if scale is None else scale.to(torch.float32).reshape(-1, 1)
+    over = ((torch.round(hi / scale) > INT8_MAX) | (torch.round(lo / scale) < INT8_MIN)).reshape(-1)
+    r = w.div_(scale)
+    q = torch.round(r)
+    saturated = 0
+    if bool(over.any()):
+        rows = q[over]
+        saturated = int(((rows < INT8_MIN) | (rows > INT8_MAX)).sum())
+        q.clamp_(INT8_MIN, INT8_MAX)
+    err_lo, err_hi = _row_extremes(r.sub_(q))  # rounding (and clamping) error in steps
+    max_abs_error = float((torch.maximum(err_hi, -err_lo) * scale).max())
+    return Quantized(q.to(torch.int8), scale, saturated, max_abs_error / w_absmax)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -158,18 +194,17 @@ def quantize_named_weights(named: Iterable[tuple[str, torch.Tensor]], plan: Int8
     out: list[tuple[str, torch.Tensor]] = []
     for name, tensor in named:
         if is_quantized_weight(name):
-            w = tensor.detach().float()
+            w = tensor.detach().to(torch.float32, copy=True)
             if name in smooth_of:
-                w = w * smooth_of[name].float()[None, :]
+                w.mul_(smooth_of[name].float()[None, :])
             frozen = plan.frozen_scales.get(scale_name(name)) if plan.scale_mode == "frozen" else None
             if plan.scale_mode == "frozen" and frozen is None:
                 raise KeyError(f"frozen scale mode but no initial scale for {name}")
-            q, scale, saturated = quantize_per_channel(w, frozen)
+            q, scale, saturated, max_rel_error = _quantize_in_place(w, frozen)
             stats.tensors += 1
             stats.values += q.numel()
             stats.saturated += saturated
-            err = (w - dequantize(q, scale)).abs().max() / w.abs().max().clamp(min=1e-30)
-            stats.max_rel_error = max(stats.max_rel_error, float(err))
+            stats.max_rel_error = max(stats.max_rel_error, max_rel_error)
             if plan.activations == "static":  # first: see the docstring
                 key = input_scale_name(name)
                 if key not in plan.input_scales:
