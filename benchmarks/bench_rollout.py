@@ -15,8 +15,9 @@ engine is started, then:
 The calibrated variants (int8-smooth, int8-static) share one calibration of the *initial* weights
 (`--calibration_prompts`, JSONL with an "input" key; default: a built-in set of arithmetic/chat
 prompts unlike the rollout prompts), transferred unchanged through the sync, as in a run.
-Without --model a tiny random Qwen2 is built (no real model is embedded yet): its numbers rank the
-variants but say little about absolute speed-ups on a real model.
+Default model: the embedded SmolLM2-135M-Instruct (built on first use, openrlhf_tis/demo/default_model.py);
+`--model tiny` builds a tiny random Qwen2 instead, whose numbers rank the variants' mismatch but say
+little about speed.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-VARIANTS = {  # name -> (precision, fp32_head, int8 scale mode, int8 calibration: None | "smooth" | "static")
+# name -> (precision, fp32_head, int8 scale mode, int8 calibration: None | "smooth" | "static" | "mixed")
+VARIANTS = {
     "fp32": ("fp32", False, None, None),
     "bf16": ("bf16", False, None, None),
     "bf16+fp32head": ("bf16", True, None, None),
@@ -44,6 +46,7 @@ VARIANTS = {  # name -> (precision, fp32_head, int8 scale mode, int8 calibration
     "int8-frozen": ("int8", False, "frozen", None),
     "int8-smooth": ("int8", False, "recompute", "smooth"),
     "int8-static": ("int8", False, "recompute", "static"),
+    "int8-mixed": ("int8", False, "recompute", "mixed"),
     "int8+fp32head": ("int8", True, "recompute", None),
     "fp8": ("fp8", False, None, None),
 }
@@ -70,23 +73,17 @@ def _sync(worker, named):
     return time.perf_counter() - t0
 
 
-def calibrate_once(src: Path, work: Path, prompts_file: str | None, alpha: float) -> Path:
+def calibrate_once(src: Path, work: Path, prompts_file: str | None, alpha: float, min_levels: float,
+                   kind: str) -> Path:
     """One calibration of the initial weights (smoothing + static input scales), shared by the int8-* variants."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from openrlhf_tis.rollout.calibration import calibrate, save_calibration
-    from openrlhf_tis.rollout.checkpoint import read_config
+    from openrlhf_tis.rollout.calibration import calibrate_to_file
 
     texts = CALIBRATION_PROMPTS
     if prompts_file:
         with open(prompts_file, encoding="utf-8") as f:
             texts = [json.loads(line)["input"] for line in f if line.strip()]
-    tok = AutoTokenizer.from_pretrained(src)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    ids = [tok(t)["input_ids"] for t in texts]
-    smoothing, scales = calibrate(model, ids, alpha, static_activations=True)
-    return save_calibration(work / "calibration.safetensors", smoothing, read_config(src), alpha, len(ids),
-                            input_scales=scales)
+    return calibrate_to_file(src, texts, work / f"calibration-{kind}.safetensors", alpha, static_activations=True,
+                             min_levels=min_levels)
 
 
 def trainer_logprobs(model, outputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +108,7 @@ def mismatch(train_lp: torch.Tensor, roll_lp: torch.Tensor) -> dict:
             "mean_abs_dlogp": float(r.abs().mean())}
 
 
-def run_variant(name: str, src: Path, work: Path, model_new, named_bf16, args, calibration: Path | None = None) -> dict:
+def run_variant(name: str, src: Path, work: Path, model_new, named_bf16, args, calibrations: dict[str, Path]) -> dict:
     from vllm import LLM, SamplingParams
 
     from openrlhf_tis.rollout.checkpoint import write_rollout_model
@@ -122,8 +119,8 @@ def run_variant(name: str, src: Path, work: Path, model_new, named_bf16, args, c
     if precision == "int8" or fp32_head:
         model_dir = write_rollout_model(src, work / name, precision="int8" if precision == "int8" else "bf16",
                                         scale_mode=scales or "recompute", fp32_head=fp32_head,
-                                        calibration=calibration if calibrated else None,
-                                        activations="static" if calibrated == "static" else "dynamic")
+                                        calibration=calibrations.get(calibrated),
+                                        activations="static" if calibrated in ("static", "mixed") else "dynamic")
     kwargs = engine_kwargs(precision, model_dir, cuda=False)  # head dtype comes from config.json here
     t0 = time.perf_counter()
     llm = LLM(**kwargs, enforce_eager=True, max_model_len=256, seed=0, distributed_executor_backend="uni",
@@ -158,7 +155,8 @@ def run_variant(name: str, src: Path, work: Path, model_new, named_bf16, args, c
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="HF model dir (fp32/bf16 safetensors); default: a tiny random Qwen2")
+    parser.add_argument("--model", help="HF model dir (fp32/bf16 safetensors), or 'tiny' for a tiny random Qwen2; "
+                        "default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--hidden", type=int, default=128, help="hidden size of the built tiny model")
     parser.add_argument("--layers", type=int, default=2, help="layers of the built tiny model")
     parser.add_argument("--prompts", type=int, default=32)
@@ -167,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset (repeats allowed)")
     parser.add_argument("--calibration_prompts", help="JSONL ({'input': text}) for int8-smooth / int8-static")
     parser.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
+    parser.add_argument("--min_levels", type=float, default=16.0, help="int8-mixed: static where the median "
+                        "calibration token keeps this many int8 levels, dynamic elsewhere (int8-static: 0)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
 
@@ -176,16 +176,23 @@ def main(argv: list[str] | None = None) -> None:
 
     patches.apply_platform_patches()
     work = Path(tempfile.mkdtemp(prefix="bench_rollout_"))
-    if args.model:
-        src = Path(args.model)
-    else:
+    if args.model == "tiny":
         from openrlhf_tis.demo.tiny_model import build_tiny_model
 
         src = build_tiny_model(work / "tiny_model", hidden=args.hidden, layers=args.layers)
+    else:
+        from openrlhf_tis.demo.default_model import ensure_default_model
+
+        src = Path(args.model) if args.model else ensure_default_model()
     names = args.variants.split(",")
-    calibration = None
-    if any(VARIANTS[n][3] for n in names if n in VARIANTS):  # calibrated on the initial weights, then transferred
-        calibration = calibrate_once(src, work, args.calibration_prompts, args.alpha)
+    # Calibrated on the initial weights, then transferred; smoothing alone comes from either file.
+    kinds = {VARIANTS[n][3] for n in names if n in VARIANTS} - {None}
+    levels = {"static": 0.0, "mixed": args.min_levels}
+    calibrations: dict[str, Path] = {}
+    for kind in sorted({"smooth": "static"}.get(k, k) for k in kinds):
+        calibrations[kind] = calibrate_once(src, work, args.calibration_prompts, args.alpha, levels[kind], kind)
+    if "smooth" in kinds:
+        calibrations["smooth"] = calibrations["static"]
     # The "trainer": bf16 weights (what --ds.param_dtype bf16 holds), scored in fp32 after one step.
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     torch.manual_seed(0)
@@ -198,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in names:
         try:
-            rows.append(run_variant(name, src, work, model, named_bf16, args, calibration))
+            rows.append(run_variant(name, src, work, model, named_bf16, args, calibrations))
         except Exception as err:  # a variant that cannot run here is a result too
             rows.append({"variant": name, "error": f"{type(err).__name__}: {err}"[:200]})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)

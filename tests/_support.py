@@ -65,17 +65,17 @@ def take_training_step(model, scale: float = 0.05, seed: int = 1) -> list[tuple[
 CALIBRATION_PROMPTS = [[5, 17, 42, 99, 123, 7], [300, 256, 12, 64, 77], list(range(3, 60, 3)), [401, 88, 3, 150]]
 
 
-def write_calibration(model_dir, path, static: bool = True, alpha: float = 0.5):
-    """Calibrate the model in `model_dir` on CALIBRATION_PROMPTS (smoothing, plus static input scales)."""
+def write_calibration(model_dir, path, static: bool = True, alpha: float = 0.5, min_levels: float = 0.0):
+    """Calibrate the model in `model_dir` on CALIBRATION_PROMPTS (smoothing, plus static input scales for
+    every projection whose median token keeps `min_levels` levels; 0: all of them)."""
     from transformers import AutoModelForCausalLM
 
     from openrlhf_tis.rollout.calibration import calibrate, save_calibration
     from openrlhf_tis.rollout.checkpoint import read_config
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    smoothing, scales = calibrate(model, CALIBRATION_PROMPTS, alpha, static_activations=static)
-    return save_calibration(path, smoothing, read_config(model_dir), alpha, len(CALIBRATION_PROMPTS),
-                            input_scales=scales)
+    cal = calibrate(model, CALIBRATION_PROMPTS, alpha, static_activations=static, min_levels=min_levels)
+    return save_calibration(path, cal, read_config(model_dir), alpha, len(CALIBRATION_PROMPTS))
 
 
 def engine_input_scales(llm) -> dict[str, float]:

@@ -6,13 +6,13 @@ import pytest
 from _support import refused, write_calibration
 
 from openrlhf_tis.cli import train_ppo_ray
-from openrlhf_tis.rollout.calibration import save_calibration
+from openrlhf_tis.rollout.calibration import Calibration, save_calibration
 from openrlhf_tis.rollout.checkpoint import read_config, read_plan
 
 
 def test_bad_precision_requests_are_one_message_before_ray(valid_argv, tiny_model_dir, tmp_path, capsys):
     other = dict(read_config(tiny_model_dir), num_hidden_layers=12)
-    cal = save_calibration(tmp_path / "cal.safetensors", {}, other, 0.5, 0)
+    cal = save_calibration(tmp_path / "cal.safetensors", Calibration({}), other, 0.5, 0)
     err = refused(valid_argv + ["--vllm.rollout_precision", "int8", "--vllm.int8_calibration", str(cal)], capsys)
     assert "--vllm.int8_calibration" in err and "another model" in err and "num_hidden_layers" in err
     err = refused(valid_argv + ["--vllm.int8_scales", "frozen"], capsys)

@@ -104,12 +104,22 @@ def calibration(tiny_model_dir, tmp_path_factory):
     return write_calibration(tiny_model_dir, tmp_path_factory.mktemp("cal") / "cal.safetensors", static=True)
 
 
-@pytest.mark.parametrize("activations", ["dynamic", "static"])
-def test_int8_engine_sync_matches_fresh_engine_bitwise(activations, calibration, tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def mixed_calibration(tiny_model_dir, tmp_path_factory):
+    """Static scales where the tiny model's median token keeps >= 105 levels; the rest (o_proj, down_proj,
+    layer 0's fused q/k/v) dynamic: both config groups, fused and unfused layers on each side."""
+    path = tmp_path_factory.mktemp("cal") / "mixed.safetensors"
+    return write_calibration(tiny_model_dir, path, static=True, min_levels=105.0)
+
+
+@pytest.mark.parametrize("activations", ["dynamic", "static", "mixed"])
+def test_int8_engine_sync_matches_fresh_engine_bitwise(activations, calibration, mixed_calibration, tiny_model_dir,
+                                                       tmp_path):
     from vllm import SamplingParams
 
-    static = activations == "static"
-    write_kwargs = {"precision": "int8", "activations": activations, "calibration": calibration if static else None}
+    static = activations != "dynamic"
+    cal = {"dynamic": None, "static": calibration, "mixed": mixed_calibration}[activations]
+    write_kwargs = {"precision": "int8", "activations": "static" if static else "dynamic", "calibration": cal}
     int8_dir = write_rollout_model(tiny_model_dir, tmp_path / "int8", **write_kwargs)
     model = _trainer_model(tiny_model_dir)
     llm = _engine(int8_dir)
@@ -128,6 +138,8 @@ def test_int8_engine_sync_matches_fresh_engine_bitwise(activations, calibration,
     expected_scales = _expected_engine_scales(load_int8_plan(int8_dir))
     assert engine_input_scales(llm) == expected_scales  # static: the calibrated scales, bit for bit; dynamic: none
     assert bool(expected_scales) == static
+    if activations == "mixed":  # the fallback projections run dynamic: no input scale inside the engine
+        assert 0 < len(expected_scales) < 8 and len(load_int8_plan(int8_dir).dynamic_projections) > 0
 
     # 2. Syncing the unchanged initial weights reproduces the engine bit for bit (the checkpoint and a
     #    sync quantize identically), so nothing in the reload path perturbs the kernels.
@@ -158,7 +170,8 @@ def test_int8_engine_sync_matches_fresh_engine_bitwise(activations, calibration,
     assert len(stats) == 2 and stats[-1]["saturated"] == 0 and stats[-1]["scale_mode"] == "recompute"
     # Static scales are transferred, not recomputed: the engine still holds the calibrated ones.
     assert synced_scales == expected_scales
-    assert stats[-1]["input_scales"] == (14 if static else 0)  # 2 layers x 7 projections
+    assert stats[-1]["input_scales"] == len(load_int8_plan(int8_dir).input_scales)
+    assert stats[-1]["input_scales"] == {"dynamic": 0, "static": 14, "mixed": 7}[activations]  # of 2 x 7
 
     # 4. A fresh engine started on a checkpoint of the new weights (same calibration) agrees to the last bit.
     new_src = _save_as_source(model, tiny_model_dir, tmp_path / "new_model")

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from openrlhf_tis.cli.checks import UsageError
 from openrlhf_tis.rollout.calibration import (
+    Calibration,
     CalibrationMismatchError,
     calibrate,
     calibrate_smoothing,
@@ -161,7 +162,9 @@ def test_static_input_scales_match_a_float64_reference(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    smoothing, scales = calibrate(model, CALIBRATION_PROMPTS, alpha=0.5, static_activations=True)
+    cal = calibrate(model, CALIBRATION_PROMPTS, alpha=0.5, static_activations=True, min_levels=0)
+    smoothing, scales = cal.smoothing, cal.input_scales
+    assert cal.dynamic_projections == []
     alone = calibrate_smoothing(model, CALIBRATION_PROMPTS, 0.5)  # one pass serves both
     assert alone.keys() == smoothing.keys() and all(torch.equal(alone[k], v) for k, v in smoothing.items())
     inputs = _hooked_inputs(model, CALIBRATION_PROMPTS)
@@ -202,6 +205,53 @@ def test_static_scale_is_the_max_of_the_smoothed_activation(tokens, channels, lo
     assert o == pytest.approx(x.double().abs().max().item() / 127, rel=1e-6)  # o_proj: no smoothing
 
 
+def test_dynamic_fallback_matches_a_float64_reference(tiny_model_dir, tmp_path):
+    """Projections whose median calibration token would keep fewer than `min_levels` of the 127 levels
+    under a static scale stay dynamic (fused groups whole); the rest keep their static scale."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    smoothing = calibrate_smoothing(model, CALIBRATION_PROMPTS, 0.5)
+    inputs = _hooked_inputs(model, CALIBRATION_PROMPTS)
+    reference = {}
+    for module, xs in inputs.items():
+        layer, proj = module.rsplit(".", 2)[0], module.rsplit(".", 1)[1]
+        norm = next((n for n, (_b, projs) in SMOOTH_GROUPS.items() if proj in projs), None)
+        s = smoothing[f"{layer}.{norm}.weight"].double() if norm else 1.0
+        per_token = torch.cat([(x / s).abs().reshape(-1, x.shape[-1]).amax(1) for x in xs])
+        reference[module] = 127 * float(per_token.median() / per_token.max())
+    min_levels = 105.0  # between the tiny model's levels (~50-111): a mix of static and dynamic, fused and not
+    cal = calibrate(model, CALIBRATION_PROMPTS, 0.5, static_activations=True, min_levels=min_levels)
+    assert cal.median_levels.keys() == reference.keys()
+    assert all(cal.median_levels[k] == pytest.approx(v, rel=1e-5) for k, v in reference.items())
+    expected_dynamic = set()
+    for module in reference:
+        proj = module.rsplit(".", 1)[1]
+        group = next((g for g in FUSED_GROUPS if proj in g), (proj,))
+        if reference[module.rsplit(".", 1)[0] + "." + group[0]] < min_levels:
+            expected_dynamic.add(module)
+    assert set(cal.dynamic_projections) == expected_dynamic and 0 < len(expected_dynamic) < 14
+    assert any(p.endswith("q_proj") for p in expected_dynamic)  # a fused group fell back whole
+    assert {k.removesuffix(".input_scale") for k in cal.input_scales} == set(reference) - expected_dynamic
+
+    # The run's checkpoint: static projections carry their scale, the fallback is a second config group.
+    path = save_calibration(tmp_path / "mixed.safetensors", cal, read_config(tiny_model_dir), 0.5, 4)
+    dst = write_rollout_model(tiny_model_dir, tmp_path / "int8", precision="int8", activations="static",
+                              calibration=path)
+    groups = read_config(dst)["quantization_config"]["config_groups"]
+    assert groups["group_0"]["input_activations"]["dynamic"] is False
+    assert groups["group_1"]["targets"] == sorted(expected_dynamic)
+    assert groups["group_1"]["input_activations"] == {"num_bits": 8, "type": "int", "symmetric": True,
+                                                      "strategy": "token", "dynamic": True}
+    plan = load_int8_plan(dst)
+    assert plan.dynamic_projections == expected_dynamic
+    trainer = [(k, v.to(torch.bfloat16)) for k, v in load_state_dict(tiny_model_dir).items()]
+    synced, stats = quantize_named_weights(trainer, plan, torch.bfloat16)
+    assert stats.input_scales == 14 - len(expected_dynamic)
+    on_disk = load_state_dict(dst)
+    assert [n for n, _ in synced if n.endswith(".input_scale")] == [n for n in on_disk if n.endswith(".input_scale")]
+
+
 def test_static_plan_passes_the_stored_scales_and_refuses_a_gap():
     w = torch.randn(4, 8, dtype=torch.bfloat16)
     scale = torch.tensor([0.25])
@@ -224,7 +274,7 @@ def test_calibration_files_that_do_not_fit_the_model_are_refused(static_calibrat
     q, k = "model.layers.1.self_attn.q_proj.input_scale", "model.layers.1.self_attn.k_proj.input_scale"
 
     def refused(new_scales, match, smooth=smoothing):
-        bad = save_calibration(tmp_path / "bad.safetensors", smooth, config, 0.5, 1, input_scales=new_scales)
+        bad = save_calibration(tmp_path / "bad.safetensors", Calibration(smooth, new_scales), config, 0.5, 1)
         with pytest.raises(CalibrationMismatchError, match=match):
             load_calibration(bad, config, names)
 
@@ -235,6 +285,22 @@ def test_calibration_files_that_do_not_fit_the_model_are_refused(static_calibrat
     refused({**scales, "model.layers.2.mlp.up_proj.input_scale": torch.tensor([0.1])}, "not a projection input scale")
     refused({**scales, "model.layers.0.mlp.q_proj.input_scale": torch.tensor([0.1])}, "not a projection input scale")
     refused(scales, "not a smoothable norm", smooth={**smoothing, "model.norm.weight": torch.ones(128)})
+
+    def refused_dynamic(dynamic, match):
+        kept = {n: v for n, v in scales.items() if n.removesuffix(".input_scale") not in dynamic}
+        bad = save_calibration(tmp_path / "bad.safetensors", Calibration(smoothing, kept, dynamic), config, 0.5, 1)
+        with pytest.raises(CalibrationMismatchError, match=match):
+            load_calibration(bad, config, names)
+
+    qkv = [q.removesuffix(".input_scale").replace("q_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
+    refused_dynamic(qkv[:2], "dynamic projection .*_proj without the rest of q_proj/k_proj/v_proj")
+    refused_dynamic(["model.layers.1.mlp.down_projection"], "is no quantized projection")
+    ok = save_calibration(tmp_path / "ok.safetensors", Calibration(
+        smoothing, {n: v for n, v in scales.items() if n.removesuffix(".input_scale") not in qkv}, qkv), config, 0.5, 1)
+    assert load_calibration(ok, config, names)[1]["dynamic_projections"] == qkv
+    bad = save_calibration(tmp_path / "bad.safetensors", Calibration(smoothing, scales, qkv), config, 0.5, 1)
+    with pytest.raises(CalibrationMismatchError, match="q_proj is listed as dynamic but has an input scale"):
+        load_calibration(bad, config, names)
 
 
 def test_smoothing_is_exact_in_fp32_and_transfers_through_the_plan(tiny_model_dir, tmp_path):
@@ -256,7 +322,8 @@ def test_smoothing_is_exact_in_fp32_and_transfers_through_the_plan(tiny_model_di
                 params[f"{layer}.{block}.{p}.weight"].mul_(s[None, :])
         assert torch.allclose(model(ids).logits, ref, atol=1e-4)
 
-    cal = save_calibration(tmp_path / "cal.safetensors", smoothing, read_config(tiny_model_dir), 0.5, len(prompts))
+    cal = save_calibration(tmp_path / "cal.safetensors", Calibration(smoothing), read_config(tiny_model_dir), 0.5,
+                           len(prompts))
     dst = write_rollout_model(tiny_model_dir, tmp_path / "int8s", precision="int8", calibration=cal,
                               scale_mode="frozen")
     plan = load_int8_plan(dst)
@@ -268,7 +335,8 @@ def test_smoothing_is_exact_in_fp32_and_transfers_through_the_plan(tiny_model_di
 
 def test_bad_input_is_refused_naming_the_flag(tiny_model_dir, tmp_path):
     other = dict(read_config(tiny_model_dir), hidden_size=256)
-    cal = save_calibration(tmp_path / "other.safetensors", {"model.layers.0.input_layernorm.weight": torch.ones(256)},
+    cal = save_calibration(tmp_path / "other.safetensors",
+                           Calibration({"model.layers.0.input_layernorm.weight": torch.ones(256)}),
                            other, 0.5, 1)
     with pytest.raises(CalibrationMismatchError, match="hidden_size"):
         load_calibration(cal, read_config(tiny_model_dir))

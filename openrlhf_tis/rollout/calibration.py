@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -54,12 +55,11 @@ class CalibrationMismatchError(ValueError):
 
 
 @torch.no_grad()
-def activation_absmax(model: torch.nn.Module, prompts_token_ids: list[list[int]]) -> dict[str, torch.Tensor]:
-    """Per-input-channel max |x| of every decoder projection's input, keyed by projection module name.
-
-    One forward pass per prompt through an HF causal LM; float32 maxima (a max does not round).
-    """
-    act_max: dict[str, torch.Tensor] = {}
+def _collect_inputs(model: torch.nn.Module, prompts_token_ids: list[list[int]], reduce,
+                    merge) -> dict[str, torch.Tensor]:
+    """Run the prompts through an HF causal LM and fold every decoder projection's input, as a float32
+    [tokens, channels] matrix, into one tensor per projection module: reduce(name, x), then merge(prev, new)."""
+    seen: dict[str, torch.Tensor] = {}
     hooks = []
     for name, module in model.named_modules():
         m = _PROJ_MODULE.match(name)
@@ -67,9 +67,8 @@ def activation_absmax(model: torch.nn.Module, prompts_token_ids: list[list[int]]
             continue
 
         def hook(_mod, inputs, _name=name):
-            x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1]).abs().amax(0)
-            prev = act_max.get(_name)
-            act_max[_name] = x if prev is None else torch.maximum(prev, x)
+            x = reduce(_name, inputs[0].detach().float().reshape(-1, inputs[0].shape[-1]))
+            seen[_name] = x if _name not in seen else merge(seen[_name], x)
 
         hooks.append(module.register_forward_pre_hook(hook))
     try:
@@ -79,7 +78,53 @@ def activation_absmax(model: torch.nn.Module, prompts_token_ids: list[list[int]]
     finally:
         for h in hooks:
             h.remove()
-    return act_max
+    return seen
+
+
+def activation_absmax(model: torch.nn.Module, prompts_token_ids: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Per-input-channel max |x| of every decoder projection's input, keyed by projection module name.
+
+    One forward pass per prompt through an HF causal LM; float32 maxima (a max does not round).
+    """
+    return _collect_inputs(model, prompts_token_ids, lambda _n, x: x.abs().amax(0), torch.maximum)
+
+
+def _gemm_divisor(module_name: str, smoothing: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The smoothing factor s that divides this projection's input before the int8 GEMM (None: not smoothed)."""
+    layer, block, proj = module_name.rsplit(".", 2)
+    norm = next((n for n, (b, projs) in SMOOTH_GROUPS.items() if b == block and proj in projs), None)
+    return smoothing.get(f"{layer}.{norm}.weight") if norm else None
+
+
+def median_token_levels(model: torch.nn.Module, prompts_token_ids: list[list[int]],
+                        smoothing: dict[str, torch.Tensor]) -> dict[str, float]:
+    """How many of the 127 int8 levels a static per-tensor scale leaves the median calibration token.
+
+    Per projection: 127 * median_t(max_j |x_tj / s_j|) / max_t(max_j |x_tj / s_j|), on the input the
+    int8 GEMM sees (after smoothing). Near 127 when tokens have similar ranges; near 0 when a few
+    tokens carry massive activations (SmolLM2-135M's later down_proj inputs: one token at 3086, the
+    median at 1.6), where a static scale rounds ordinary tokens to zero.
+    """
+    def per_token_max(name, x):
+        s = _gemm_divisor(name, smoothing)
+        return (x if s is None else x / s.float()).abs().amax(1)
+
+    token_max = _collect_inputs(model, prompts_token_ids, per_token_max, lambda a, b: torch.cat([a, b]))
+    return {name: float(INT8_MAX * t.median() / t.max().clamp(min=torch.finfo(torch.float32).tiny))
+            for name, t in token_max.items()}
+
+
+def dynamic_fallback(levels: dict[str, float], min_levels: float) -> list[str]:
+    """Projection modules to keep on dynamic per-token activations: those whose median token would get
+    fewer than `min_levels` levels under a static scale. A fused group (q/k/v, gate/up) shares one input
+    and one vLLM Linear, so it falls back whole, judged on its first member."""
+    out = []
+    for name, value in levels.items():
+        layer, block, proj = name.rsplit(".", 2)
+        group = next((g for g in FUSED_GROUPS if proj in g), (proj,))
+        if proj == group[0] and value < min_levels:
+            out.extend(f"{layer}.{block}.{member}" for member in group)
+    return sorted(out)
 
 
 def smoothing_from_absmax(model: torch.nn.Module, act_max: dict[str, torch.Tensor],
@@ -108,15 +153,13 @@ def input_scales_from_absmax(act_max: dict[str, torch.Tensor],
     A fused group's members share their input, so the group's scale is computed once (from its first
     member) and stored under every member's name: bitwise identical, whichever shard vLLM keeps.
     """
-    norm_of = {projs: norm for norm, (_block, projs) in SMOOTH_GROUPS.items()}
     scales: dict[str, torch.Tensor] = {}
     for module_name, x_max in act_max.items():
         layer, block, proj = module_name.rsplit(".", 2)
         group = next((g for g in FUSED_GROUPS if proj in g), (proj,))
         if proj != group[0]:
             continue  # filled in from the group's first member
-        norm = norm_of.get(group)
-        s = smoothing.get(f"{layer}.{norm}.weight") if norm else None
+        s = _gemm_divisor(module_name, smoothing)
         x = x_max.float() if s is None else x_max.float() / s.float()
         scale = (x.amax() / INT8_MAX).clamp(min=torch.finfo(torch.float32).tiny).reshape(1)
         for member in group:
@@ -124,35 +167,79 @@ def input_scales_from_absmax(act_max: dict[str, torch.Tensor],
     return scales
 
 
+@dataclass
+class Calibration:
+    """What a run calibrates once and transfers to every sync.
+
+    `input_scales` covers the static projections only; `dynamic_projections` names the ones kept on
+    per-token activations (so a missing scale is a declared choice, never a gap), `median_levels` is
+    the evidence for that choice (see `median_token_levels`).
+    """
+
+    smoothing: dict[str, torch.Tensor]
+    input_scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    dynamic_projections: list[str] = field(default_factory=list)
+    median_levels: dict[str, float] = field(default_factory=dict)
+
+
+# Keep a projection static only if its median calibration token keeps >= 16 of the 127 levels
+# (4 significant bits); below that, per-token scales lose less than one static scale does.
+DEFAULT_MIN_LEVELS = 16.0
+
+
 def calibrate(model: torch.nn.Module, prompts_token_ids: list[list[int]], alpha: float = 0.5,
-              static_activations: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(smoothing factors, static input scales or {}) from one calibration pass over the prompts."""
+              static_activations: bool = False, min_levels: float = DEFAULT_MIN_LEVELS) -> Calibration:
+    """Smoothing factors, and for static activations the per-projection scales with the dynamic fallback.
+
+    One pass gives the per-channel maxima both calibrations need; static activations take a second
+    pass for the per-token ranges that decide the fallback (`min_levels=0`: every projection static).
+    """
     act_max = activation_absmax(model, prompts_token_ids)
     smoothing = smoothing_from_absmax(model, act_max, alpha)
-    return smoothing, (input_scales_from_absmax(act_max, smoothing) if static_activations else {})
+    if not static_activations:
+        return Calibration(smoothing)
+    levels = median_token_levels(model, prompts_token_ids, smoothing)
+    dynamic = dynamic_fallback(levels, min_levels)
+    scales = {k: v for k, v in input_scales_from_absmax(act_max, smoothing).items()
+              if k[: -len(".input_scale")] not in dynamic}
+    return Calibration(smoothing, scales, dynamic, levels)
 
 
 def calibrate_smoothing(model: torch.nn.Module, prompts_token_ids: list[list[int]],
                         alpha: float = 0.5) -> dict[str, torch.Tensor]:
     """Per-norm smoothing factors from an HF causal LM run on calibration prompts (fp32)."""
-    return calibrate(model, prompts_token_ids, alpha)[0]
+    return calibrate(model, prompts_token_ids, alpha).smoothing
 
 
-def save_calibration(path: str | Path, smoothing: dict[str, torch.Tensor], model_config: dict, alpha: float,
-                     n_prompts: int, input_scales: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write smoothing factors (and static input scales) with the model's fingerprint and a contents list."""
+def save_calibration(path: str | Path, cal: Calibration, model_config: dict, alpha: float, n_prompts: int) -> Path:
+    """Write the calibration tensors with the model's fingerprint, a contents list and the fallback."""
     from safetensors.torch import save_file
 
-    input_scales = input_scales or {}
-    contents = [SMOOTHING] + ([INPUT_SCALES] if input_scales else [])
+    contents = [SMOOTHING] + ([INPUT_SCALES] if cal.input_scales or cal.dynamic_projections else [])
     meta = {"fingerprint": model_fingerprint(model_config), "alpha": alpha, "n_prompts": n_prompts,
             "kind": "smoothquant", "contents": contents}
-    if input_scales:
+    if INPUT_SCALES in contents:
         meta["input_scale"] = "max|x / s| / 127 over the calibration tokens (symmetric, per tensor)"
+        meta["dynamic_projections"] = list(cal.dynamic_projections)
+        meta["median_levels"] = {k: round(v, 3) for k, v in cal.median_levels.items()}
     path = Path(path)
-    tensors = {k: v.contiguous().float() for k, v in {**smoothing, **input_scales}.items()}
+    tensors = {k: v.contiguous().float() for k, v in {**cal.smoothing, **cal.input_scales}.items()}
     save_file(tensors, str(path), metadata={META_KEY: json.dumps(meta)})
     return path
+
+
+def calibrate_to_file(model_dir: str | Path, texts: list[str], out: str | Path, alpha: float = 0.5,
+                      static_activations: bool = False, min_levels: float = DEFAULT_MIN_LEVELS) -> Path:
+    """Calibrate the HF model in `model_dir` (fp32) on prompt texts and write the file a run takes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from openrlhf_tis.rollout.checkpoint import read_config
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = [tok(t)["input_ids"] for t in texts]
+    cal = calibrate(model, ids, alpha, static_activations=static_activations, min_levels=min_levels)
+    return save_calibration(out, cal, read_config(model_dir), alpha, len(ids))
 
 
 def split_calibration(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -166,8 +253,13 @@ def has_input_scales(meta: dict) -> bool:
     return INPUT_SCALES in meta.get("contents", [SMOOTHING])
 
 
+def dynamic_projections(meta: dict) -> list[str]:
+    """Projection modules a static-activation calibration keeps on dynamic per-token activations."""
+    return list(meta.get("dynamic_projections", []))
+
+
 def _check_tensors(path, tensors: dict[str, torch.Tensor], model_config: dict,
-                   weight_names: Iterable[str] | None) -> None:
+                   weight_names: Iterable[str] | None, dynamic: list[str]) -> None:
     hidden, layers = model_config.get("hidden_size"), model_config.get("num_hidden_layers")
     smoothing, scales = split_calibration(tensors)
     for k, v in smoothing.items():
@@ -183,13 +275,23 @@ def _check_tensors(path, tensors: dict[str, torch.Tensor], model_config: dict,
             raise CalibrationMismatchError(f"{path}: tensor {k} is not a projection input scale of this model")
         if v.shape != (1,) or not bool(torch.isfinite(v).all()) or not bool((v > 0).all()):
             raise CalibrationMismatchError(f"{path}: input scale {k} must be one finite positive value, got {v}")
+    for name in dynamic:  # a fused Linear has one activation scheme: its members fall back together
+        layer, block, proj = name.rsplit(".", 2)
+        group = next((g for g in FUSED_GROUPS if proj in g), (proj,))
+        if any(f"{layer}.{block}.{member}" not in dynamic for member in group):
+            raise CalibrationMismatchError(f"{path}: dynamic projection {name} without the rest of {'/'.join(group)}")
+        if input_scale_name(name + ".weight") in scales:
+            raise CalibrationMismatchError(f"{path}: {name} is listed as dynamic but has an input scale")
     if weight_names is not None:
         names = set(weight_names)
         if unknown := sorted(set(smoothing) - names):
             raise CalibrationMismatchError(
                 f"{path}: {len(unknown)} factors name no weight of the model, e.g. {unknown[0]}")
-        if scales:
-            expected = {input_scale_name(w) for w in names if is_quantized_weight(w)}
+        if scales or dynamic:
+            projections = {w[: -len(".weight")] for w in names if is_quantized_weight(w)}
+            if stray := sorted(set(dynamic) - projections):
+                raise CalibrationMismatchError(f"{path}: dynamic projection {stray[0]} is no quantized projection")
+            expected = {input_scale_name(p + ".weight") for p in projections - set(dynamic)}
             if missing := sorted(expected - set(scales)):
                 raise CalibrationMismatchError(
                     f"{path}: no input scale for {len(missing)} quantized projections, e.g. {missing[0]}")
@@ -210,7 +312,7 @@ def load_calibration(path: str | Path, model_config: dict,
     """All calibration tensors and the metadata; CalibrationMismatchError when they do not fit the model.
 
     With `weight_names` (the model checkpoint's tensor names) static input scales must cover exactly
-    the quantized projections.
+    the quantized projections not declared dynamic.
     """
     from safetensors import safe_open
 
@@ -223,10 +325,10 @@ def load_calibration(path: str | Path, model_config: dict,
     diff = fingerprint_mismatch(model_fingerprint(model_config), meta.get("fingerprint", {}))
     if diff:
         raise CalibrationMismatchError(f"{path} was calibrated for another model ({'; '.join(diff)})")
-    has_scales = any(k.endswith(".input_scale") for k in tensors)
+    has_scales = any(k.endswith(".input_scale") for k in tensors) or bool(dynamic_projections(meta))
     if has_scales != has_input_scales(meta):
         raise CalibrationMismatchError(f"{path}: metadata contents {meta.get('contents')} do not match its tensors")
-    _check_tensors(path, tensors, model_config, weight_names)
+    _check_tensors(path, tensors, model_config, weight_names, dynamic_projections(meta))
     return tensors, meta
 
 
@@ -244,19 +346,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--static_activations", action="store_true",
                         help="also store one static int8 input scale per projection (max|x/s|/127), for "
                         "--vllm.int8_activations static")
+    parser.add_argument("--min_levels", type=float, default=DEFAULT_MIN_LEVELS,
+                        help="with --static_activations: keep a projection on dynamic per-token activations when "
+                        "its median calibration token would get fewer int8 levels than this (0: all static)")
     parser.add_argument("--out", required=True, help="output .safetensors (pass it as --vllm.int8_calibration)")
     args = parser.parse_args(argv)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     with open(args.prompts, encoding="utf-8") as f:
         texts = [json.loads(line)[args.input_key] for line in f if line.strip()][: args.max_prompts]
-    ids = [tok(t)["input_ids"] for t in texts]
-    smoothing, scales = calibrate(model, ids, args.alpha, static_activations=args.static_activations)
-    with open(Path(args.model) / "config.json", encoding="utf-8") as f:
-        config = json.load(f)
-    print(save_calibration(args.out, smoothing, config, args.alpha, len(ids), input_scales=scales))
+    out = calibrate_to_file(args.model, texts, args.out, args.alpha, args.static_activations, args.min_levels)
+    if args.static_activations:
+        meta = load_calibration(out, json.loads((Path(args.model) / "config.json").read_text()))[1]
+        print(f"static input scales; kept dynamic: {', '.join(dynamic_projections(meta)) or 'none'}")
+    print(out)
 
 
 if __name__ == "__main__":

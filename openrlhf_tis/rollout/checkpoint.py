@@ -102,7 +102,12 @@ def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "b
     reproduces this checkpoint bit for bit. `activations="static"` takes the per-projection input
     scales from `calibration` (which must carry them) and writes vLLM's static per-tensor scheme.
     """
-    from openrlhf_tis.rollout.calibration import has_input_scales, load_calibration, split_calibration
+    from openrlhf_tis.rollout.calibration import (
+        dynamic_projections,
+        has_input_scales,
+        load_calibration,
+        split_calibration,
+    )
 
     if activations not in ACTIVATION_MODES:
         raise ValueError(f"activations must be one of {ACTIVATION_MODES}, got {activations!r}")
@@ -124,24 +129,28 @@ def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "b
                  "fp32_head": fp32_head, "smoothing": None}
     if precision == "int8":
         check_quantizable(src)
-        smoothing, input_scales = {}, {}
+        smoothing, input_scales, dynamic = {}, {}, []
         if calibration:
             tensors, cal_meta = load_calibration(calibration, config, weight_names(src))
             if activations == "static" and not has_input_scales(cal_meta):
                 raise ValueError(f"{calibration} has no static activation scales (calibrate with --static_activations)")
             smoothing, input_scales = split_calibration(tensors)
+            dynamic = dynamic_projections(cal_meta) if activations == "static" else []
             (dst / SMOOTHING_FILE).parent.mkdir()
             shutil.copy2(calibration, dst / SMOOTHING_FILE)
             plan_meta["smoothing"] = SMOOTHING_FILE
             plan_meta["calibration_meta"] = cal_meta
         plan_meta["activations"] = activations
         if activations == "static":  # the scale plan: where the engine finds the scales it re-sends every sync
-            values = torch.cat(list(input_scales.values()))
+            values = torch.cat(list(input_scales.values()) or [torch.zeros(0)])
             plan_meta["input_scales"] = {"file": SMOOTHING_FILE, "count": len(input_scales),
-                                         "min": float(values.min()), "max": float(values.max()),
+                                         "min": float(values.min()) if len(values) else None,
+                                         "max": float(values.max()) if len(values) else None,
+                                         "dynamic_projections": dynamic,
                                          "transferred": "unchanged at every sync"}
         plan = Int8Plan(scale_mode="recompute", smoothing=smoothing, activations=activations,
-                        input_scales=input_scales if activations == "static" else {})
+                        input_scales=input_scales if activations == "static" else {},
+                        dynamic_projections=frozenset(dynamic))
         named = [(k, v.to(engine_dtype)) for k, v in load_state_dict(src).items()]
         out, stats = quantize_named_weights(named, plan, engine_dtype)
         from safetensors.torch import save_file
@@ -149,7 +158,8 @@ def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "b
         save_file({k: v.contiguous() for k, v in out}, str(dst / "model.safetensors"), metadata={"format": "pt"})
         if stray := sorted(p.name for p in dst.glob("*.safetensors") if p.name != "model.safetensors"):
             raise RuntimeError(f"{dst}: vLLM would load {stray} as weights too")
-        config["quantization_config"] = compressed_tensors_config(static_activations=activations == "static")
+        config["quantization_config"] = compressed_tensors_config(static_activations=activations == "static",
+                                                                  dynamic_targets=dynamic)
         plan_meta["initial_quant"] = stats.as_dict()
     elif precision in ("bf16", "fp32", "fp8"):  # same weights; the engine reads its dtype from the plan
         if calibration:
@@ -191,12 +201,14 @@ def load_int8_plan(model_dir: str | Path) -> Int8Plan:
     calibration = load_file(str(model_dir / meta["smoothing"])) if meta.get("smoothing") else {}
     smoothing, input_scales = split_calibration(calibration)
     activations = meta.get("activations", "dynamic")
+    dynamic = meta.get("input_scales", {}).get("dynamic_projections", []) if activations == "static" else []
     frozen = {}
     if meta["scale_mode"] == "frozen":
         with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
             frozen = {k: f.get_tensor(k) for k in f.keys() if k.endswith(".weight_scale")}
     return Int8Plan(scale_mode=meta["scale_mode"], smoothing=smoothing, frozen_scales=frozen, activations=activations,
-                    input_scales=input_scales if activations == "static" else {})
+                    input_scales=input_scales if activations == "static" else {},
+                    dynamic_projections=frozenset(dynamic))
 
 
 def append_sync_stats(model_dir: str | Path, record: dict) -> None:

@@ -145,7 +145,8 @@ class Int8Plan:
     `smoothing` maps a norm weight name (`model.layers.3.input_layernorm.weight`) to its per-channel
     factor s; `frozen_scales` maps a weight_scale name to the initial per-channel scale;
     `input_scales` maps an input_scale name to its calibrated static activation scale (shape [1]),
-    emitted with every projection when `activations == "static"`.
+    emitted with every static projection when `activations == "static"`; `dynamic_projections` names
+    the projection modules the calibration kept on per-token activations (they get no input scale).
     """
 
     scale_mode: str = "recompute"
@@ -153,13 +154,14 @@ class Int8Plan:
     frozen_scales: dict[str, torch.Tensor] = field(default_factory=dict)
     activations: str = "dynamic"
     input_scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    dynamic_projections: frozenset[str] = frozenset()
 
     def __post_init__(self):
         if self.scale_mode not in SCALE_MODES:
             raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {self.scale_mode!r}")
         if self.activations not in ACTIVATION_MODES:
             raise ValueError(f"activations must be one of {ACTIVATION_MODES}, got {self.activations!r}")
-        if self.activations == "static" and not self.input_scales:
+        if self.activations == "static" and not (self.input_scales or self.dynamic_projections):
             raise ValueError("static activations need calibrated input scales (none given)")
 
 
@@ -205,12 +207,12 @@ def quantize_named_weights(named: Iterable[tuple[str, torch.Tensor]], plan: Int8
             stats.values += q.numel()
             stats.saturated += saturated
             stats.max_rel_error = max(stats.max_rel_error, max_rel_error)
-            if plan.activations == "static":  # first: see the docstring
-                key = input_scale_name(name)
-                if key not in plan.input_scales:
-                    raise KeyError(f"static activations but no calibrated input scale for {name}")
+            key = input_scale_name(name)
+            if plan.activations == "static" and key in plan.input_scales:  # first: see the docstring
                 out.append((key, plan.input_scales[key].to(torch.float32).reshape(1)))
                 stats.input_scales += 1
+            elif plan.activations == "static" and name[: -len(".weight")] not in plan.dynamic_projections:
+                raise KeyError(f"static activations but no calibrated input scale for {name}")
             out.append((name, q))
             out.append((scale_name(name), scale))
         elif name in plan.smoothing:
@@ -220,12 +222,19 @@ def quantize_named_weights(named: Iterable[tuple[str, torch.Tensor]], plan: Int8
     return out, stats
 
 
-def compressed_tensors_config(static_activations: bool = False) -> dict:
+def _activation_scheme(static: bool) -> dict:
+    return {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor" if static else "token",
+            "dynamic": not static}
+
+
+def compressed_tensors_config(static_activations: bool = False, dynamic_targets: Iterable[str] = ()) -> dict:
     """The `quantization_config` entry of config.json for W8A8 int8 (lm_head left out).
 
-    Static activations select vLLM's static per-tensor symmetric scheme (one `input_scale` per layer).
+    Static activations select vLLM's static per-tensor symmetric scheme (one `input_scale` per layer)
+    for every Linear except `dynamic_targets` (projection module names), which a second group keeps
+    on per-token activations: vLLM matches a layer's own (or its fused shards') name before its class.
     """
-    return {
+    config = {
         "quant_method": "compressed-tensors",
         "format": "int-quantized",
         "quantization_status": "compressed",
@@ -234,13 +243,16 @@ def compressed_tensors_config(static_activations: bool = False) -> dict:
                 "targets": ["Linear"],
                 "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
                             "dynamic": False},
-                "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
-                                      "strategy": "tensor" if static_activations else "token",
-                                      "dynamic": not static_activations},
+                "input_activations": _activation_scheme(static_activations),
             }
         },
         "ignore": ["lm_head"],
     }
+    if dynamic_targets := sorted(dynamic_targets):
+        group = dict(config["config_groups"]["group_0"], targets=dynamic_targets,
+                     input_activations=_activation_scheme(False))
+        config["config_groups"]["group_1"] = group
+    return config
 
 
 def model_fingerprint(config: dict) -> dict:
