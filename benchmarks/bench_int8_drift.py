@@ -76,7 +76,6 @@ from openrlhf_tis.rollout.quantize import (  # noqa: E402
     scale_name,
 )
 
-DEFAULT_MODEL = "/tmp/smol/smollm2_135m"
 MODES = ("recompute", "frozen")
 
 
@@ -492,7 +491,8 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="HF model dir with safetensors (Llama/Qwen-style)")
+    parser.add_argument("--model", help="HF model dir with safetensors (Llama/Qwen-style); default: the embedded "
+                        "SmolLM2-135M-Instruct")
     parser.add_argument("--tiny", action="store_true", help="build and use the tiny random Qwen2 instead")
     parser.add_argument("--lrs", default="1e-6,1e-5,1e-4", help="comma-separated learning rates")
     parser.add_argument("--steps", type=int, default=30)
@@ -529,6 +529,10 @@ def main(argv: list[str] | None = None) -> None:
         from openrlhf_tis.demo.tiny_model import build_tiny_model
 
         src = build_tiny_model(work / "tiny_model")
+    elif args.model is None:
+        from openrlhf_tis.demo.default_model import ensure_default_model
+
+        src = ensure_default_model()
     else:
         src = Path(args.model)
         if not (src / "config.json").is_file():
