@@ -38,6 +38,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from openrlhf_tis.rollout.calibration import DEFAULT_MIN_LEVELS  # noqa: E402
+
 # name -> (precision, fp32_head, int8 scale mode, int8 calibration: None | "smooth" | "static" | "mixed")
 VARIANTS = {
     "fp32": ("fp32", False, None, None),
@@ -169,8 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset (repeats allowed)")
     parser.add_argument("--calibration_prompts", help="JSONL ({'input': text}) for int8-smooth / int8-static")
     parser.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
-    parser.add_argument("--min_levels", type=float, default=16.0, help="int8-mixed: static where the median "
-                        "calibration token keeps this many int8 levels, dynamic elsewhere (int8-static: 0)")
+    parser.add_argument("--min_levels", type=float, default=DEFAULT_MIN_LEVELS,
+                        help="int8-mixed: static where the median calibration token keeps this many int8 levels, "
+                        "dynamic elsewhere (int8-static: 0)")
     parser.add_argument("--repeats", type=int, default=3, help="timed generations and syncs per variant (best kept)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
