@@ -227,7 +227,7 @@ def test_dynamic_fallback_matches_a_float64_reference(tiny_model_dir, tmp_path):
     expected_dynamic = set()
     for module in reference:
         proj = module.rsplit(".", 1)[1]
-        group = next((g for g in FUSED_GROUPS if proj in g), (proj,))
+        group = next(g for g in (*FUSED_GROUPS, (proj,)) if proj in g)
         if reference[module.rsplit(".", 1)[0] + "." + group[0]] < min_levels:
             expected_dynamic.add(module)
     assert set(cal.dynamic_projections) == expected_dynamic and 0 < len(expected_dynamic) < 14

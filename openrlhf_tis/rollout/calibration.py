@@ -14,6 +14,11 @@ input for o_proj and down_proj). Since division by s_j > 0 is monotone, max_t |x
 q/k/v and gate/up into one Linear with a single input scale (its loader keeps whichever shard's scale
 arrives last), so each fused group gets one scale, stored identically under every member's name.
 
+Dynamic fallback: a static scale serves a projection well only if its tokens have similar ranges.
+The calibration measures, per projection, how many of the 127 levels the median calibration token
+keeps under the static scale, and keeps the projections below `min_levels` on dynamic per-token
+activations (SmolLM2's massive activations in some down_proj inputs leave the median token 0.1 level).
+
 Everything is stored in one safetensors file with the model's fingerprint and a list of what it
 contains, so a file from another model, or one without the tensors a run asks for, is refused
 before any engine starts.
@@ -30,11 +35,11 @@ from pathlib import Path
 import torch
 
 from openrlhf_tis.rollout.quantize import (
-    FUSED_GROUPS,
     INT8_MAX,
     PROJECTIONS,
     SMOOTH_GROUPS,
     fingerprint_mismatch,
+    fused_group,
     input_scale_name,
     is_quantized_weight,
     model_fingerprint,
@@ -121,7 +126,7 @@ def dynamic_fallback(levels: dict[str, float], min_levels: float) -> list[str]:
     out = []
     for name, value in levels.items():
         layer, block, proj = name.rsplit(".", 2)
-        group = next((g for g in FUSED_GROUPS if proj in g), (proj,))
+        group = fused_group(proj)
         if proj == group[0] and value < min_levels:
             out.extend(f"{layer}.{block}.{member}" for member in group)
     return sorted(out)
@@ -156,7 +161,7 @@ def input_scales_from_absmax(act_max: dict[str, torch.Tensor],
     scales: dict[str, torch.Tensor] = {}
     for module_name, x_max in act_max.items():
         layer, block, proj = module_name.rsplit(".", 2)
-        group = next((g for g in FUSED_GROUPS if proj in g), (proj,))
+        group = fused_group(proj)
         if proj != group[0]:
             continue  # filled in from the group's first member
         s = _gemm_divisor(module_name, smoothing)
@@ -279,7 +284,7 @@ def _check_tensors(path, tensors: dict[str, torch.Tensor], model_config: dict,
             raise CalibrationMismatchError(f"{path}: input scale {k} must be one finite positive value, got {v}")
     for name in dynamic:  # a fused Linear has one activation scheme: its members fall back together
         layer, block, proj = name.rsplit(".", 2)
-        group = next((g for g in FUSED_GROUPS if proj in g), (proj,))
+        group = fused_group(proj)
         if any(f"{layer}.{block}.{member}" not in dynamic for member in group):
             raise CalibrationMismatchError(f"{path}: dynamic projection {name} without the rest of {'/'.join(group)}")
         if input_scale_name(name + ".weight") in scales:
@@ -300,13 +305,11 @@ def _check_tensors(path, tensors: dict[str, torch.Tensor], model_config: dict,
             if extra := sorted(set(scales) - expected):
                 raise CalibrationMismatchError(f"{path}: input scale {extra[0]} names no quantized projection")
     for k in scales:  # one scale per fused Linear: vLLM would silently keep the last shard's
-        layer, _block, proj = k[: -len(".input_scale")].rsplit(".", 2)
-        for group in FUSED_GROUPS:
-            if proj in group and proj != group[0]:
-                first = f"{layer}.{_BLOCK_OF[proj]}.{group[0]}.input_scale"
-                if first in scales and not torch.equal(scales[first], scales[k]):
-                    raise CalibrationMismatchError(
-                        f"{path}: {k} differs from {first}; vLLM fuses them into one Linear with one input scale")
+        layer, block, proj = k[: -len(".input_scale")].rsplit(".", 2)
+        first = f"{layer}.{block}.{fused_group(proj)[0]}.input_scale"
+        if first in scales and not torch.equal(scales[first], scales[k]):
+            raise CalibrationMismatchError(
+                f"{path}: {k} differs from {first}; vLLM fuses them into one Linear with one input scale")
 
 
 def load_calibration(path: str | Path, model_config: dict,

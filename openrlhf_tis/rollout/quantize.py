@@ -45,6 +45,11 @@ ACTIVATION_MODES = ("dynamic", "static")
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
+def fused_group(proj: str) -> tuple[str, ...]:
+    """The projections vLLM fuses with `proj` into one Linear (itself alone for o_proj and down_proj)."""
+    return next((g for g in FUSED_GROUPS if proj in g), (proj,))
+
+
 def is_quantized_weight(name: str) -> bool:
     """True for the Linear weights the W8A8 format quantizes (decoder projections)."""
     return _QUANTIZED.match(name) is not None
