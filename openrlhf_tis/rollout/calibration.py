@@ -361,7 +361,10 @@ def main(argv: list[str] | None = None) -> None:
     out = calibrate_to_file(args.model, texts, args.out, args.alpha, args.static_activations, args.min_levels)
     if args.static_activations:
         meta = load_calibration(out, json.loads((Path(args.model) / "config.json").read_text()))[1]
-        print(f"static input scales; kept dynamic: {', '.join(dynamic_projections(meta)) or 'none'}")
+        dynamic = dynamic_projections(meta)
+        print(f"static input scales for {len(meta['median_levels']) - len(dynamic)} projections; {len(dynamic)} kept "
+              f"dynamic (median token < {args.min_levels:g} levels){': ' + ', '.join(dynamic[:4]) if dynamic else ''}"
+              f"{', ...' if len(dynamic) > 4 else ''} (all listed in the file's metadata)")
     print(out)
 
 
