@@ -403,3 +403,21 @@ def test_int8_sync_refuses_float_weights_without_a_plan(tmp_path):
     plain = SimpleNamespace(model_config=SimpleNamespace(model=str(tmp_path), quantization=None, dtype=torch.bfloat16))
     named = [("model.layers.0.mlp.up_proj.weight", torch.ones(2, 2))]
     assert prepare_for_engine(plain, named) is named
+
+
+def test_calibration_command_writes_a_file_the_run_accepts(tiny_model_dir, tmp_path, capsys):
+    from openrlhf_tis.rollout.calibration import dynamic_projections, main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input": f"what is {i} plus {i + 3}?"}) + "\n" for i in range(6)))
+    out = tmp_path / "cal.safetensors"
+    main(["--model", str(tiny_model_dir), "--prompts", str(prompts), "--out", str(out), "--static_activations",
+          "--min_levels", "105"])
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-1] == str(out)
+    tensors, meta = load_calibration(out, read_config(tiny_model_dir), weight_names(tiny_model_dir))
+    dynamic = dynamic_projections(meta)
+    assert meta["n_prompts"] == 6 and meta["contents"] == ["smoothing", "input_scales"]
+    assert f"{14 - len(dynamic)} projections; {len(dynamic)} kept dynamic" in printed[0]
+    assert len(split_calibration(tensors)[1]) == 14 - len(dynamic)
+    check_rollout_precision("int8", str(tiny_model_dir), cuda=False, calibration=str(out), activations="static")
