@@ -421,3 +421,18 @@ def test_calibration_command_writes_a_file_the_run_accepts(tiny_model_dir, tmp_p
     assert f"{14 - len(dynamic)} projections; {len(dynamic)} kept dynamic" in printed[0]
     assert len(split_calibration(tensors)[1]) == 14 - len(dynamic)
     check_rollout_precision("int8", str(tiny_model_dir), cuda=False, calibration=str(out), activations="static")
+
+    # With the chat template the calibration sees the template's tokens too: other ranges, other factors.
+    chat = tmp_path / "chat.safetensors"
+    main(["--model", str(tiny_model_dir), "--prompts", str(prompts), "--out", str(chat), "--apply_chat_template"])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = [tok.apply_chat_template([{"role": "user", "content": json.loads(line)["input"]}], tokenize=True,
+                                   add_generation_prompt=True, return_dict=True)["input_ids"]
+           for line in prompts.read_text().splitlines()]
+    expected = calibrate_smoothing(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), ids)
+    chat_smoothing = split_calibration(load_calibration(chat, read_config(tiny_model_dir))[0])[0]
+    assert chat_smoothing.keys() == expected.keys()
+    assert all(torch.equal(chat_smoothing[k], v) for k, v in expected.items())
+    assert any(not torch.equal(chat_smoothing[k], v) for k, v in split_calibration(tensors)[0].items())

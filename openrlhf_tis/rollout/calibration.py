@@ -236,15 +236,24 @@ def save_calibration(path: str | Path, cal: Calibration, model_config: dict, alp
 
 
 def calibrate_to_file(model_dir: str | Path, texts: list[str], out: str | Path, alpha: float = 0.5,
-                      static_activations: bool = False, min_levels: float = DEFAULT_MIN_LEVELS) -> Path:
-    """Calibrate the HF model in `model_dir` (fp32) on prompt texts and write the file a run takes."""
+                      static_activations: bool = False, min_levels: float = DEFAULT_MIN_LEVELS,
+                      chat_template: bool = False) -> Path:
+    """Calibrate the HF model in `model_dir` (fp32) on prompt texts and write the file a run takes.
+
+    `chat_template`: format each text as a user turn with the generation prompt, as a run with
+    `--data.apply_chat_template` feeds the engine; the special tokens of the template carry their own
+    activation ranges, so calibrating on raw text under-covers them.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from openrlhf_tis.rollout.checkpoint import read_config
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ids = [tok(t)["input_ids"] for t in texts]
+    if chat_template:
+        texts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+                 for t in texts]
+    ids = [tok(t, add_special_tokens=not chat_template)["input_ids"] for t in texts]
     cal = calibrate(model, ids, alpha, static_activations=static_activations, min_levels=min_levels)
     return save_calibration(out, cal, read_config(model_dir), alpha, len(ids))
 
@@ -354,11 +363,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min_levels", type=float, default=DEFAULT_MIN_LEVELS,
                         help="with --static_activations: keep a projection on dynamic per-token activations when "
                         "its median calibration token would get fewer int8 levels than this (0: all static)")
+    parser.add_argument("--apply_chat_template", action="store_true",
+                        help="format each prompt with the tokenizer's chat template (as --data.apply_chat_template)")
     parser.add_argument("--out", required=True, help="output .safetensors (pass it as --vllm.int8_calibration)")
     args = parser.parse_args(argv)
     with open(args.prompts, encoding="utf-8") as f:
         texts = [json.loads(line)[args.input_key] for line in f if line.strip()][: args.max_prompts]
-    out = calibrate_to_file(args.model, texts, args.out, args.alpha, args.static_activations, args.min_levels)
+    out = calibrate_to_file(args.model, texts, args.out, args.alpha, args.static_activations, args.min_levels,
+                            args.apply_chat_template)
     if args.static_activations:
         meta = load_calibration(out, json.loads((Path(args.model) / "config.json").read_text()))[1]
         dynamic = dynamic_projections(meta)
