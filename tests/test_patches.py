@@ -125,11 +125,16 @@ class _FilledGroup:
 
 def _worker(engine_dtype, sent, model_dir):
     runner = types.SimpleNamespace(
-        model_config=types.SimpleNamespace(model=str(model_dir), quantization=None),
+        model_config=types.SimpleNamespace(model=str(model_dir), quantization=None, dtype=engine_dtype),
         model=types.SimpleNamespace(config=types.SimpleNamespace(tie_word_embeddings=False)),
-        reloaded=[],
+        reloaded=[], reload_default_dtypes=[],
     )
-    runner.reload_weights = lambda weights_iterator: runner.reloaded.extend(weights_iterator)
+
+    def reload_weights(weights_iterator):
+        runner.reload_default_dtypes.append(torch.get_default_dtype())  # vLLM's loaders read it (static int8)
+        runner.reloaded.extend(weights_iterator)
+
+    runner.reload_weights = reload_weights
     return types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=engine_dtype), _model_update_with_ray=False,
                                  _model_update_group=_FilledGroup(sent), model_runner=runner)
 
@@ -146,6 +151,7 @@ def test_cpu_weight_sync_buffers_until_the_last_tensor_and_upcasts_for_fp32_engi
     assert names == ["a.weight", "b.weight"]
     for _, weight in worker.model_runner.reloaded:
         assert weight.dtype == torch.float32 and torch.equal(weight, sent.float())  # bf16 -> fp32 is exact
+    assert worker.model_runner.reload_default_dtypes == [torch.float32]
 
     bf16_engine = _worker(torch.bfloat16, sent.float(), tmp_path)
     with pytest.raises(TypeError, match="--ds.param_dtype"):
@@ -161,6 +167,9 @@ def test_bucketed_receive_splits_one_broadcast_into_the_named_tensors(tmp_path):
     (name_a, got_a), (name_b, got_b) = worker.model_runner.reloaded
     assert (name_a, name_b) == ("a.weight", "b.bias")
     assert torch.equal(got_a, a) and torch.equal(got_b, b)
+    # the reload runs under the engine dtype, as vLLM's own load does; the caller's default comes back
+    assert worker.model_runner.reload_default_dtypes == [torch.bfloat16]
+    assert torch.get_default_dtype() == torch.float32
 
 
 @given(st.lists(st.tuples(st.sampled_from([torch.bfloat16, torch.float32]), st.integers(1, 300)), max_size=30),
