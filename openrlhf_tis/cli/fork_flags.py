@@ -83,7 +83,8 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["dynamic", "static"],
         help="INT8 activation quantization: per token at run time (dynamic), or one static per-tensor scale per "
         "projection calibrated once on prompts (static; needs --vllm.int8_calibration made with "
-        "--static_activations) and passed unchanged to the engines at every weight sync.",
+        "--static_activations) and passed unchanged to the engines at every weight sync; projections the "
+        "calibration kept dynamic (--min_levels) stay per token.",
     )
     parser.add_argument(
         "--vllm.fp32_lm_head",
