@@ -2,7 +2,8 @@
 
     python benchmarks/bench_rollout.py [--model DIR] [--prompts 64 --tokens 64] [--repeats 3] [--variants a,b]
 
-For each variant (fp32, bf16, bf16 + fp32 head, int8 (weight grid of this machine, or forced 8 / 7 bits:
+For each variant (fp32, bf16, bf16 + fp32 head (and with vLLM's own per-step head cast, the
+cpu_fp32_head patch undone: bf16+fp32head-upstream), int8 (weight grid of this machine, or forced 8 / 7 bits:
 int8-w8, int8-w7), int8 + frozen scales, int8 + SmoothQuant
 smoothing, int8 + smoothing + static activation scales everywhere (int8-static) or with the dynamic
 fallback (int8-mixed, `--min_levels`), int8 + fp32 head, fp8) one in-process vLLM-CPU engine is
@@ -25,6 +26,7 @@ little about speed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -47,6 +49,7 @@ VARIANTS = {
     "fp32": ("fp32", False, None, None, None),
     "bf16": ("bf16", False, None, None, None),
     "bf16+fp32head": ("bf16", True, None, None, None),
+    "bf16+fp32head-upstream": ("bf16", True, None, None, None),  # vLLM's own head: cast at every step
     "int8": ("int8", False, "recompute", None, None),
     "int8-w8": ("int8", False, "recompute", None, 8),
     "int8-w7": ("int8", False, "recompute", None, 7),
@@ -115,7 +118,30 @@ def mismatch(train_lp: torch.Tensor, roll_lp: torch.Tensor) -> dict:
             "mean_abs_dlogp": float(r.abs().mean())}
 
 
+@contextlib.contextmanager
+def upstream_fp32_head(enabled: bool):
+    """Undo the cpu_fp32_head patch for one variant (in-process engine), to measure what it saves."""
+    if not enabled:
+        yield
+        return
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    from openrlhf_tis.patches._guard import upstream_original
+
+    patched = LogitsProcessor._apply_head
+    LogitsProcessor._apply_head = upstream_original(LogitsProcessor, "_apply_head")
+    try:
+        yield
+    finally:
+        LogitsProcessor._apply_head = patched
+
+
 def run_variant(name: str, src: Path, work: Path, model_new, named_bf16, args, calibrations: dict[str, Path]) -> dict:
+    with upstream_fp32_head(name.endswith("-upstream")):
+        return _run_variant(name, src, work, model_new, named_bf16, args, calibrations)
+
+
+def _run_variant(name: str, src: Path, work: Path, model_new, named_bf16, args, calibrations: dict[str, Path]) -> dict:
     from vllm import LLM, SamplingParams
 
     from openrlhf_tis.rollout.checkpoint import PLAN_FILE, write_rollout_model

@@ -74,3 +74,8 @@ def add(owner: Any, attr: str, new: Any, *, patch: str) -> None:
 def upstream_original(owner: Any, attr: str) -> Any:
     """What `replace` swapped out of owner.attr (for a patch that falls back to upstream)."""
     return owner.__dict__["__openrlhf_tis_originals__"][attr]
+
+
+def unpatched(owner: Any, attr: str) -> Any:
+    """owner.attr as upstream defines it, whether or not `replace` has run (for a wrapper built before it)."""
+    return owner.__dict__.get("__openrlhf_tis_originals__", {}).get(attr) or getattr(owner, attr)

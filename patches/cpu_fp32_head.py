@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._guard import replace, require_version
+from ._guard import replace, require_version, unpatched
 from ._import_hooks import after_import
 
 NAME = "cpu_fp32_head"
@@ -42,7 +42,7 @@ def forget_fp32_heads(model: torch.nn.Module) -> None:
 
 def _patch_logits_processor(module) -> None:
     processor = module.LogitsProcessor
-    original = processor.__dict__.get("__openrlhf_tis_originals__", {}).get("_apply_head") or processor._apply_head
+    original = unpatched(processor, "_apply_head")
     plain_heads = (module.UnquantizedEmbeddingMethod, module.UnquantizedLinearMethod)
 
     def _apply_head(self, lm_head, hidden_states, embedding_bias):

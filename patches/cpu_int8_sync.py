@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._guard import replace, require_version
+from ._guard import replace, require_version, unpatched
 from ._import_hooks import after_import
 
 NAME = "cpu_int8_sync"
@@ -23,8 +23,7 @@ TARGET = "vllm.model_executor.kernels.linear.scaled_mm.cpu"
 
 def _patch_kernel(module) -> None:
     kernel = module.CPUInt8ScaledMMLinearKernel
-    original = kernel.__dict__.get("__openrlhf_tis_originals__", {}).get("process_weights_for_onednn")
-    original = original or kernel.process_weights_for_onednn
+    original = unpatched(kernel, "process_weights_for_onednn")
 
     def process_weights_for_onednn(self, layer: torch.nn.Module) -> None:
         _, w_s_name, _, _, _ = self.layer_param_names
