@@ -134,8 +134,47 @@ def _empty(columns: list[str]) -> pd.DataFrame:
     return SCHEMA.remove_metadata().empty_table().select(columns).to_pandas()
 
 
+# How a column that a dump lacks is read (an older writer, or the optional columns of schema.py):
+# `step` from the file name (layout.token_file), `masked` from the reason code, `old_logprob` NaN as in
+# bypass mode; any other missing column reads as NULL.
+_MISSING_DEFAULTS = {
+    "step": r"CAST(regexp_extract(filename, 'step_(\d+)[^/\\]*$', 1) AS INTEGER)",
+    "masked": "mask_reason <> 0",
+    "old_logprob": "'NaN'::FLOAT",
+}
+_SQL_TYPES = {"int8": "TINYINT", "int32": "INTEGER", "float": "FLOAT", "bool": "BOOLEAN", "string": "VARCHAR"}
+
+
+def _column_expr(name: str, present: set[str]) -> str:
+    """SQL for one schema column over files that may lack it, cast to the schema's type."""
+    if name not in present:
+        expr = _MISSING_DEFAULTS.get(name, "NULL")
+    elif name in _MISSING_DEFAULTS:  # union_by_name gives NULL in the files that lack it
+        expr = f"COALESCE({_quote(name)}, {_MISSING_DEFAULTS[name]})"
+    else:
+        expr = _quote(name)
+    return f"CAST({expr} AS {_SQL_TYPES[str(COLUMNS[name][0])]}) AS {_quote(name)}"
+
+
+def _scan_by_name(cursor: duckdb.DuckDBPyConnection, files: list[Path], columns: list[str],
+                  where: str) -> pd.DataFrame:
+    """Query files whose columns differ (dumps of several schema versions): columns matched by name.
+
+    `union_by_name` reads every file's schema, which the plain scan skips, so this is only the fallback.
+    The filter sits outside the projection that fills missing columns, and DuckDB still pushes it into
+    the scan for the columns the files have.
+    """
+    params = {"files": [os.fspath(f) for f in files]}
+    source = "read_parquet($files, union_by_name = true, filename = true)"
+    present = set(cursor.sql(f"SELECT * FROM {source} LIMIT 0", params=params).columns)
+    projection = ", ".join(_column_expr(name, present) for name in COLUMNS)
+    sql = f"SELECT {', '.join(map(_quote, columns))} FROM (SELECT {projection} FROM {source}) WHERE {where}"
+    return cursor.sql(sql, params=params).to_arrow_table().to_pandas()
+
+
 def _scan(files: list[Path], columns: list[str], where: str) -> pd.DataFrame:
-    """Query all files at once; if any is unreadable, query them one by one and name the bad ones.
+    """Query all files at once; then, if that fails, by column name (dumps of an older schema version
+    lack optional columns), then one by one naming the unreadable ones.
 
     Results go through Arrow (`to_arrow_table().to_pandas()`), not DuckDB's `.df()`: measured faster on
     large results and the dtypes are exactly those of an empty result built from the schema.
@@ -146,10 +185,14 @@ def _scan(files: list[Path], columns: list[str], where: str) -> pd.DataFrame:
         return cursor.sql(sql, params={"files": [os.fspath(f) for f in files]}).to_arrow_table().to_pandas()
     except duckdb.Error:
         pass
+    try:
+        return _scan_by_name(cursor, files, columns, where)
+    except duckdb.Error:
+        pass
     frames = []
     for path in files:
         try:
-            frames.append(cursor.sql(sql, params={"files": [os.fspath(path)]}).to_arrow_table().to_pandas())
+            frames.append(_scan_by_name(cursor, [path], columns, where))
         except duckdb.Error as err:
             message = str(err).splitlines()[0]
             warnings.warn(f"{path}: unreadable token dump skipped ({message})", RunStoreWarning, stacklevel=3)
