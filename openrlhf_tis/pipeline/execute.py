@@ -1,0 +1,65 @@
+"""Executing the project's notebooks with papermill and exporting them to self-contained HTML.
+
+Parameters are checked against the notebook's spec before papermill starts a kernel, so a typo costs
+nothing; the notebook checks them again itself for people who call papermill directly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+NOTEBOOKS = REPO / "notebooks"
+KERNEL = "python3"  # ipykernel's own spec: the interpreter that runs papermill, i.e. the project's venv
+
+
+def notebook_path(name: str) -> Path:
+    """A notebook of the project by name ('train', 'compare', ...)."""
+    path = NOTEBOOKS / f"{name}.ipynb"
+    if not path.is_file():
+        raise FileNotFoundError(f"no notebook {path}")
+    return path
+
+
+def execute(name: str, output: str | os.PathLike, parameters: Mapping[str, Any], cwd: str | os.PathLike | None = None,
+            progress: bool = False) -> Path:
+    """Run notebook `name` with `parameters` into `output` (the executed copy, outputs kept even on failure).
+
+    Raises papermill's PapermillExecutionError (cell index, exception name and value) when a cell fails.
+    """
+    import papermill
+
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    papermill.execute_notebook(os.fspath(notebook_path(name)), os.fspath(output), parameters=dict(parameters),
+                               kernel_name=KERNEL, cwd=os.fspath(cwd or output.parent), progress_bar=progress,
+                               log_output=False)
+    return output
+
+
+# nbconvert's templates link scripts from CDNs (the widget manager, RequireJS, MathJax) and import
+# mermaid from one on demand; a report must open with no network, and shows nothing that needs them.
+_REMOTE_SCRIPT = re.compile(r"<script[^>]*\bsrc=\"https?://[^\"]*\"[^>]*>\s*</script>\s*", re.IGNORECASE)
+_REMOTE_IMPORT = re.compile(r"<script[^>]*>(?:(?!</script>).)*?import\(\s*\"https?://.*?</script>\s*",
+                            re.IGNORECASE | re.DOTALL)
+
+
+def export_html(notebook: str | os.PathLike, html: str | os.PathLike | None = None, hide_code: bool = True) -> Path:
+    """Write `notebook` as one HTML file: images embedded, no remote script, code cells hidden by default."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    notebook = Path(notebook)
+    html = Path(html) if html is not None else notebook.with_suffix(".html")
+    exporter = HTMLExporter(template_name="lab", embed_images=True, exclude_input=hide_code,
+                            exclude_input_prompt=True, exclude_output_prompt=True)
+    body, _ = exporter.from_notebook_node(nbformat.read(notebook, as_version=4))
+    body = _REMOTE_IMPORT.sub("", _REMOTE_SCRIPT.sub("", body))
+    from openrlhf_tis.runs.layout import atomic_write
+
+    atomic_write(html, body.encode())
+    return html

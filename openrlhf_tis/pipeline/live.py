@@ -1,0 +1,52 @@
+"""The live view of a training job in a notebook: a progress bar over steps and curves redrawn as steps land."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from openrlhf_tis.pipeline.report import displayable, ipython_display
+from openrlhf_tis.viz.curves import plot_curves
+
+
+def step_line(record: dict[str, Any], total: int) -> str:
+    """One short line for a step: what a person scans for (reward, mismatch, masking, time)."""
+    def fmt(key: str, spec: str) -> str:
+        value = record.get(key)
+        return format(value, spec) if isinstance(value, (int, float)) else "-"
+
+    return (f"step {record['step']}/{total}  reward {fmt('rollout/reward_mean', '.3f')}  "
+            f"k3 {fmt('mismatch/k3_kl', '.2e')}  max|Δp| {fmt('mismatch/abs_dp_max', '.3f')}  "
+            f"masked {fmt('correction/masked_frac', '.3f')}  {fmt('timing/step_total', '.1f')} s")
+
+
+class LiveCurves:
+    """Call with every metrics record so far (run_training's on_progress); redraws only when steps were added.
+
+    `display` defaults to IPython's (returning a handle with `.update`); tests pass their own.
+    """
+
+    def __init__(self, total_steps: int, display: Callable[..., Any] | None = None, title: str | None = None):
+        display = display or ipython_display()
+        self.total, self.title, self._display = total_steps, title, display
+        self._bar = tqdm(total=total_steps, desc="training steps", unit="step")
+        self._handle = None
+        self.drawn = 0
+
+    def __call__(self, records: list[dict[str, Any]]) -> None:
+        if len(records) == self.drawn:
+            return
+        for record in records[self.drawn:]:
+            self._bar.set_postfix_str(step_line(record, self.total).split("  ", 1)[1], refresh=False)
+        self._bar.update(len(records) - self.drawn)
+        self.drawn = len(records)
+        fig = plot_curves(records, title=self.title)
+        if self._handle is None:
+            self._handle = self._display(fig, display_id=True)
+        elif hasattr(self._handle, "update"):
+            self._handle.update(displayable(fig))
+
+    def close(self) -> None:
+        self._bar.close()

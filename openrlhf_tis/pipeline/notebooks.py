@@ -1,0 +1,101 @@
+"""`python -m openrlhf_tis.pipeline.notebooks`: (re)write notebooks/train, compare and sweep .ipynb from code.
+
+The parameters cell of each notebook is generated from its ParamSpec, so the notebook, the checks and
+the sweep can never disagree on a name or a default; a test fails when a committed notebook differs
+from what this writes. Notebooks hold no logic beyond one call per cell.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+from openrlhf_tis.pipeline.execute import NOTEBOOKS
+from openrlhf_tis.pipeline.params import ParamSpec, spec_of
+
+_CHECK = "from openrlhf_tis.pipeline.params import notebook_params\n\nparams = notebook_params(globals(), {name!r})"
+
+
+def parameters_cell(spec: ParamSpec):
+    """The papermill `parameters` cell: one assignment per parameter with its help as a comment."""
+    lines = [f"{name} = {p.default!r}  # {p.help}" for name, p in spec.items()]
+    return new_code_cell("\n".join(lines), metadata={"tags": ["parameters"]})
+
+
+def _notebook(name: str, intro: str, body: list[str]) -> nbformat.NotebookNode:
+    cells = [new_markdown_cell(intro), parameters_cell(spec_of(name)), new_code_cell(_CHECK.format(name=name))]
+    cells += [new_code_cell(src) for src in body]
+    nb = new_notebook(cells=cells, metadata={
+        "kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"},
+        "language_info": {"name": "python"},
+    })
+    for i, cell in enumerate(nb.cells):  # stable ids: regenerating gives byte-identical files
+        cell["id"] = f"{name}-{i}"
+    return nb
+
+
+NOTEBOOK_SOURCES = {
+    "train": lambda: _notebook(
+        "train",
+        "# Train one run\n"
+        "Runs `python -m openrlhf_tis.cli.train_ppo_ray` in a subprocess (Ray and vLLM never live in this kernel;\n"
+        "`RAY_ADDRESS` in the environment sends the job to a cluster), shows the curves as steps land in\n"
+        "`metrics.jsonl`, then the final plots. Set parameters below or with `papermill -p NAME VALUE`.\n"
+        "The full training log is `<run_dir>/train.log`.",
+        [
+            "from openrlhf_tis.pipeline.live import LiveCurves\n"
+            "from openrlhf_tis.pipeline.train import run_training\n\n"
+            "live = LiveCurves(params['steps'], title=f\"{params['correction']} / {params['rollout_precision']}\")\n"
+            "try:\n"
+            "    run_dir = run_training(params, on_progress=live)\n"
+            "finally:\n"
+            "    live.close()",
+            "from openrlhf_tis.pipeline.report import show_run\n\n"
+            "shown = show_run(run_dir)",
+        ],
+    ),
+    "compare": lambda: _notebook(
+        "compare",
+        "# Compare runs\n"
+        "Overlaid curves, a final table, the flags that differ between the runs, and mismatch as a function\n"
+        "of the rollout probability (does the gap grow as p → 0?).",
+        [
+            "from IPython.display import Markdown, display\n"
+            "from openrlhf_tis.pipeline.report import show_comparison\n\n"
+            "display(Markdown(f\"## {params['title']}\"))\n"
+            "shown = show_comparison(params['runs'], params['failures'])",
+        ],
+    ),
+    "sweep": lambda: _notebook(
+        "sweep",
+        "# Sweep\n"
+        "Executes train.ipynb once per grid cell with papermill (cells already complete are skipped, a failed\n"
+        "cell is recorded and the others go on), then compare.ipynb over all cells, exported to HTML.\n"
+        "The same as `openrlhf-tis-sweep GRID OUT_DIR`.",
+        [
+            "from openrlhf_tis.pipeline.sweep import results_table, run_sweep\n\n"
+            "result = run_sweep(params['grid'], params['out_dir'])\n"
+            "print('report:', result.html)\n"
+            "results_table(result)",
+        ],
+    ),
+}
+
+
+def write_notebooks(directory: Path = NOTEBOOKS) -> list[Path]:
+    """Write every generated notebook into `directory`; returns the paths."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, build in NOTEBOOK_SOURCES.items():
+        path = directory / f"{name}.ipynb"
+        nbformat.write(build(), path)
+        paths.append(path)
+    return paths
+
+
+if __name__ == "__main__":
+    for written in write_notebooks(Path(sys.argv[1]) if len(sys.argv) > 1 else NOTEBOOKS):
+        print(written)

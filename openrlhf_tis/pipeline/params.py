@@ -1,0 +1,100 @@
+"""Notebook parameters declared once, checked the same way in a notebook, a sweep grid and a console command.
+
+A papermill parameter with a typo is only a warning to papermill and a silently unused variable to the
+notebook; a bad value surfaces minutes later inside Ray. Each notebook therefore declares its
+parameters as a `ParamSpec` table (see SPECS) and its second cell calls `notebook_params(globals(), NAME)`, which
+fails in that cell with the list of accepted names (and their help) for an unknown name or a bad value.
+The sweep checks every cell of a grid against the same table before any cell runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import FunctionType, ModuleType
+from typing import Any
+
+
+class ParameterError(ValueError):
+    """A notebook or grid parameter that cannot be used; the message names it and lists what is accepted."""
+
+
+Check = Callable[[Any], str | None]  # returns why the value is wrong, or None
+
+
+@dataclass(frozen=True)
+class Param:
+    default: Any
+    help: str
+    types: tuple[type, ...] = ()
+    choices: tuple[Any, ...] | None = None
+    check: Check | None = None
+
+    def problem(self, value: Any) -> str | None:
+        """Why `value` is not acceptable, or None."""
+        if self.choices is not None and value not in self.choices:
+            return f"must be one of {list(self.choices)}"
+        wrong_type = not isinstance(value, self.types) or isinstance(value, bool) and bool not in self.types
+        if self.types and wrong_type:
+            return f"must be {' or '.join(t.__name__ for t in self.types)}, got {type(value).__name__}"
+        return self.check(value) if self.check else None
+
+
+ParamSpec = Mapping[str, Param]
+
+
+def positive(value: Any) -> str | None:
+    return None if value > 0 else "must be > 0"
+
+
+def accepted(spec: ParamSpec) -> str:
+    """One line per accepted parameter: name, default, help."""
+    return "\n".join(f"  {name} = {p.default!r}  # {p.help}" for name, p in spec.items())
+
+
+def check_params(values: Mapping[str, Any], spec: ParamSpec, where: str = "parameters") -> dict[str, Any]:
+    """Defaults overlaid with `values`, every name and value checked; raises ParameterError naming all faults."""
+    faults = [f"unknown parameter {name!r}" for name in values if name not in spec]
+    for name, value in values.items():
+        if name in spec and (why := spec[name].problem(value)) is not None:
+            faults.append(f"{name} = {value!r}: {why}")
+    if faults:
+        raise ParameterError(f"{where}: " + "; ".join(faults) + f"\naccepted parameters:\n{accepted(spec)}")
+    return {name: values.get(name, p.default) for name, p in spec.items()}
+
+
+# Notebook name -> "module:attribute" of its spec (imported on use: the specs import heavier modules).
+SPECS = {
+    "train": "openrlhf_tis.pipeline.train:TRAIN_PARAMS",
+    "compare": "openrlhf_tis.pipeline.report:COMPARE_PARAMS",
+    "sweep": "openrlhf_tis.pipeline.sweep:SWEEP_PARAMS",
+    "token_explorer": "openrlhf_tis.viz.explorer:EXPLORER_PARAMS",
+}
+
+
+def spec_of(notebook: str) -> ParamSpec:
+    """The parameter spec of a project notebook by name."""
+    if notebook not in SPECS:
+        raise KeyError(f"no parameter spec for notebook {notebook!r}; known: {sorted(SPECS)}")
+    module, attribute = SPECS[notebook].split(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+_IPYTHON_NAMES = frozenset({"In", "Out", "get_ipython", "exit", "quit", "open"})
+
+
+def notebook_params(namespace: Mapping[str, Any], notebook: str) -> dict[str, Any]:
+    """The parameters notebook `notebook` runs with, read from its globals right after the parameters cell.
+
+    Names papermill injected that the spec does not know are refused: every plain value in the kernel's
+    namespace at this point was set by the parameters cell or injected after it (imports, functions,
+    classes, private and IPython names are not parameters).
+    """
+    values = {
+        name: value for name, value in namespace.items()
+        if not name.startswith("_") and name not in _IPYTHON_NAMES
+        and not isinstance(value, (ModuleType, FunctionType, type))
+        and not callable(value)
+    }
+    return check_params(values, spec_of(notebook), where=f"{notebook}.ipynb parameters")

@@ -1,0 +1,208 @@
+"""`openrlhf-tis-sweep GRID OUT`: train.ipynb once per grid cell through papermill, then one comparison report.
+
+A grid file (TOML or JSON) has two tables, both of train.ipynb parameters:
+
+    [base]                      # every cell
+    model = "tiny"
+    steps = 2
+    [grid]                      # the cross product of these lists
+    correction = ["off", "tis", "mis_full"]
+    rollout_precision = ["bf16", "int8"]
+    seed = [1, 2]
+
+Every cell is checked before any cell runs (unknown keys, bad values). Each cell keeps its executed
+notebook and run directory under OUT/cells/<cell>/ and a status.json written last: a re-run skips
+cells whose status says complete with the same parameters, and retries the others. A failing cell
+is recorded with its papermill error (cell and exception) and the sweep goes on; the report
+(OUT/report.ipynb and the self-contained OUT/report.html) names it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import re
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from openrlhf_tis.pipeline.execute import execute, export_html
+from openrlhf_tis.pipeline.params import Param, ParameterError, check_params
+from openrlhf_tis.pipeline.train import TRAIN_PARAMS
+from openrlhf_tis.runs.layout import atomic_write
+
+GRID_TABLES = ("base", "grid")
+STATUS_FILE = "status.json"
+_PER_CELL = ("run_dir",)  # set by the sweep for each cell, never by the grid
+
+
+def _grid_file(value: str) -> str | None:
+    return None if Path(value).expanduser().is_file() else f"no such file: {value}"
+
+
+SWEEP_PARAMS: dict[str, Param] = {
+    "grid": Param("sweep.toml", "the grid file (TOML or JSON: tables base and grid)", (str,), check=_grid_file),
+    "out_dir": Param("sweeps/out", "where cells, the report and its HTML go", (str,)),
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str  # e.g. "correction=tis,rollout_precision=int8,seed=1"
+    params: dict[str, Any]  # train.ipynb parameters, run_dir excluded
+
+    @property
+    def slug(self) -> str:
+        """A directory name: readable, filesystem-safe, unique (a short hash guards truncation and collisions)."""
+        digest = hashlib.sha1(self.name.encode()).hexdigest()[:8]
+        return f"{re.sub(r'[^A-Za-z0-9_.=-]+', '_', self.name)[:80]}-{digest}"
+
+
+@dataclass
+class CellResult:
+    cell: Cell
+    status: str  # complete | failed | skipped (complete earlier)
+    run_dir: Path
+    notebook: Path
+    error: str | None = None
+
+
+@dataclass
+class SweepResult:
+    results: list[CellResult] = field(default_factory=list)
+    report: Path | None = None
+    html: Path | None = None
+
+    @property
+    def failures(self) -> dict[str, str]:
+        return {r.cell.name: r.error or "" for r in self.results if r.status == "failed"}
+
+
+def load_grid(path: str | Path) -> list[Cell]:
+    """The cells of a grid file, each checked against train.ipynb's parameters; raises naming the file and key."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+        data = json.loads(raw) if path.suffix == ".json" else tomllib.loads(raw.decode())
+    except (OSError, ValueError) as err:  # tomllib and json errors are ValueErrors
+        raise ParameterError(f"grid file {path}: cannot read it ({err})") from None
+    where = f"grid file {path}"
+    if not isinstance(data, dict) or set(data) - set(GRID_TABLES):
+        raise ParameterError(f"{where}: unknown top-level keys {sorted(set(data) - set(GRID_TABLES))}; "
+                             f"expected the tables {list(GRID_TABLES)}")
+    base, axes = data.get("base", {}), data.get("grid", {})
+    for table, keys in (("base", base), ("grid", axes)):
+        fixed = [k for k in keys if k in _PER_CELL]
+        if fixed:
+            raise ParameterError(f"{where}: [{table}] sets {fixed}, which the sweep sets per cell")
+    bad_axes = [k for k, v in axes.items() if not isinstance(v, list) or not v]
+    if bad_axes:
+        raise ParameterError(f"{where}: [grid] values must be non-empty lists: {bad_axes}")
+    cells = []
+    for values in itertools.product(*axes.values()):
+        chosen = dict(zip(axes, values, strict=True))
+        params = {**base, **chosen}
+        name = ",".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in chosen.items()) or "base"
+        check_params(params, TRAIN_PARAMS, where=f"{where}, cell {name}")
+        cells.append(Cell(name, params))
+    return cells
+
+
+def _status(cell_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((cell_dir / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _error_text(err: BaseException) -> str:
+    """papermill's error as one readable line: which cell, which exception."""
+    cell = getattr(err, "cell_index", None)
+    ename, evalue = getattr(err, "ename", type(err).__name__), getattr(err, "evalue", str(err))
+    first_line = str(evalue).strip().splitlines()[0] if str(evalue).strip() else ""
+    return (f"cell {cell}: " if cell is not None else "") + f"{ename}: {first_line}"
+
+
+def run_cell(cell: Cell, out_dir: Path) -> CellResult:
+    """Execute train.ipynb for one cell unless it completed before with the same parameters."""
+    cell_dir = out_dir / "cells" / cell.slug
+    run_dir, notebook = cell_dir / "run", cell_dir / "train.ipynb"
+    status = _status(cell_dir)
+    if status and status.get("status") == "complete" and status.get("params") == cell.params:
+        return CellResult(cell, "skipped", run_dir, notebook)
+    if status is not None and run_dir.exists():  # an earlier failed or changed attempt: start the run afresh
+        _set_aside(run_dir)
+    try:
+        execute("train", notebook, {**cell.params, "run_dir": str(run_dir)}, cwd=cell_dir)
+        result = CellResult(cell, "complete", run_dir, notebook)
+    except Exception as err:  # papermill's error carries the failing cell; anything else is named too
+        result = CellResult(cell, "failed", run_dir, notebook, _error_text(err))
+    atomic_write(cell_dir / STATUS_FILE, json.dumps(
+        {"cell": cell.name, "status": result.status, "params": cell.params, "error": result.error}, indent=1).encode())
+    return result
+
+
+def _set_aside(run_dir: Path) -> None:
+    """Keep an earlier attempt's run directory (never delete results) under a numbered name."""
+    for n in itertools.count(1):
+        target = run_dir.with_name(f"{run_dir.name}.attempt{n}")
+        if not target.exists():
+            run_dir.rename(target)
+            return
+
+
+def run_sweep(grid: str | Path, out_dir: str | Path, title: str | None = None) -> SweepResult:
+    """Every cell of `grid` (checked first), then compare.ipynb over the completed cells, exported to HTML."""
+    cells = load_grid(grid)
+    out_dir = Path(out_dir).expanduser().resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = SweepResult()
+    bar = tqdm(cells, desc="sweep cells", unit="cell")
+    for cell in bar:
+        bar.set_postfix_str(cell.name, refresh=True)
+        result.results.append(run_cell(cell, out_dir))
+    bar.close()
+    runs = [str(r.run_dir) for r in result.results if r.status != "failed"]
+    report = out_dir / "report.ipynb"
+    parameters = {"runs": runs or [str(out_dir / "cells")], "failures": result.failures,
+                  "title": title or f"Sweep {Path(grid).name}: {len(cells)} cells"}
+    if runs:
+        execute("compare", report, parameters, cwd=out_dir)
+        result.report, result.html = report, export_html(report, out_dir / "report.html")
+    return result
+
+
+def results_table(result: SweepResult):
+    """One row per cell: status, error, run directory (what the sweep notebook shows)."""
+    import pandas as pd
+
+    return pd.DataFrame([{"cell": r.cell.name, "status": r.status, "error": r.error or "", "run_dir": str(r.run_dir)}
+                         for r in result.results]).set_index("cell")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="openrlhf-tis-sweep", description=__doc__.split("\n")[0])
+    parser.add_argument("grid", help="grid file (TOML or JSON with tables base and grid)")
+    parser.add_argument("out_dir", help="output directory (cells/, report.ipynb, report.html)")
+    parser.add_argument("--title", default=None, help="report title")
+    args = parser.parse_args(argv)
+    try:
+        result = run_sweep(args.grid, args.out_dir, args.title)
+    except ParameterError as err:
+        print(f"openrlhf-tis-sweep: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(results_table(result).to_string())
+    if result.html:
+        print(f"report: {result.html}")
+    if result.failures:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

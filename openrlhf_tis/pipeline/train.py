@@ -1,0 +1,195 @@
+"""One training job driven from a notebook: parameters -> the training CLI in a subprocess -> live curves.
+
+Ray and vLLM never live in the notebook's kernel: the job is `python -m openrlhf_tis.cli.train_ppo_ray`
+in a child process (its whole log goes to `<run_dir>/train.log`), so a crash or a kill of the job never
+takes the kernel down, and `RAY_ADDRESS`, inherited from the environment, sends the same notebook to a
+cluster. Progress is read where every consumer reads it: the run store's `metrics.jsonl`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from openrlhf_tis.correction.config import PRESETS
+from openrlhf_tis.pipeline.params import Param, positive
+from openrlhf_tis.rollout.precision import PRECISIONS
+from openrlhf_tis.runs.reader import read_metrics_records
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO_REWARD = REPO / "openrlhf_tis" / "demo" / "reward_func.py"
+LOG_FILE = "train.log"
+
+
+def _existing_file_or_empty(value: str) -> str | None:
+    return None if not value or Path(value).expanduser().is_file() else f"no such file: {value}"
+
+
+def _model(value: str) -> str | None:
+    if value in ("tiny", "default") or (Path(value).expanduser() / "config.json").is_file():
+        return None
+    return "must be 'tiny', 'default' or a model directory holding config.json"
+
+
+def _str_list(value: list) -> str | None:
+    return None if all(isinstance(v, str) for v in value) else "must be a list of strings"
+
+
+def _options(value: dict) -> str | None:
+    return None if all(isinstance(k, str) for k in value) else "keys must be option names (strings)"
+
+
+TRAIN_PARAMS: dict[str, Param] = {
+    "model": Param("tiny", "'tiny' (random 2-layer, seconds per step), 'default' (embedded SmolLM2-135M-Instruct) "
+                   "or a model directory", (str,), check=_model),
+    "prompts": Param("", "prompt JSONL with input/label keys; '' writes the demo arithmetic prompts", (str,),
+                     check=_existing_file_or_empty),
+    "reward": Param("", "reward script defining reward_func; '' uses the demo reward", (str,),
+                    check=_existing_file_or_empty),
+    "correction": Param("tis", "a correction preset (--algo.correction.preset)", (str,), tuple(PRESETS)),
+    "correction_options": Param({}, "single correction fields over the preset, e.g. {'upper': 3}", (dict,),
+                                check=_options),
+    "rollout_precision": Param("bf16", "vLLM rollout precision", (str,), PRECISIONS),
+    "steps": Param(2, "training steps (one rollout batch each)", (int,), check=positive),
+    "prompts_per_step": Param(4, "prompts per rollout batch", (int,), check=positive),
+    "samples_per_prompt": Param(2, "responses per prompt (group estimators need 2 or more)", (int,), check=positive),
+    "max_new_tokens": Param(24, "longest response in tokens", (int,), check=positive),
+    "lr": Param(1e-3, "actor learning rate (tiny random models need ~1e-3, real ones ~1e-6..1e-5)", (float,),
+                check=positive),
+    "seed": Param(42, "training seed", (int,)),
+    "token_dump_every": Param(1, "dump per-token records every N steps (0: never)", (int,),
+                              check=lambda v: None if v >= 0 else "must be >= 0"),
+    "run_dir": Param("runs/notebook", "the run directory (created; a finished one is refused by the CLI)", (str,),
+                     check=lambda v: None if v else "must not be empty"),
+    "extra_args": Param([], "more training CLI flags, e.g. ['--vllm.fp32_lm_head']; they win over the above",
+                        (list,), check=_str_list),
+    "refresh_seconds": Param(2.0, "how often the live figure polls metrics.jsonl", (float, int), check=positive),
+}
+
+
+class TrainingFailed(RuntimeError):
+    """The training process exited non-zero; the message carries the tail of its log."""
+
+
+def resolve_model(model: str, cache: Path) -> Path:
+    """The model directory for `model`: built once under `cache` for 'tiny', the embedded one for 'default'."""
+    if model == "tiny":
+        from openrlhf_tis.demo.tiny_model import build_tiny_model
+
+        path = cache / "tiny_model"
+        return path if (path / "config.json").is_file() else build_tiny_model(path)
+    if model == "default":
+        from openrlhf_tis.demo.default_model import ensure_default_model
+
+        return ensure_default_model()
+    return Path(model).expanduser().resolve()
+
+
+def resolve_prompts(prompts: str, run_dir: Path, count: int) -> Path:
+    """The prompt file: the given one, or `count` demo prompts written beside the run directory."""
+    if prompts:
+        return Path(prompts).expanduser().resolve()
+    from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
+
+    return write_arithmetic_prompts(run_dir.parent / f"{run_dir.name}.prompts.jsonl", count)
+
+
+def build_argv(params: dict[str, Any], model_dir: Path, prompts: Path, run_dir: Path) -> list[str]:
+    """The training command line for checked `params` (extra_args last, so they win)."""
+    n, group = params["prompts_per_step"], params["samples_per_prompt"]
+    batch = n * group
+    argv = [
+        sys.executable, "-m", "openrlhf_tis.cli.train_ppo_ray",
+        "--actor.model_name_or_path", str(model_dir),
+        "--reward.remote_url", str(Path(params["reward"]).expanduser().resolve() if params["reward"] else DEMO_REWARD),
+        "--data.prompt_dataset", str(prompts), "--data.input_key", "input", "--data.label_key", "label",
+        "--data.apply_chat_template", "--data.max_len", str(128 + params["max_new_tokens"]),
+        "--data.max_samples", str(n * params["steps"]),
+        "--vllm.num_engines", "1", "--vllm.rollout_precision", params["rollout_precision"],
+        "--algo.advantage.estimator", "group_norm" if group > 1 else "reinforce", "--algo.kl.init_coef", "0",
+        "--rollout.n_samples_per_prompt", str(group), "--rollout.batch_size", str(n),
+        "--rollout.micro_batch_size", str(min(batch, 8)), "--rollout.max_new_tokens", str(params["max_new_tokens"]),
+        "--train.batch_size", str(batch), "--train.micro_batch_size", str(min(batch, 8)),
+        "--train.num_episodes", "1", "--train.max_epochs", "1", "--train.seed", str(params["seed"]),
+        "--ds.zero_stage", "2", "--actor.adam.lr", str(params["lr"]), "--actor.lr_warmup_ratio", "0",
+        "--algo.correction.preset", params["correction"],
+        "--ckpt.path", str(run_dir / "ckpt"), "--ckpt.save_steps", "-1", "--ckpt.output_dir", str(run_dir / "model"),
+        "--eval.steps", "-1", "--logger.logging_steps", "1", "--logger.run_dir", str(run_dir),
+    ]
+    if params["token_dump_every"]:
+        argv += ["--logger.token_dump_steps", str(params["token_dump_every"])]
+    else:
+        argv += ["--logger.token_dump_steps", "0"]
+    for field, value in params["correction_options"].items():
+        argv += [f"--algo.correction.{field}", str(value)]
+    return argv + list(params["extra_args"])
+
+
+def log_tail(path: Path, lines: int = 60) -> str:
+    """The last `lines` lines of a log (read from its end only)."""
+    if not path.is_file():
+        return "(no log written)"
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - (1 << 16)))
+        return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
+
+
+def cause(tail: str) -> str:
+    """The line of a log tail most likely to say why the job failed: the last one naming an error."""
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    named = [line for line in lines if re.search(r"error|exception|refused", line, re.IGNORECASE)]
+    return (named or lines or ["(empty log)"])[-1]
+
+
+def run_training(
+    params: dict[str, Any],
+    on_progress: Callable[[list[dict[str, Any]]], None] | None = None,
+    cache: Path | None = None,
+) -> Path:
+    """Run one training job for checked `params`; returns its run directory, raises TrainingFailed.
+
+    `on_progress(records)` is called with every metrics record so far whenever new steps land (and once
+    at the end), so a notebook can redraw its curves as the run goes.
+    """
+    run_dir = Path(params["run_dir"]).expanduser().resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model = resolve_model(params["model"], cache or run_dir.parent / ".models")
+    prompts = resolve_prompts(params["prompts"], run_dir, params["prompts_per_step"] * params["steps"])
+    argv = build_argv(params, model, prompts, run_dir)
+    log_path = run_dir / LOG_FILE
+    with open(log_path, "w") as log:
+        log.write("$ " + shlex.join(argv) + "\n")
+        log.flush()
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir.parent,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        seen = 0
+        try:
+            while True:
+                done = proc.poll() is not None
+                records = read_metrics_records(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+                if on_progress is not None and (len(records) != seen or done):
+                    on_progress(records)
+                seen = len(records)
+                if done:
+                    break
+                time.sleep(params["refresh_seconds"])
+        except BaseException:  # a notebook interrupt stops the job too, never leaves it running
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+    if proc.returncode != 0:
+        tail = log_tail(log_path)
+        raise TrainingFailed(f"training exited with code {proc.returncode}: {cause(tail)}\n"
+                             f"full log: {log_path}; its tail:\n{tail}")
+    return run_dir

@@ -1,0 +1,162 @@
+"""Training and mismatch curves from `metrics.jsonl`: one run, or several overlaid on the same panels.
+
+Figures are built with `matplotlib.figure.Figure`, not pyplot: nothing is registered globally, so a
+notebook shows a figure exactly once (where it calls `display`) and a live loop never leaks figures.
+
+Panels name candidate metric keys rather than one key, because upstream and the fork log the same
+quantity under different names and older runs lack newer keys (the same rule as runs.summary): a
+panel shows what the run has and says so when it has nothing, instead of failing the notebook.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from openrlhf_tis.correction.metrics import bucket_names
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    series: tuple[tuple[str, ...], ...]  # each series: candidate keys, the first one the run logs is drawn
+    log: bool = False
+    pattern: str | None = None  # every key matching it is a series too (held-out rewards named by dataset)
+
+
+def _one(*keys: str) -> tuple[tuple[str, ...], ...]:
+    return tuple((k,) for k in keys)
+
+
+PANELS: tuple[Panel, ...] = (
+    Panel("reward", (("rollout/reward_mean", "reward"),)),
+    Panel("held-out reward", (), pattern=r"^eval.*(reward|score|pass|correct)"),
+    Panel("response length", (("rollout/response_length_mean", "response_length"),)),
+    Panel("entropy", (("mismatch/entropy", "mismatch/entropy_sampled"),)),
+    Panel("k3 KL(μ ‖ π_old)", (("mismatch/k3_kl", "vllm_kl"),), log=True),
+    Panel("max |Δp|", (("mismatch/abs_dp_max",),)),
+    Panel("IS weight", _one("correction/weight_raw_max", "correction/weight_max", "correction/weight_raw_mean",
+                            "correction/weight_raw_min"), log=True),
+    Panel("masked / truncated", (("correction/masked_frac", "is_filter_ratio"),
+                                 *_one("correction/truncated_frac", "correction/vetoed_frac",
+                                       "correction/rejected_frac"))),
+)
+
+
+def as_frame(metrics: pd.DataFrame | list[dict]) -> pd.DataFrame:
+    """A metrics DataFrame sorted by step from a DataFrame or a list of records (as run_training passes)."""
+    frame = metrics if isinstance(metrics, pd.DataFrame) else pd.DataFrame.from_records(metrics)
+    if "step" not in frame:
+        return pd.DataFrame({"step": pd.Series([], dtype="int64")})
+    return frame.sort_values("step", kind="stable").reset_index(drop=True)
+
+
+def _finite(frame: pd.DataFrame, key: str) -> bool:
+    return key in frame and np.isfinite(pd.to_numeric(frame[key], errors="coerce")).any()
+
+
+def panel_keys(frame: pd.DataFrame, panel: Panel) -> list[str]:
+    """The key drawn for each series of `panel` that this run logs (a finite value at least), in panel order."""
+    keys = [next(k for k in series if _finite(frame, k)) for series in panel.series
+            if any(_finite(frame, k) for k in series)]
+    if panel.pattern:
+        keys += sorted(k for k in frame.columns if re.search(panel.pattern, k) and k not in keys and _finite(frame, k))
+    return keys
+
+
+def _draw(ax, steps: np.ndarray, values: np.ndarray, label: str, log: bool) -> None:
+    values = pd.to_numeric(pd.Series(values), errors="coerce").to_numpy(dtype=float)
+    ok = np.isfinite(values) & ((values > 0) if log else True)
+    ax.plot(steps[ok], values[ok], marker="o" if ok.sum() < 30 else None, markersize=3, label=label)
+
+
+def plot_curves(runs: pd.DataFrame | list[dict] | Mapping[str, pd.DataFrame | list[dict]],
+                panels: tuple[Panel, ...] = PANELS, ncols: int = 4, title: str | None = None) -> Figure:
+    """A grid of panels: one run (every present key of a panel) or several runs overlaid (one line each)."""
+    many = isinstance(runs, Mapping)
+    frames = {name: as_frame(m) for name, m in runs.items()} if many else {"": as_frame(runs)}
+    nrows = -(-len(panels) // ncols)
+    fig = Figure(figsize=(4.2 * ncols, 3.0 * nrows))
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    for ax, panel in zip(axes.flat, panels, strict=False):
+        drawn = 0
+        for name, frame in frames.items():
+            keys = panel_keys(frame, panel)
+            for key in keys[:1] if many else keys:
+                _draw(ax, frame["step"].to_numpy(), frame[key].to_numpy(), name if many else key, panel.log)
+                drawn += 1
+        ax.set_title(panel.title, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=8)
+        if panel.log and drawn:
+            ax.set_yscale("log")
+        if drawn:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def bucket_table(metrics: pd.DataFrame | list[dict]) -> pd.DataFrame:
+    """Mismatch by rollout-probability bucket over the whole run: mean |Δlog p| and token share per bucket.
+
+    Each step logs `mismatch/abs_dlogp_<bucket>` (mean over that step's tokens in the bucket) and
+    `mismatch/frac_<bucket>` (their share); the run's value weights each step by its share, so it is
+    the mean over all the run's tokens in the bucket.
+    """
+    frame = as_frame(metrics)
+    rows = []
+    for bucket in bucket_names():
+        gap_key, frac_key = f"mismatch/abs_dlogp_{bucket}", f"mismatch/frac_{bucket}"
+        if gap_key not in frame or frac_key not in frame:
+            continue
+        gap = pd.to_numeric(frame[gap_key], errors="coerce").to_numpy(dtype=float)
+        frac = pd.to_numeric(frame[frac_key], errors="coerce").to_numpy(dtype=float)
+        ok = np.isfinite(gap) & np.isfinite(frac) & (frac > 0)
+        weight = frac[ok].sum()
+        rows.append({"bucket": bucket, "mean_abs_dlogp": float((gap[ok] * frac[ok]).sum() / weight) if weight else
+                     np.nan, "token_share": float(frac[ok].mean()) if ok.any() else 0.0})
+    return pd.DataFrame(rows, columns=["bucket", "mean_abs_dlogp", "token_share"])
+
+
+def plot_buckets(tables: pd.DataFrame | Mapping[str, pd.DataFrame], title: str = "mismatch by rollout probability"
+                 ) -> Figure:
+    """Mean |Δlog p| per rollout-probability bucket (log scale), one line per run: does the gap grow as p → 0?"""
+    tables = tables if isinstance(tables, Mapping) else {"": tables}
+    fig = Figure(figsize=(7, 3.6))
+    ax = fig.subplots()
+    drawn = 0
+    for name, table in tables.items():
+        ok = table[np.isfinite(table["mean_abs_dlogp"]) & (table["mean_abs_dlogp"] > 0)]
+        if len(ok):
+            ax.plot(ok["bucket"], ok["mean_abs_dlogp"], marker="o", label=name or "mean |Δlog p|")
+            drawn += 1
+    if drawn:
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no bucket metrics logged", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("rollout probability μ(token)")
+    ax.set_ylabel("mean |log π − log μ|")
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def png(fig: Figure, dpi: int = 90) -> bytes:
+    """The figure as PNG bytes: what notebooks display (a bare Figure shows as text unless pyplot's inline
+    backend was loaded) and what an HTML export embeds."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
+    return buffer.getvalue()
