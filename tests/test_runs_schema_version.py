@@ -1,4 +1,5 @@
-"""Dumps of an older schema version still read: missing optional columns get their documented meaning."""
+"""Dumps of an older schema version still read (missing optional columns get their documented meaning);
+NaN log-probs that Parquet statistics hide."""
 
 from __future__ import annotations
 
@@ -82,3 +83,14 @@ def test_version0_dump_filters(mixed_run):
     assert low["position"].tolist() == [1, 1] and low["mask_reason"].tolist() == ["bounds", "veto"]
     only_old = query_tokens(mixed_run, steps=(1, 1), columns=["token_text", "old_logprob", "masked"])
     assert len(only_old) == 4 and only_old["token_text"].isna().all()
+
+
+def test_nan_log_probs_never_match_a_probability_range(tmp_path):
+    """Parquet statistics omit NaN (min/max are finite here); a NaN μ must still fail every μ bound."""
+    columns = _v1_columns(4)
+    columns["rollout_logprob"] = np.array([-1.0, np.nan, -3.0, -0.5])
+    TokenDumpWriter(tmp_path).write_step(1, columns)
+    assert pq.ParquetFile(token_file(tmp_path, 1)).metadata.row_group(0).column(6).statistics.min == -3.0
+    for prob_range, expected in [((0.01, None), [0, 2, 3]), ((0.1, 1.0), [0, 3]), ((None, 0.5), [0, 2])]:
+        got = query_tokens(tmp_path, prob_range=prob_range, columns=["position"])
+        assert got["position"].tolist() == expected, prob_range

@@ -143,6 +143,9 @@ _MISSING_DEFAULTS = {
     "old_logprob": "'NaN'::FLOAT",
 }
 _SQL_TYPES = {"int8": "TINYINT", "int32": "INTEGER", "float": "FLOAT", "bool": "BOOLEAN", "string": "VARCHAR"}
+# Parquet min/max statistics leave NaN out, and DuckDB by default takes them to mean "no NaN": it then
+# drops `NOT isnan(x)` and lets a NaN log-prob pass `x >= lo` (duckdb/duckdb#25521). Declare NaN possible.
+_READ_OPTIONS = "can_have_nan = true"
 
 
 def _column_expr(name: str, present: set[str]) -> str:
@@ -165,7 +168,7 @@ def _scan_by_name(cursor: duckdb.DuckDBPyConnection, files: list[Path], columns:
     the scan for the columns the files have.
     """
     params = {"files": [os.fspath(f) for f in files]}
-    source = "read_parquet($files, union_by_name = true, filename = true)"
+    source = f"read_parquet($files, union_by_name = true, filename = true, {_READ_OPTIONS})"
     present = set(cursor.sql(f"SELECT * FROM {source} LIMIT 0", params=params).columns)
     projection = ", ".join(_column_expr(name, present) for name in COLUMNS)
     sql = f"SELECT {', '.join(map(_quote, columns))} FROM (SELECT {projection} FROM {source}) WHERE {where}"
@@ -179,7 +182,7 @@ def _scan(files: list[Path], columns: list[str], where: str) -> pd.DataFrame:
     Results go through Arrow (`to_arrow_table().to_pandas()`), not DuckDB's `.df()`: measured faster on
     large results and the dtypes are exactly those of an empty result built from the schema.
     """
-    sql = f"SELECT {', '.join(map(_quote, columns))} FROM read_parquet($files) WHERE {where}"
+    sql = f"SELECT {', '.join(map(_quote, columns))} FROM read_parquet($files, {_READ_OPTIONS}) WHERE {where}"
     cursor = _cursor()
     try:
         return cursor.sql(sql, params={"files": [os.fspath(f) for f in files]}).to_arrow_table().to_pandas()
