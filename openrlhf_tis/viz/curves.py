@@ -138,7 +138,8 @@ def plot_buckets(tables: pd.DataFrame | Mapping[str, pd.DataFrame], title: str =
     ax = fig.subplots()
     drawn = 0
     for name, table in tables.items():
-        ok = table[np.isfinite(table["mean_abs_dlogp"]) & (table["mean_abs_dlogp"] > 0)]
+        gap = pd.to_numeric(table["mean_abs_dlogp"], errors="coerce")
+        ok = table[np.isfinite(gap) & (gap > 0)]
         if len(ok):
             ax.plot(ok["bucket"], ok["mean_abs_dlogp"], marker="o", label=name or "mean |Δlog p|")
             drawn += 1

@@ -1,0 +1,119 @@
+"""Notebook parameters, grid files and the training command a notebook builds (no kernel, no Ray)."""
+
+from __future__ import annotations
+
+import json
+
+import nbformat
+import pytest
+
+from openrlhf_tis.pipeline.execute import NOTEBOOKS
+from openrlhf_tis.pipeline.notebooks import NOTEBOOK_SOURCES
+from openrlhf_tis.pipeline.params import Param, ParameterError, check_params, notebook_params, positive
+from openrlhf_tis.pipeline.sweep import Cell, load_grid
+from openrlhf_tis.pipeline.train import TRAIN_PARAMS, build_argv, cause
+
+SPEC = {"steps": Param(2, "steps", (int,), check=positive), "mode": Param("a", "mode", (str,), ("a", "b"))}
+
+
+def test_defaults_are_filled_and_given_values_kept():
+    assert check_params({"mode": "b"}, SPEC) == {"steps": 2, "mode": "b"}
+
+
+@pytest.mark.parametrize("values, fault", [
+    ({"stepz": 3}, "unknown parameter 'stepz'"),
+    ({"steps": 0}, "steps = 0: must be > 0"),
+    ({"steps": "3"}, "steps = '3': must be int, got str"),
+    ({"steps": True}, "must be int, got bool"),  # bool is an int subclass; a flag is never a count
+    ({"mode": "c"}, "must be one of ['a', 'b']"),
+])
+def test_every_fault_is_named_and_the_accepted_list_shown(values, fault):
+    with pytest.raises(ParameterError) as err:
+        check_params(values, SPEC, where="here")
+    text = str(err.value)
+    assert text.startswith("here: ") and fault in text
+    assert "steps = 2  # steps" in text and "mode = 'a'  # mode" in text
+
+
+def test_notebook_params_reads_plain_values_only_and_refuses_injected_unknowns():
+    import os
+
+    namespace = {"steps": 3, "os": os, "In": [], "_": 1, "notebook_params": notebook_params, "display": print}
+    assert notebook_params({**namespace, **{k: v.default for k, v in TRAIN_PARAMS.items() if k != "steps"}},
+                           "train")["steps"] == 3
+    with pytest.raises(ParameterError, match="unknown parameter 'stpes'"):
+        notebook_params({"stpes": 3}, "train")
+
+
+def test_committed_notebooks_are_the_generated_ones():
+    """The parameters cell comes from the spec: a drifted notebook would accept names the checks refuse."""
+    for name, build in NOTEBOOK_SOURCES.items():
+        committed = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+        assert committed == build(), f"notebooks/{name}.ipynb is stale: python -m openrlhf_tis.pipeline.notebooks"
+        tagged = [c for c in committed.cells if "parameters" in c.metadata.get("tags", [])]
+        assert len(tagged) == 1 and not any(c.get("outputs") for c in committed.cells if c.cell_type == "code")
+
+
+def _grid(tmp_path, text: str, suffix: str = ".toml"):
+    path = tmp_path / f"grid{suffix}"
+    path.write_text(text)
+    return path
+
+
+def test_grid_is_the_cross_product_of_its_lists_over_the_base(tmp_path):
+    grid = _grid(tmp_path, '[base]\nsteps = 3\n[grid]\ncorrection = ["off", "tis"]\nseed = [1, 2, 3]\n')
+    cells = load_grid(grid)
+    assert [c.name for c in cells][:2] == ["correction=off,seed=1", "correction=off,seed=2"]
+    assert len(cells) == 6 and all(c.params["steps"] == 3 for c in cells)
+    assert {(c.params["correction"], c.params["seed"]) for c in cells} == {(a, b) for a in ("off", "tis")
+                                                                           for b in (1, 2, 3)}
+    assert len({c.slug for c in cells}) == 6
+
+
+def test_json_grids_work_too(tmp_path):
+    grid = _grid(tmp_path, json.dumps({"grid": {"extra_args": [[], ["--x", "1"]]}}), ".json")
+    assert [c.params["extra_args"] for c in load_grid(grid)] == [[], ["--x", "1"]]
+
+
+@pytest.mark.parametrize("text, fault", [
+    ('[grid]\ncorection = ["tis"]\n', "unknown parameter 'corection'"),
+    ('[base]\nsteps = 0\n', "steps = 0: must be > 0"),
+    ('[grid]\ncorrection = ["tis", "nope"]\n', "cell correction=nope"),
+    ('[grids]\nseed = [1]\n', "unknown top-level keys ['grids']"),
+    ('[base]\nrun_dir = "x"\n', "which the sweep sets per cell"),
+    ('[grid]\nseed = 1\n', "must be non-empty lists: ['seed']"),
+    ('[grid\n', "cannot read it"),
+])
+def test_a_bad_grid_is_refused_naming_the_file_and_key(tmp_path, text, fault):
+    grid = _grid(tmp_path, text)
+    with pytest.raises(ParameterError) as err:
+        load_grid(grid)
+    assert str(grid) in str(err.value) and fault in str(err.value)
+
+
+def test_cell_slugs_are_safe_and_distinct_even_when_names_slug_alike():
+    a, b = Cell("extra_args=[\"--a b\"]", {}), Cell("extra_args=[\"--a_b\"]", {})
+    assert a.slug != b.slug and "/" not in a.slug and " " not in a.slug
+
+
+def test_training_command_follows_the_parameters(tmp_path):
+    params = check_params({"steps": 5, "prompts_per_step": 3, "samples_per_prompt": 4, "correction": "mis_full",
+                           "correction_options": {"upper": 3.0}, "extra_args": ["--algo.correction.upper", "4"],
+                           "run_dir": str(tmp_path / "run")}, TRAIN_PARAMS)
+    argv = build_argv(params, tmp_path / "model", tmp_path / "p.jsonl", tmp_path / "run")
+
+    def flag(name):  # the last value given wins, as argparse does
+        return argv[len(argv) - 1 - argv[::-1].index(name) + 1]
+
+    assert flag("--data.max_samples") == "15"  # 5 steps x 3 prompts: one rollout batch per step
+    assert flag("--rollout.batch_size") == "3" and flag("--train.batch_size") == "12"
+    assert flag("--rollout.n_samples_per_prompt") == "4" and flag("--algo.advantage.estimator") == "group_norm"
+    assert flag("--algo.correction.preset") == "mis_full"
+    assert flag("--algo.correction.upper") == "4"  # extra_args come last and win over correction_options
+    assert argv.index("--algo.correction.upper") < len(argv) - 2
+
+
+def test_the_failure_cause_is_the_last_line_naming_an_error():
+    tail = "starting\nValueError: first\nopenrlhf_tis.cli.train_ppo_ray: error: --x: bad\nshutting down\n"
+    assert cause(tail) == "openrlhf_tis.cli.train_ppo_ray: error: --x: bad"
+    assert cause("only\nlines\n") == "lines" and cause("") == "(empty log)"

@@ -1,0 +1,118 @@
+"""Curves, bucket tables, run comparison and the live view, on hand-written run stores."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from openrlhf_tis.correction.metrics import bucket_names
+from openrlhf_tis.pipeline.live import LiveCurves, step_line
+from openrlhf_tis.pipeline.report import show_comparison
+from openrlhf_tis.runs import RunWriter
+from openrlhf_tis.viz.compare import config_diff, final_table, resolve_runs, run_labels
+from openrlhf_tis.viz.curves import PANELS, bucket_table, panel_keys, plot_buckets, plot_curves
+
+B0, B1 = bucket_names()[0], bucket_names()[-1]
+
+
+def _records(n=10, **extra):
+    return [{"step": s, "rollout/reward_mean": s / 10, "mismatch/k3_kl": 1e-3 * s, "timing/step_total": 2.0,
+             **{k: (v(s) if callable(v) else v) for k, v in extra.items()}} for s in range(1, n + 1)]
+
+
+def _write_run(path, records, config):
+    writer = RunWriter(path, config=config, origin={})
+    for record in records:
+        writer.append_metrics(record["step"], {k: v for k, v in record.items() if k != "step"})
+    return path
+
+
+def test_bucket_table_weights_each_step_by_its_token_share():
+    records = [{"step": 1, f"mismatch/abs_dlogp_{B0}": 0.4, f"mismatch/frac_{B0}": 0.1,
+                f"mismatch/abs_dlogp_{B1}": 0.01, f"mismatch/frac_{B1}": 0.9},
+               {"step": 2, f"mismatch/abs_dlogp_{B0}": 0.1, f"mismatch/frac_{B0}": 0.3,
+                f"mismatch/abs_dlogp_{B1}": float("nan"), f"mismatch/frac_{B1}": 0.0}]
+    table = bucket_table(records).set_index("bucket")
+    # bucket 0 holds 0.1 and 0.3 of two equal-sized steps: (0.4*0.1 + 0.1*0.3) / 0.4
+    assert table.loc[B0, "mean_abs_dlogp"] == pytest.approx(0.07 / 0.4)
+    assert table.loc[B0, "token_share"] == pytest.approx(0.2)
+    assert table.loc[B1, "mean_abs_dlogp"] == pytest.approx(0.01)  # the empty step adds nothing
+    assert len(table) == 2  # buckets the run never logged are left out
+
+
+def test_panels_draw_the_first_logged_alternative_and_say_when_nothing_is_logged():
+    frame = pd.DataFrame(_records(3, reward=0.5, vllm_kl=1.0, **{"eval_reward_mean": 0.2}))
+    reward, held_out = PANELS[0], PANELS[1]
+    assert panel_keys(frame, reward) == ["rollout/reward_mean"]  # not also the upstream synonym
+    assert panel_keys(frame, held_out) == ["eval_reward_mean"]
+    fig = plot_curves(frame)
+    texts = {t.get_text() for ax in fig.axes for t in ax.texts}
+    assert "not logged" in texts  # e.g. the IS-weight panel: this run logs no correction/*
+    reward_ax = next(ax for ax in fig.axes if ax.get_title() == "reward")
+    np.testing.assert_allclose(reward_ax.lines[0].get_ydata(), [0.1, 0.2, 0.3])
+
+
+def test_overlaid_runs_get_one_line_each():
+    fig = plot_curves({"a": _records(4), "b": _records(2)})
+    k3 = next(ax for ax in fig.axes if ax.get_title().startswith("k3"))
+    assert [len(line.get_xdata()) for line in k3.lines] == [4, 2] and k3.get_yscale() == "log"
+    assert len(plot_buckets({"a": bucket_table(_records(2))}).axes[0].texts) == 1  # "no bucket metrics logged"
+
+
+def test_final_table_against_hand_computed_values():
+    records = _records(10, **{"correction/masked_frac": lambda s: 0.1 * (s % 2), "mismatch/abs_dp_max":
+                              lambda s: s / 100, "eval_reward_mean": lambda s: 0.0 if s < 10 else 0.8})
+    row = final_table({"r": pd.DataFrame(records)}).loc["r"]
+    assert row["steps"] == 10 and row["reward_first"] == pytest.approx(0.1) and row["reward_last"] == pytest.approx(1.0)
+    assert row["held_out_last"] == pytest.approx(0.8)
+    assert row["k3_kl_mean"] == pytest.approx(5.5e-3) and row["abs_dp_max"] == pytest.approx(0.1)
+    assert row["masked_frac_mean"] == pytest.approx(0.05) and math.isnan(row["truncated_frac_mean"])
+
+
+def test_comparison_shows_only_the_flags_that_differ(tmp_path):
+    a = _write_run(tmp_path / "a" / "run", _records(3), {"lr": 1e-3, "seed": 1, "logger.run_dir": "x", "same": [1]})
+    b = _write_run(tmp_path / "b" / "run", _records(2), {"lr": 1e-3, "seed": 2, "logger.run_dir": "y", "same": [1],
+                                                         "new": True})
+    assert run_labels([a, b]) == ["a/run", "b/run"]
+    diff = config_diff([a, b])
+    assert diff.to_dict(orient="index") == {"new": {"a/run": "(absent)", "b/run": True},
+                                            "seed": {"a/run": 1, "b/run": 2}}
+    shown = []
+    result = show_comparison([str(tmp_path / "*" / "run")], {"c": "cell 3: ValueError: x"}, display=shown.append)
+    assert result["runs"] == [a, b] and list(result["table"].index) == ["a/run", "b/run"]
+    assert shown[0].to_dict() == {"error": {"c": "cell 3: ValueError: x"}}  # failures come first
+
+
+def test_resolve_runs_names_what_it_could_not_find(tmp_path):
+    run = _write_run(tmp_path / "r", _records(1), {})
+    assert resolve_runs(tmp_path) == [run] == resolve_runs(str(tmp_path / "r*"))
+    with pytest.raises(FileNotFoundError, match="nothing-here"):
+        resolve_runs([str(run), str(tmp_path / "nothing-here")])
+
+
+def test_live_curves_redraw_only_when_steps_land():
+    class Handle:
+        def __init__(self):
+            self.updates = 0
+
+        def update(self, obj):
+            self.updates += 1
+
+    handle, shown = Handle(), []
+
+    def display(obj, display_id=False):
+        shown.append(obj)
+        return handle
+
+    live = LiveCurves(3, display=display)
+    records = _records(3)
+    live([])
+    live(records[:1])
+    live(records[:1])
+    live(records)
+    live.close()
+    assert len(shown) == 1 and handle.updates == 1 and live.drawn == 3
+    assert step_line(records[1], 3).startswith("step 2/3  reward 0.200  k3 2.00e-03")
