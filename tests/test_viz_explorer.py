@@ -145,6 +145,7 @@ def test_worst_tokens_and_jump(root):
     assert ex.worst_tokens["log_ratio"].tolist()[:2] == [2.0, -1.5]
     first = ex.worst.options[0][0]
     assert first.lstrip().startswith("+2.000") and "bounds" in first and "'\\n'" in first
+    assert " " not in first  # no-break spaces: a <select> would collapse plain ones
     assert ex.worst.value is None  # nothing chosen until the user chooses
     ex.worst.value = (4, 1)
     assert ex.sample.value == 4
@@ -258,7 +259,7 @@ def test_notebook_runs_under_papermill(root, tmp_path):
 
 def test_notebook_refuses_unknown_parameter(root, tmp_path):
     with pytest.raises(PapermillExecutionError) as err:
-        execute("token_explorer", tmp_path / "bad.ipynb", {"run_dir": str(root / "a"), "bogus": 1})
+        execute("token_explorer", tmp_path / "bad.ipynb", {"run_dir": str(root / "a"), "bogus": 1, "clamp": -1})
     assert err.value.ename == "ParameterError" and "notebook_params" in err.value.source
-    assert "unknown parameter 'bogus'" in err.value.evalue
+    assert "unknown parameter 'bogus'" in err.value.evalue and "clamp = -1: must be > 0" in err.value.evalue
     assert all(f"  {name} = " in err.value.evalue for name in explorer_module.EXPLORER_PARAMS)

@@ -87,10 +87,15 @@ def _short_text(text: Any, token_id: int, width: int = 14) -> str:
 
 
 def worst_label(token: Any) -> str:
-    """One row of the worst-token list: log-ratio, where it is, μ and π_θ, mask reason, text."""
-    return (f"{token.log_ratio:+8.3f}  sample {int(token.sample_id):<4} pos {int(token.position):<5} "
-            f"μ={math.exp(token.rollout_logprob):<9.3g} π_θ={math.exp(token.train_logprob):<9.3g} "
-            f"{token.mask_reason!s:<9} {_short_text(token.token_text, token.token_id)}")
+    """One row of the worst-token list: log-ratio, where it is, μ and π_θ, mask reason, text.
+
+    Spaces are no-break spaces: a browser collapses runs of plain spaces in a <select>, and the columns
+    line up only in the monospace font if every space is kept.
+    """
+    row = (f"{token.log_ratio:+8.3f}  sample {int(token.sample_id):<4} pos {int(token.position):<5} "
+           f"μ={math.exp(token.rollout_logprob):<9.3g} π_θ={math.exp(token.train_logprob):<9.3g} "
+           f"{token.mask_reason!s:<9} {_short_text(token.token_text, token.token_id)}")
+    return row.replace(" ", "\u00a0")
 
 
 def no_dumps_notice(run_dir: str | os.PathLike | None) -> str:
@@ -140,7 +145,7 @@ class TokenExplorer:
         self.notice = widgets.HTML()
         self.info = widgets.HTML()
         self.response = widgets.HTML(layout=wide)
-        self.plots = widgets.Image(format="png", layout=widgets.Layout(width="800px"))
+        self.plots = widgets.Image(format="png", layout=widgets.Layout(width="960px"))
         self.worst = widgets.Select(description="worst", rows=min(worst_rows, 12), layout=widgets.Layout(width="100%"))
         self.worst.add_class("tok-worst")
         worst_style = widgets.HTML("<style>.tok-worst select {font-family: monospace; font-size: 12px}</style>")

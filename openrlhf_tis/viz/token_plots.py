@@ -17,6 +17,7 @@ import io
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 MAX_POINTS = 5000
 """Scatter points drawn at most (a uniform subsample beyond): enough to see the shape, cheap to render."""
@@ -48,9 +49,9 @@ def step_figure(frame: pd.DataFrame, title: str = "", max_points: int = MAX_POIN
     `frame` holds the step's tokens after the explorer's filters (rollout_logprob, train_logprob,
     mask_reason). Tokens without finite log-probs on both sides are left out and counted in the title.
     """
-    fig = Figure(figsize=(10, 3.4), dpi=80)
+    fig = Figure(figsize=(12, 3.4), dpi=80)
     # Fixed margins: a constrained layout measures every label again and doubles the ~100 ms draw.
-    fig.subplots_adjust(left=0.06, right=0.99, bottom=0.14, top=0.86, wspace=0.2)
+    fig.subplots_adjust(left=0.05, right=0.81, bottom=0.14, top=0.86, wspace=0.18)
     scatter_ax, hist_ax = fig.subplots(1, 2)
     rollout = frame["rollout_logprob"].to_numpy(np.float64)
     ratio = log_ratio(frame)
@@ -86,11 +87,13 @@ def step_figure(frame: pd.DataFrame, title: str = "", max_points: int = MAX_POIN
         values = ratio[bucket == index]
         if len(values):
             hist_ax.hist(np.clip(values, -extent, extent), bins=bins, histtype="step", lw=1.2,
-                         label=f"μ∈[{lo:g}, {hi:g}): n={len(values):,}, mean|Δ|={np.abs(values).mean():.3g}")
+                         label=f"[{lo:g}, {hi:g}): {len(values):,}, {np.abs(values).mean():.3g}")
     hist_ax.set_yscale("log")
     hist_ax.set(xlabel="log π_θ − log μ (clipped at the 99.5% quantile)", ylabel="tokens",
                 title="log-ratio by rollout-probability bucket")
-    hist_ax.legend(fontsize=7)
+    hist_ax.xaxis.set_major_locator(MaxNLocator(5))
+    hist_ax.legend(title="μ bucket: tokens, mean |Δ|", title_fontsize=8, fontsize=8, loc="upper left",
+                   bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     return fig
 
 
