@@ -134,7 +134,6 @@ class TokenExplorer:
         self.focus: int | None = None
         self.step_tokens = self.sample_tokens = self.worst_tokens = pd.DataFrame()
 
-        wide = widgets.Layout(width="auto")
         self.run = widgets.Dropdown(description="run", layout=widgets.Layout(width="50%"))
         self.step = widgets.Dropdown(description="step", layout=widgets.Layout(width="180px"))
         self.sample = widgets.Dropdown(description="sample", layout=widgets.Layout(width="180px"))
@@ -144,7 +143,7 @@ class TokenExplorer:
                                              continuous_update=False, layout=widgets.Layout(width="360px"))
         self.notice = widgets.HTML()
         self.info = widgets.HTML()
-        self.response = widgets.HTML(layout=wide)
+        self.response = widgets.HTML(layout=widgets.Layout(width="auto"))
         self.plots = widgets.Image(format="png", layout=widgets.Layout(width="960px"))
         self.worst = widgets.Select(description="worst", rows=min(worst_rows, 12), layout=widgets.Layout(width="100%"))
         self.worst.add_class("tok-worst")
@@ -165,7 +164,8 @@ class TokenExplorer:
 
         runs = find_runs(root) if root is not None else []
         self._run_paths = [os.fspath(path) for path in runs]
-        self.run.options = [(os.path.relpath(path, root), os.fspath(path)) for path in runs]
+        with self._quiet():
+            self.run.options = [(os.path.relpath(path, root), os.fspath(path)) for path in runs]
         self.run.layout.display = None if root is not None else "none"
         if run_dir is None and runs:
             run_dir = runs[-1]
@@ -197,8 +197,8 @@ class TokenExplorer:
         self.steps = token_steps(self.run_dir) if self.run_dir is not None else []
         self.current_step = self.current_sample = self.focus = None
         with self._quiet():
-            if self.run_dir is not None and os.fspath(self.run_dir) in self._run_paths:
-                self.run.value = os.fspath(self.run_dir)
+            path = os.fspath(self.run_dir) if self.run_dir is not None else None
+            self.run.value = path if path in self._run_paths else None  # a run outside root: none picked
             self.step.options = [(str(s), s) for s in self.steps]
         if not self.steps:
             self.notice.value = no_dumps_notice(run_dir)
