@@ -93,6 +93,7 @@ def test_dom_contract_and_first_view(root):
     assert ["masked" in s["classes"] for s in spans] == [False, False, True, True]
     assert "mask: bounds" in spans[2]["title"] and "IS weight raw = 7.4, final = 0" in spans[2]["title"]
     assert "step 3 · sample 1 · 4 tokens" in ex.response.value and "reward 1" in ex.response.value
+    assert ex.response.value.count('class="tok') == 4  # only token spans have a class starting with "tok"
     assert bytes(ex.plots.value).startswith(b"\x89PNG") and ex.notice.value == ""
 
 

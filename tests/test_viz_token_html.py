@@ -74,7 +74,7 @@ def _tokens(**overrides) -> pd.DataFrame:
 
 def test_spans_text_escaped_and_whitespace_visible():
     markup = render_response(_tokens())
-    assert "<b>&" not in markup.split('class="tok-view"')[1]  # the token's markup is text, not tags
+    assert "<b>&" not in markup.split('class="mm-view"')[1]  # the token's markup is text, not tags
     spans = Spans(markup).spans
     assert [s["text"] for s in spans] == ['<b>&"x"', "a↵\nb⇥c", "⟨9⟩"]
     assert visible_text("", 3) == "∅" and visible_text("\r\n", 3) == "␍↵\n"

@@ -11,7 +11,8 @@ the filters into its WHERE (`query_tokens`), never a whole dump; benchmarks/benc
 each interaction on 5 M token rows.
 
 DOM contract (a browser test relies on it):
-- every token of the response is a `<span class="tok">` in the `response` HTML widget;
+- every token of the response is a `<span class="tok">` in the `response` HTML widget, and nothing else
+  there has a class starting with "tok" (counting `class="tok` counts the sample's tokens);
 - the step picker is an ipywidgets.Dropdown with description "step", the sample picker a Dropdown with
   description "sample"; their option labels are the plain step / sample numbers.
 
@@ -146,8 +147,8 @@ class TokenExplorer:
         self.response = widgets.HTML(layout=widgets.Layout(width="auto"))
         self.plots = widgets.Image(format="png", layout=widgets.Layout(width="960px"))
         self.worst = widgets.Select(description="worst", rows=min(worst_rows, 12), layout=widgets.Layout(width="100%"))
-        self.worst.add_class("tok-worst")
-        worst_style = widgets.HTML("<style>.tok-worst select {font-family: monospace; font-size: 12px}</style>")
+        self.worst.add_class("mm-worst")
+        worst_style = widgets.HTML("<style>.mm-worst select {font-family: monospace; font-size: 12px}</style>")
         self.body = widgets.VBox([
             widgets.HBox([self.step, self.sample, self.show, self.prob]), self.info, self.response,
             self.plots, widgets.HTML("<b>Worst tokens of the step</b> (largest |log π_θ − log μ|; choose one to "

@@ -5,7 +5,8 @@ white at 0, blue where the trainer finds the token less likely than vLLM did, re
 clamped symmetrically at ±clamp so that one absurd token does not wash out the rest. The scale is a
 straight line in sRGB, so the legend can be a CSS gradient that matches the spans exactly.
 
-Every token is `<span class="tok" ...>` (the browser test and the explorer rely on that class) with a
+Every token is `<span class="tok" ...>` (the browser test and the explorer rely on that class; nothing
+else in the markup has a class starting with "tok", so counting `class="tok` counts tokens) with a
 hover `title` giving μ, π_old and π_θ as probabilities, the raw and final IS weight and the mask
 reason. Extra classes: `masked` (struck through and outlined), `off` (outside the explorer's filters:
 uncoloured, grey), `focus` (the token a worst-token click jumped to). Pure functions of their input.
@@ -30,13 +31,13 @@ NO_RATIO_COLOUR = "#cccccc"  # a non-finite log-prob on either side: no ratio to
 _DARK_BACKGROUND = 0.6  # beyond this share of the scale the text turns white to stay readable
 
 _STYLE = """<style>
-.tok-view {font-family: monospace; white-space: pre-wrap; line-height: 1.7; font-size: 13px}
-.tok-view .tok {border-radius: 2px; padding: 0 1px}
-.tok-view .tok.masked {text-decoration: line-through; outline: 1px dashed #222; outline-offset: -1px}
-.tok-view .tok.off {color: #999}
-.tok-view .tok.focus {outline: 2px solid #000; outline-offset: 0}
-.tok-legend {font-family: sans-serif; font-size: 12px; margin: 4px 0}
-.tok-legend .bar {display: inline-block; width: 160px; height: 12px; vertical-align: middle; margin: 0 4px;
+.mm-view {font-family: monospace; white-space: pre-wrap; line-height: 1.7; font-size: 13px}
+.mm-view .tok {border-radius: 2px; padding: 0 1px}
+.mm-view .tok.masked {text-decoration: line-through; outline: 1px dashed #222; outline-offset: -1px}
+.mm-view .tok.off {color: #999}
+.mm-view .tok.focus {outline: 2px solid #000; outline-offset: 0}
+.mm-legend {font-family: sans-serif; font-size: 12px; margin: 4px 0}
+.mm-legend .bar {display: inline-block; width: 160px; height: 12px; vertical-align: middle; margin: 0 4px;
                   border: 1px solid #888}
 </style>"""
 
@@ -119,7 +120,7 @@ def token_span(token: Any, clamp: float = DEFAULT_CLAMP, active: bool = True, fo
 def legend_html(clamp: float = DEFAULT_CLAMP) -> str:
     """The colour scale and the meaning of the marks, as one line of HTML."""
     stops = ", ".join(log_ratio_colour(x * clamp, clamp) for x in (-1, 0, 1))
-    return (f'<div class="tok-legend">log π_θ − log μ: −{clamp:g}'
+    return (f'<div class="mm-legend">log π_θ − log μ: −{clamp:g}'
             f'<span class="bar" style="background:linear-gradient(to right, {stops})"></span>+{clamp:g} '
             f"(blue: the trainer finds the token less likely than the rollout, red: more likely; clamped); "
             f'<span style="background:{NO_RATIO_COLOUR}">&nbsp;grey&nbsp;</span>: no finite log-prob; '
@@ -143,5 +144,5 @@ def render_response(
         token_span(t, clamp, active=active is None or int(t.position) in active, focus=int(t.position) == focus)
         for t in rows.itertuples(index=False)
     )
-    head = f'<div class="tok-legend"><b>{html.escape(header)}</b></div>' if header else ""
-    return f'{_STYLE}{legend_html(clamp)}{head}<div class="tok-view">{spans}</div>'
+    head = f'<div class="mm-legend"><b>{html.escape(header)}</b></div>' if header else ""
+    return f'{_STYLE}{legend_html(clamp)}{head}<div class="mm-view">{spans}</div>'
