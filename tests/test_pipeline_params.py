@@ -117,3 +117,10 @@ def test_the_failure_cause_is_the_last_line_naming_an_error():
     tail = "starting\nValueError: first\nopenrlhf_tis.cli.train_ppo_ray: error: --x: bad\nshutting down\n"
     assert cause(tail) == "openrlhf_tis.cli.train_ppo_ray: error: --x: bad"
     assert cause("only\nlines\n") == "lines" and cause("") == "(empty log)"
+
+
+def test_rerunning_the_check_cell_ignores_names_later_cells_defined():
+    namespace = {"steps": 3}
+    first = notebook_params(namespace, "train")
+    namespace.update(params=first, run_dir_result="x", steps=4)  # later cells ran; the user changed steps
+    assert notebook_params(namespace, "train")["steps"] == 4

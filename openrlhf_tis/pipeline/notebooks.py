@@ -1,4 +1,4 @@
-"""`python -m openrlhf_tis.pipeline.notebooks`: (re)write notebooks/train, compare and sweep .ipynb from code.
+"""`python -m openrlhf_tis.pipeline.notebooks`: (re)write the project's notebooks from code.
 
 The parameters cell of each notebook is generated from its ParamSpec, so the notebook, the checks and
 the sweep can never disagree on a name or a default; a test fails when a committed notebook differs
@@ -81,6 +81,16 @@ NOTEBOOK_SOURCES = {
             "print('report:', result.html)\n"
             "results_table(result)",
         ],
+    ),
+    "token_explorer": lambda: _notebook(
+        "token_explorer",
+        "# Token explorer\n"
+        "Which tokens the trainer (π_θ) and vLLM (μ) disagree on: pick a run, a dumped step and a sample; each token\n"
+        "is coloured by log π_θ − log μ (hover for μ, π_old, π_θ, the IS weights and the mask reason). Filter by\n"
+        "masked / truncated / vetoed tokens and rollout probability; choose a worst token to jump to its sample.\n"
+        "Runs need per-token dumps (`--logger.token_dump_steps N`). Set parameters below or with "
+        "`papermill -p NAME VALUE`.",
+        ["from openrlhf_tis.viz.explorer import open_explorer\n\nexplorer = open_explorer(params)\nexplorer"],
     ),
 }
 

@@ -84,17 +84,25 @@ def spec_of(notebook: str) -> ParamSpec:
 _IPYTHON_NAMES = frozenset({"In", "Out", "get_ipython", "exit", "quit", "open"})
 
 
-def notebook_params(namespace: Mapping[str, Any], notebook: str) -> dict[str, Any]:
+_SEEN = "_openrlhf_tis_names_at_check"  # kept in the notebook's globals by the first check
+
+
+def notebook_params(namespace: dict[str, Any], notebook: str) -> dict[str, Any]:
     """The parameters notebook `notebook` runs with, read from its globals right after the parameters cell.
 
     Names papermill injected that the spec does not know are refused: every plain value in the kernel's
     namespace at this point was set by the parameters cell or injected after it (imports, functions,
-    classes, private and IPython names are not parameters).
+    classes, private and IPython names are not parameters). The names present at the first check are
+    remembered in the namespace, so re-running the cell later ignores what later cells defined.
     """
+    earlier = namespace.get(_SEEN)
     values = {
         name: value for name, value in namespace.items()
         if not name.startswith("_") and name not in _IPYTHON_NAMES
-        and not isinstance(value, (ModuleType, FunctionType, type))
-        and not callable(value)
+        and not isinstance(value, (ModuleType, FunctionType, type)) and not callable(value)
+        and (earlier is None or name in earlier)
     }
-    return check_params(values, spec_of(notebook), where=f"{notebook}.ipynb parameters")
+    checked = check_params(values, spec_of(notebook), where=f"{notebook}.ipynb parameters")
+    if earlier is None:
+        namespace[_SEEN] = frozenset(namespace)
+    return checked
