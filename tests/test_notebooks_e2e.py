@@ -79,3 +79,17 @@ def test_an_unknown_parameter_fails_in_the_check_cell_listing_what_is_accepted(t
     failed = [c for c in nb.cells if any(o.output_type == "error" for o in c.get("outputs", []))]
     assert len(failed) == 1 and "notebook_params" in failed[0].source  # the first cell after the parameters
     assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_the_token_explorer_opens_the_trained_run(sweep, tmp_path):
+    """The explorer notebook runs on a real run's dumps, and the explorer shows that run's tokens."""
+    from openrlhf_tis.runs import query_tokens
+    from openrlhf_tis.viz.explorer import TokenExplorer
+
+    run_dir = sweep[2].results[0].run_dir
+    executed = execute("token_explorer", tmp_path / "explorer.ipynb", {"run_dir": str(run_dir)})
+    assert not [o for o in _outputs(executed) if o.output_type == "error"]
+    explorer = TokenExplorer(run_dir)
+    step, sample = explorer.step.value, explorer.sample.value
+    rows = query_tokens(run_dir, steps=(step, step), samples=[sample])
+    assert step == 2 and len(rows) and explorer.response.value.count('class="tok') == len(rows)
