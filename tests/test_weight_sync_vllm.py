@@ -1,5 +1,5 @@
 """The CPU weight sync against a real vLLM-CPU engine: after a reload the engine computes with the
-new weights, including the tied lm_head (DESIGN §5: vLLM packs Linear weights into oneDNN handles,
+new weights, including the tied lm_head (docs/design.md §5: vLLM packs Linear weights into oneDNN handles,
 so per-tensor loads cannot reach them, and a tied head keeps a stale packed copy), and an fp32 head's
 cached fp32 weight (patches/cpu_fp32_head.py)."""
 

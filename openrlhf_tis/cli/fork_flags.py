@@ -47,7 +47,7 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
         help="Samples (whole responses) per dumped step; -1 dumps every sample.",
     )
 
-    # Rollout precision (openrlhf_tis.rollout, docs/rollout_precision.md; DESIGN §4).
+    # Rollout precision (openrlhf_tis.rollout, docs/rollout_precision.md; docs/design.md §4).
     parser.add_argument(
         "--vllm.rollout_precision",
         type=str,

@@ -11,7 +11,7 @@ import ray
 from openrlhf_tis.patches import ENV_FLAG
 
 # Upstream's own ray.init env defaults (openrlhf/cli/train_ppo_ray.py train()), kept when the fork
-# starts Ray first, plus what a CPU run needs (DESIGN §5): a small vLLM KV cache, an in-process
+# starts Ray first, plus what a CPU run needs (docs/design.md §5): a small vLLM KV cache, an in-process
 # vLLM engine (starts in ~4 s instead of ~27 s), and no hub access.
 UPSTREAM_ENV = {"TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}

@@ -33,7 +33,7 @@ import torch
 from .config import CorrectionConfig
 
 PROB_BUCKET_EDGES = (1e-3, 1e-2, 0.1, 0.5, 0.9)
-"""Edges of the rollout-probability buckets; the DESIGN notes the gap is 4–5× larger below 0.01."""
+"""Edges of the rollout-probability buckets; docs/measurements.md: the gap is 4–5× larger below 0.01."""
 
 
 def _fmt(x: float) -> str:

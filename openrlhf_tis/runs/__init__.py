@@ -1,4 +1,4 @@
-"""The run store (DESIGN §6): one directory per run, written atomically, read back as DataFrames.
+"""The run store (docs/design.md §6): one directory per run, written atomically, read back as DataFrames.
 
 Writing: `RunWriter` (config.json + metrics.jsonl), `TokenDumpWriter` (tokens/step_*.parquet) with
 `should_dump` / `select_samples` / `flatten_response_tokens`. Reading: `list_runs`, `load_metrics`,

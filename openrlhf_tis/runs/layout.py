@@ -1,6 +1,6 @@
 """Where things live in a run directory, and the one way files get there: temp file, fsync, rename.
 
-A run directory (DESIGN §6):
+A run directory (docs/design.md §6):
 
     <run_dir>/
       config.json               resolved configuration, fingerprint, package versions, git revision

@@ -17,7 +17,7 @@ Upstream seams used:
   `install_bypass_experience_maker`) never dispatches it and hands μ over as π_old, which also serves the
   reward's KL penalty. The actor's own `forward` stays exact: the weight-sync check scores with it.
 
-Per-token dumps (run store, DESIGN §6): before `fit` on a dumped step the controller hands the actors a
+Per-token dumps (run store, docs/design.md §6): before `fit` on a dumped step the controller hands the actors a
 `TokenDumpPlan` (`set_token_dump`). Every replay-buffer item carries its sample id (`append` keeps
 upstream's per-step sample index, which the buffer's split would drop); the planned samples are read
 off their first training step of the step and each rank writes its rows as one Parquet file when
@@ -261,7 +261,7 @@ class CorrectionActorPPOTrainer(ActorPPOTrainer):
         """Mean kept weight over the whole replay buffer of every rank (global self-normalization).
 
         In the decoupled loss the weights depend only on π_old and μ, both fixed for the step, so the
-        mean can be taken once over the full data-parallel batch (DESIGN §3). The bypass losses read
+        mean can be taken once over the full data-parallel batch (docs/design.md §3). The bypass losses read
         π_θ, which moves within the step: they normalize per micro-batch across ranks instead.
         """
         cfg = self.correction

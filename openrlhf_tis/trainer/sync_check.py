@@ -1,6 +1,6 @@
 """Verify every DeepSpeed -> vLLM weight sync by what the engines compute, not by what was sent.
 
-A sync can fail silently (DESIGN §5: a disabled NCCL group leaves NaN weights, a stale tied lm_head,
+A sync can fail silently (docs/design.md §5: a disabled NCCL group leaves NaN weights, a stale tied lm_head,
 per-tensor loads that never reach packed CPU kernels) and the run still exits 0. So after a sync the
 engines score a fixed probe text, and the trainer scores the same tokens:
 
