@@ -33,6 +33,6 @@ def valid_argv(tiny_model_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"input": "1 + 1?", "label": "2"}) + "\n")
     reward = tmp_path / "reward.py"
-    reward.write_text("def reward_func(queries, prompts, labels):\n    return {}\n")
+    reward.write_text("def reward_func(queries, prompts, labels):\n    return {\"rewards\": 0.0}\n")
     return ["--actor.model_name_or_path", str(tiny_model_dir), "--reward.remote_url", str(reward),
             "--data.prompt_dataset", str(prompts), "--logger.run_dir", str(tmp_path / "run")]

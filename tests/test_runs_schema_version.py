@@ -64,6 +64,7 @@ def test_version0_dump_reads_with_defaults(mixed_run):
         warnings.simplefilter("error")  # nothing is skipped as unreadable
         got = query_tokens(mixed_run, reason_names=False)
     assert len(got) == 12
+    (mixed_run.parent / "nothing").mkdir()  # a run without dumps: an empty result of the same dtypes
     empty = query_tokens(mixed_run.parent / "nothing")
     assert dict(got.dtypes.drop("mask_reason")) == dict(empty.dtypes.drop("mask_reason"))
     old = got[got["step"] == 1]  # step read from the file name

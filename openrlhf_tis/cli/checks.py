@@ -12,6 +12,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from openrlhf_tis.prompt_files import PromptFileError, local_files, read_prompt_file
+
 _UNSET = object()
 
 
@@ -119,10 +121,16 @@ def check_reward_script(flag: str, url: str | None) -> None:
             raise UsageError(flag, f"reward script {path!r} defines no reward_func(queries, prompts, labels)")
 
 
-def check_dataset(flag: str, spec: str | None) -> None:
-    """Local dataset files named on the command line must exist (hub names are left to upstream)."""
+def check_dataset(flag: str, spec: str | None, keys: dict[str, str | None], *, required: bool = True) -> dict | None:
+    """Dataset files named on the command line must exist; local JSON(L), Parquet and CSV ones are read whole.
+
+    `keys` maps each key flag (`--data.input_key`, ...) to its value; every record must have the keys
+    that are set. Hub names are left to upstream. Returns the first record read, or None.
+    """
     if not spec:
-        raise UsageError(flag, "is required")
+        if required:
+            raise UsageError(flag, "is required")
+        return None
     for item in spec.split(","):
         path = item.split("@")[0].strip()
         looks_local = path.startswith((".", "/", "~")) or os.path.splitext(path)[1] in (
@@ -130,24 +138,40 @@ def check_dataset(flag: str, spec: str | None) -> None:
         )
         if looks_local and not os.path.exists(os.path.expanduser(path)):
             raise UsageError(flag, f"dataset {path!r} does not exist")
+    key_flags = {key: key_flag for key_flag, key in keys.items() if key}
+    first = None
+    for path in local_files(spec):
+        try:
+            found = read_prompt_file(path, list(key_flags))
+        except PromptFileError as err:
+            raise UsageError(key_flags.get(err.key, flag), str(err)) from None
+        first = first if first is not None else found.first
+    return first
 
 
 def check_inputs(args: argparse.Namespace) -> None:
-    """Paths and files, checked before anything expensive starts."""
+    """Paths, files, batch sizes and the reward script, checked before anything expensive starts."""
     check_model_path("--actor.model_name_or_path", getattr(args, "actor.model_name_or_path"), required=True)
     if not getattr(args, "reward.remote_url"):
         check_model_path("--reward.model_name_or_path", getattr(args, "reward.model_name_or_path"), required=True)
     check_model_path("--critic.model_name_or_path", getattr(args, "critic.model_name_or_path"))
     check_reward_script("--reward.remote_url", getattr(args, "reward.remote_url"))
-    check_dataset("--data.prompt_dataset", getattr(args, "data.prompt_dataset"))
+    keys = {"--data.input_key": getattr(args, "data.input_key"), "--data.label_key": getattr(args, "data.label_key")}
+    first_prompt = check_dataset("--data.prompt_dataset", getattr(args, "data.prompt_dataset"), keys)
+    check_dataset("--eval.dataset", getattr(args, "eval.dataset"), keys, required=False)
     if getattr(args, "vllm.sync_check_steps") < 0:
         raise UsageError("--vllm.sync_check_steps", "must be >= 0 (0 disables the check)")
     if getattr(args, "vllm.sync_check_tolerance") <= 0:
         raise UsageError("--vllm.sync_check_tolerance", "must be > 0")
+    from openrlhf_tis.cli.batch_checks import check_batches
+    from openrlhf_tis.cli.reward_probe import probe_reward_script
     from openrlhf_tis.rollout.precision import check_cli_precision
 
+    check_batches(args)
     check_cli_precision(args)
     check_correction(args)
+    if first_prompt is not None:
+        probe_reward_script("--reward.remote_url", getattr(args, "reward.remote_url"), first_prompt, args)
 
 
 CORRECTION_FIELDS = (

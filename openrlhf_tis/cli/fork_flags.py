@@ -35,6 +35,21 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
         help="Continue in a run directory whose stored configuration differs (the change is recorded in config.json).",
     )
     parser.add_argument(
+        "--logger.run_dir_overwrite",
+        action="store_true",
+        default=False,
+        help="Start over in a run directory that already holds steps: its metrics, token dumps and config are "
+        "erased first. Without it such a directory is refused unless --ckpt.load_enable resumes it.",
+    )
+    parser.add_argument(
+        "--reward.nonfinite",
+        type=str,
+        default="fail",
+        choices=["fail", "drop"],
+        help="A NaN/inf reward from --reward.remote_url: fail the step naming the samples and the reward script "
+        "(default), or drop the prompt groups holding one and train on the rest (counted in reward/dropped_samples).",
+    )
+    parser.add_argument(
         "--logger.token_dump_steps",
         type=int,
         default=DEFAULT_DUMP_EVERY,

@@ -16,11 +16,11 @@ from openrlhf_tis import patches
 from openrlhf_tis.cli.checks import UsageError, adapt_to_cpu, check_inputs, explicit_dests
 from openrlhf_tis.cli.fork_flags import add_fork_arguments
 from openrlhf_tis.cli.ray_cluster import start_ray
+from openrlhf_tis.cli.run_dir import open_run_dir
 from openrlhf_tis.cli.upstream import run_upstream_main, upstream_parser
 from openrlhf_tis.patches import fork_classes
 from openrlhf_tis.patches._guard import UnsupportedUpstreamError
 from openrlhf_tis.rollout.precision import prepare_rollout_engines
-from openrlhf_tis.runs.config import RunConfigMismatch, check_resume
 
 
 def build_parser():
@@ -43,15 +43,6 @@ def parse(argv: list[str], cpu: bool):
     check_inputs(args)
     open_run_dir(args)
     return args
-
-
-def open_run_dir(args) -> None:
-    """Record the run's configuration, or check a resumed run directory against it (before Ray starts)."""
-    run_dir = getattr(args, "logger.run_dir")
-    try:
-        check_resume(run_dir, args, override=getattr(args, "logger.run_dir_override"))
-    except RunConfigMismatch as err:
-        raise UsageError("--logger.run_dir", str(err)) from None
 
 
 def main(argv: list[str] | None = None) -> None:

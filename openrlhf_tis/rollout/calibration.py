@@ -27,6 +27,7 @@ before any engine starts.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -339,6 +340,8 @@ def load_calibration(path: str | Path, model_config: dict,
     diff = fingerprint_mismatch(model_fingerprint(model_config), meta.get("fingerprint", {}))
     if diff:
         raise CalibrationMismatchError(f"{path} was calibrated for another model ({'; '.join(diff)})")
+    if not meta.get("n_prompts"):
+        raise CalibrationMismatchError(f"{path} was calibrated on no prompts; calibrate on a non-empty prompt file")
     has_scales = any(k.endswith(".input_scale") for k in tensors) or bool(dynamic_projections(meta))
     if has_scales != has_input_scales(meta):
         raise CalibrationMismatchError(f"{path}: metadata contents {meta.get('contents')} do not match its tensors")
@@ -346,9 +349,51 @@ def load_calibration(path: str | Path, model_config: dict,
     return tensors, meta
 
 
+def read_prompt_texts(path: str, input_key: str, limit: int) -> list[str]:
+    """The first `limit` prompt texts of a prompt file; UsageError naming --prompts / --input_key otherwise."""
+    from itertools import islice
+
+    from openrlhf_tis.cli.checks import UsageError
+    from openrlhf_tis.prompt_files import PromptFileError, prompt_records, read_prompt_file
+
+    try:
+        read_prompt_file(path, [input_key])
+        records = list(islice(prompt_records(path), limit))
+    except PromptFileError as err:
+        raise UsageError("--input_key" if err.key else "--prompts", str(err)) from None
+    for where, record in records:
+        if not isinstance(record[input_key], str):
+            raise UsageError("--input_key", f"{where}: {input_key!r} holds a {type(record[input_key]).__name__}, "
+                             "not a prompt text")
+    return [record[input_key] for _, record in records]
+
+
+def _check_main_args(args) -> list[str]:
+    """Every input of the command, checked before a model loads; returns the prompt texts."""
+    from openrlhf_tis.cli.checks import UsageError, check_model_path
+
+    check_model_path("--model", args.model, required=True)
+    if not 0.0 <= args.alpha <= 1.0:
+        raise UsageError("--alpha", f"must be in [0, 1], got {args.alpha}")
+    if args.max_prompts < 1:
+        raise UsageError("--max_prompts", f"must be >= 1, got {args.max_prompts}")
+    if args.min_levels < 0:
+        raise UsageError("--min_levels", f"must be >= 0, got {args.min_levels}")
+    out = Path(args.out)
+    if out.is_dir():
+        raise UsageError("--out", f"{out} is a directory; name the .safetensors file to write")
+    if not out.resolve().parent.is_dir():
+        raise UsageError("--out", f"directory {out.resolve().parent} does not exist")
+    if not os.access(out.resolve().parent, os.W_OK):
+        raise UsageError("--out", f"directory {out.resolve().parent} is not writable")
+    return read_prompt_texts(args.prompts, args.input_key, args.max_prompts)
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m openrlhf_tis.rollout.calibration --model DIR --prompts F.jsonl --out F [--static_activations]`."""
     import argparse
+
+    from openrlhf_tis.cli.checks import UsageError
 
     parser = argparse.ArgumentParser(description="Calibrate INT8 rollouts once per run: SmoothQuant factors and, "
                                      "optionally, static activation scales.")
@@ -367,10 +412,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="format each prompt with the tokenizer's chat template (as --data.apply_chat_template)")
     parser.add_argument("--out", required=True, help="output .safetensors (pass it as --vllm.int8_calibration)")
     args = parser.parse_args(argv)
-    with open(args.prompts, encoding="utf-8") as f:
-        texts = [json.loads(line)[args.input_key] for line in f if line.strip()][: args.max_prompts]
-    out = calibrate_to_file(args.model, texts, args.out, args.alpha, args.static_activations, args.min_levels,
-                            args.apply_chat_template)
+    try:
+        texts = _check_main_args(args)
+        out = calibrate_to_file(args.model, texts, args.out, args.alpha, args.static_activations, args.min_levels,
+                                args.apply_chat_template)
+    except UsageError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    except OSError as err:  # transformers' "no file named model.safetensors", a weight file that cannot be read
+        parser.exit(2, f"{parser.prog}: error: --model: cannot load {args.model}: {str(err).splitlines()[0]}\n")
     if args.static_activations:
         meta = load_calibration(out, json.loads((Path(args.model) / "config.json").read_text()))[1]
         dynamic = dynamic_projections(meta)

@@ -5,7 +5,7 @@ engine. The fork points the engines at `<run_dir>/rollout_model` (patches/rollou
 plan file names the precision; this subclass of upstream's actor turns that plan into the engine's
 dtype / quantization arguments just before the engine is built, in the engine's own process.
 It also exposes the CPU weight sync's bucketed receive (patches/cpu_weight_sync.py), which upstream's
-actor has no method for.
+actor has no method for, and makes a failing reward fail the rollout (rollout/reward_executor.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from openrlhf.trainer.ray.vllm_engine import RolloutRayActor as _UpstreamActorCl
 
 from openrlhf_tis.rollout.checkpoint import read_plan
 from openrlhf_tis.rollout.precision import engine_kwargs
+from openrlhf_tis.rollout.reward_executor import make_rewards_loud
 
 _UpstreamRolloutRayActor = _UpstreamActorClass.__ray_metadata__.modified_class.__ray_actor_class__
 
@@ -38,6 +39,7 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         if overrides:
             print(f"[openrlhf_tis] rollout engine {kwargs['model']}: {overrides}")
         await super().__init__(*args, **{**kwargs, **overrides})
+        make_rewards_loud(self.executor)
 
     async def update_weights_bucket(self, names_shapes, dtype, last=False):
         """Receive one flat broadcast of several parameters (CPU weight sync); reload after the last."""

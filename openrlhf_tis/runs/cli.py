@@ -65,7 +65,11 @@ def _bytes(n: float) -> str:
 
 
 def cmd_list(root: str, console: Console) -> int:
-    runs = list_runs(root)
+    try:
+        runs = list_runs(root)
+    except (FileNotFoundError, NotADirectoryError) as err:
+        console.print(f"[red]{err}[/red]", highlight=False)
+        return 2
     if runs.empty:
         console.print(f"no runs under {root}")
         return 0

@@ -38,6 +38,7 @@ RESUME_IGNORED: tuple[str, ...] = (
     "vllm.sync_check_*",
     "*.offload",
     "ds.adam_offload",
+    "reward.nonfinite",  # resuming a run that failed on a NaN reward with `drop` is what the flag is for
 )
 
 VERSIONED_PACKAGES = (

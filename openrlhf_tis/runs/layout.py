@@ -55,6 +55,19 @@ def token_files(run_dir: str | os.PathLike) -> dict[int, list[Path]]:
     return {step: sorted(found[step]) for step in sorted(found)}
 
 
+def existing_dir(path: str | os.PathLike, what: str = "run directory") -> Path:
+    """`path` as a Path; FileNotFoundError / NotADirectoryError naming it when it is no directory.
+
+    Readers call it first so that a mistyped path is an error, not an empty result.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    if not path.is_dir():
+        raise NotADirectoryError(f"{what} {path} is not a directory")
+    return path
+
+
 def is_run_dir(path: str | os.PathLike) -> bool:
     """A directory is a run once it holds a config, a metrics file or token dumps."""
     path = Path(path)

@@ -18,21 +18,23 @@ A file that cannot be read is reported by name (RunStoreWarning) and the query r
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import threading
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import duckdb
 import numpy as np
 import pandas as pd
 
-from openrlhf_tis.runs.layout import RunStoreWarning, token_files
+from openrlhf_tis.runs.layout import RunStoreWarning, existing_dir, token_files
 from openrlhf_tis.runs.schema import COLUMNS, MASK_REASON_CODES, MASK_REASONS, SCHEMA
 
 RunPaths = str | os.PathLike | Sequence[str | os.PathLike]
 StepRange = tuple[int | None, int | None]
+Steps = int | StepRange | range  # one step, an inclusive (lo, hi) with open ends as None, or a Python range
 ProbRange = tuple[float | None, float | None]
 
 _connection: duckdb.DuckDBPyConnection | None = None
@@ -49,8 +51,8 @@ def _cursor() -> duckdb.DuckDBPyConnection:
 
 
 def token_steps(run_dir: str | os.PathLike) -> list[int]:
-    """Steps of a run that have a token dump."""
-    return list(token_files(run_dir))
+    """Steps of a run that have a token dump (FileNotFoundError naming a missing run directory)."""
+    return list(token_files(existing_dir(run_dir)))
 
 
 def _as_runs(run_dir: RunPaths) -> tuple[list[Path], bool]:
@@ -64,6 +66,31 @@ def _in_range(step: int, steps: StepRange | None) -> bool:
         return True
     lo, hi = steps
     return (lo is None or step >= lo) and (hi is None or step <= hi)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _step_selection(steps: Steps | None) -> tuple[StepRange | None, Callable[[int], bool]]:
+    """`steps` as inclusive SQL bounds plus the test a dumped step must pass for its file to be read.
+
+    A strided range reads exactly its steps: each dump file holds one step, so picking files is exact.
+    """
+    if steps is None:
+        return None, lambda step: True
+    if _is_int(steps):
+        return (int(steps), int(steps)), lambda step: step == steps
+    if isinstance(steps, range):
+        if not steps:
+            return (1, 0), lambda step: False
+        ends = (steps[0], steps[-1]) if steps.step > 0 else (steps[-1], steps[0])
+        return ends, steps.__contains__
+    if isinstance(steps, (tuple, list)) and len(steps) == 2 and all(v is None or _is_int(v) for v in steps):
+        bounds = tuple(None if v is None else int(v) for v in steps)
+        return bounds, lambda step: _in_range(step, bounds)
+    raise TypeError(f"steps must be a step number, an inclusive (lo, hi) tuple (None for an open end) or a range, "
+                    f"got {steps!r}")
 
 
 def _float32_bound(value: float, upper: bool) -> float:
@@ -212,7 +239,7 @@ def decode_reasons(codes: pd.Series | np.ndarray) -> pd.Categorical:
 
 def query_tokens(
     run_dir: RunPaths,
-    steps: StepRange | None = None,
+    steps: Steps | None = None,
     samples: Iterable[int] | None = None,
     masked_only: bool = False,
     prob_range: ProbRange | None = None,
@@ -224,21 +251,25 @@ def query_tokens(
 ) -> pd.DataFrame:
     """Token rows of one run (or several: pass a list, a `run` column is added) matching every filter.
 
-    steps: inclusive (lo, hi), either end None for open. samples / prompts: sample_id / prompt_id values.
+    steps: one step, an inclusive (lo, hi) with either end None for open, or a range (exactly its steps).
+    samples / prompts: sample_id / prompt_id values.
     masked_only: only tokens excluded from the loss; reasons: only these mask reasons (names of
     schema.MASK_REASONS). prob_range: inclusive (lo, hi) on the rollout probability exp(rollout_logprob).
     columns: the columns to return (default all; fewer is faster). reason_names: `mask_reason` as a
     Categorical of names instead of the stored int code. Rows come in (step, sample, position) order.
+    A run directory that does not exist raises FileNotFoundError naming it.
     """
     runs, many = _as_runs(run_dir)
+    runs = [existing_dir(run) for run in runs]
+    bounds, wanted_step = _step_selection(steps)
     wanted = list(columns) if columns is not None else list(COLUMNS)
     unknown = [c for c in wanted if c not in COLUMNS]
     if unknown:
         raise ValueError(f"unknown token columns {unknown}; known: {list(COLUMNS)}")
-    where = where_clause(steps, samples, prompts, masked_only, reasons, prob_range)
+    where = where_clause(bounds, samples, prompts, masked_only, reasons, prob_range)
     frames = []
     for run in runs:
-        files = [p for step, paths in token_files(run).items() if _in_range(step, steps) for p in paths]
+        files = [p for step, paths in token_files(run).items() if wanted_step(step) for p in paths]
         frame = _scan(files, wanted, where) if files else _empty(wanted)
         if many:
             frame.insert(0, "run", run.name)
@@ -253,9 +284,11 @@ def query_tokens(
     return frame
 
 
-def mask_reason_counts(run_dir: str | os.PathLike, steps: StepRange | None = None) -> dict[str, int]:
+def mask_reason_counts(run_dir: str | os.PathLike, steps: Steps | None = None) -> dict[str, int]:
     """Dumped tokens per mask reason name ('kept' included), counted inside the scan."""
-    files = [os.fspath(p) for step, paths in token_files(run_dir).items() if _in_range(step, steps) for p in paths]
+    wanted_step = _step_selection(steps)[1]
+    dumps = token_files(existing_dir(run_dir))
+    files = [os.fspath(p) for step, paths in dumps.items() if wanted_step(step) for p in paths]
     if not files:
         return {}
     sql = "SELECT mask_reason, count(*) FROM read_parquet($files) GROUP BY mask_reason ORDER BY mask_reason"

@@ -16,7 +16,15 @@ from typing import Any
 import pandas as pd
 
 from openrlhf_tis.runs.config import read_run_config
-from openrlhf_tis.runs.layout import CONFIG_FILE, METRICS_FILE, TOKENS_DIR, RunStoreWarning, is_run_dir, token_files
+from openrlhf_tis.runs.layout import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    TOKENS_DIR,
+    RunStoreWarning,
+    existing_dir,
+    is_run_dir,
+    token_files,
+)
 
 _SKIP_DIRS = {TOKENS_DIR, "ckpt", "checkpoints", "wandb", "tensorboard", "__pycache__"}
 
@@ -48,8 +56,11 @@ def find_runs(root: str | os.PathLike, max_depth: int = 3) -> list[Path]:
 
 
 def read_metrics_records(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every readable line of metrics.jsonl; damaged lines are warned about by name and line number."""
-    path = Path(run_dir) / METRICS_FILE
+    """Every readable line of metrics.jsonl; damaged lines are warned about by name and line number.
+
+    A run directory without metrics.jsonl (a run before its first step) gives []; a missing directory raises.
+    """
+    path = existing_dir(run_dir) / METRICS_FILE
     if not path.is_file():
         return []
     raw = path.read_bytes()
@@ -111,9 +122,14 @@ def _last_step(path: Path) -> int | None:
     return None
 
 
+def last_logged_step(run_dir: str | os.PathLike) -> int | None:
+    """The step of metrics.jsonl's last whole line (None when there is none), read from the file's tail."""
+    return _last_step(Path(run_dir) / METRICS_FILE)
+
+
 def run_info(run_dir: str | os.PathLike) -> dict[str, Any]:
     """A run's identity and size without reading its history: the row `list_runs` shows."""
-    run_dir = Path(run_dir)
+    run_dir = existing_dir(run_dir)
     try:
         config = read_run_config(run_dir) or {}
         config_error = None
@@ -140,8 +156,11 @@ def run_info(run_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def list_runs(root: str | os.PathLike = "runs") -> pd.DataFrame:
-    """One row per run directory under `root` (see `run_info` for the columns), sorted by path."""
-    rows = [run_info(path) for path in find_runs(root)]
+    """One row per run directory under `root` (see `run_info` for the columns), sorted by path.
+
+    A root that holds no runs gives an empty frame; a missing root raises FileNotFoundError naming it.
+    """
+    rows = [run_info(path) for path in find_runs(existing_dir(root, "runs root"))]
     columns = ["run", "path", "created", "steps", "last_step", "token_steps", "token_bytes", "revision",
                "fingerprint", "resumes", "has_config"]
     return pd.DataFrame(rows, columns=columns)

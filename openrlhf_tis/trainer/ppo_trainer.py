@@ -1,4 +1,4 @@
-"""The fork's PPO controller: upstream's PPOTrainer plus weight-sync checks and the run store.
+"""The fork's PPO controller: upstream's PPOTrainer plus weight-sync checks, reward screening and the run store.
 
 Upstream's class is a Ray actor; Ray forbids subclassing actor classes, so the plain class it wraps
 is subclassed and wrapped again. patches/fork_classes.py points upstream's `train()` at it.
@@ -22,6 +22,7 @@ from openrlhf_tis.rollout.checkpoint import read_last_sync_stats
 from openrlhf_tis.runs.store import RunWriter
 from openrlhf_tis.runs.tokens import select_samples, should_dump
 from openrlhf_tis.trainer.ppo_actor import TokenDumpPlan, install_bypass_experience_maker
+from openrlhf_tis.trainer.rewards import RewardPolicy, screen_rewards
 from openrlhf_tis.trainer.sync_check import SyncChecker
 
 _UpstreamPPOTrainer = _UpstreamActorClass.__ray_metadata__.modified_class.__ray_actor_class__
@@ -76,6 +77,7 @@ class _TisPPOTrainer(_UpstreamPPOTrainer):
         self._sync_metrics: dict[str, float] = {}
         self._run = RunWriter(self.args.logger.run_dir) if self.args.logger.run_dir else None
         self._step_samples = 0  # samples of the step being trained (train_step), for the dump plan
+        self._reward_policy = RewardPolicy.from_args(self.args)
         # Bypass mode: the experience maker must not even dispatch the pi_old forward (see ppo_actor).
         install_bypass_experience_maker(self)
 
@@ -121,8 +123,11 @@ class _TisPPOTrainer(_UpstreamPPOTrainer):
         return stats
 
     def train_step(self, rollout_samples, global_step: int):
+        # NaN/inf rewards fail the step or drop their groups before upstream computes advantages from them.
+        rollout_samples, reward_metrics = screen_rewards(rollout_samples, self._reward_policy, global_step + 1)
         self._step_samples = len(rollout_samples)  # upstream numbers them 0..n-1 (Experience.index)
         status, global_step = super().train_step(rollout_samples, global_step)
+        status.update(reward_metrics)
         status.update(self._sync_metrics)
         self._sync_metrics = {}
         return status, global_step

@@ -1,0 +1,93 @@
+"""Try the reward script once, on the first real prompt, before Ray starts.
+
+Upstream imports a `--reward.remote_url file.py` inside every vLLM engine actor and calls
+`reward_func(queries, prompts, labels)` there once per sample; a script that fails to import, raises,
+or returns no rewards is only found out minutes later, from an actor. Here it is imported and called
+the way upstream calls it (one query; the prompt formatted by upstream's own `preprocess_data`, with
+the chat template when `--data.apply_chat_template`), with the prompt as its own query: no response yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import sys
+import traceback
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from openrlhf_tis.cli.checks import UsageError
+
+
+def load_reward_func(path: str):
+    """The script's reward_func, imported as upstream's SingleTurnAgentExecutor does."""
+    spec = importlib.util.spec_from_file_location("reward_func", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.reward_func
+
+
+def _where(err: BaseException, path: str) -> str:
+    """` at file.py:LINE` for the innermost frame of the script in the traceback (where the user looks)."""
+    script = os.path.abspath(path)
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if os.path.abspath(f.filename) == script]
+    return f" at {os.path.basename(path)}:{frames[-1].lineno}" if frames else ""
+
+
+def formatted_prompt(record: Mapping[str, Any], args: argparse.Namespace) -> tuple[str, Any]:
+    """(prompt, label) of one dataset record exactly as upstream's PromptDataset builds them."""
+    from openrlhf.datasets.prompts_dataset import preprocess_data
+
+    template = None
+    if getattr(args, "data.apply_chat_template"):
+        from openrlhf.utils.utils import get_tokenizer
+
+        tokenizer = get_tokenizer(getattr(args, "actor.model_name_or_path"), None,
+                                  use_fast=not getattr(args, "data.disable_fast_tokenizer"))
+        template = tokenizer.apply_chat_template
+    return preprocess_data(record, getattr(args, "data.input_template"), getattr(args, "data.input_key"),
+                           getattr(args, "data.label_key"), template)
+
+
+def reward_values(result: Any) -> torch.Tensor:
+    """The `rewards` of one reward_func result as a flat float64 tensor; ValueError saying what is wrong."""
+    if not isinstance(result, Mapping):
+        raise ValueError(f"returned a {type(result).__name__}, not a dict with 'rewards'")
+    if result.get("rewards") is None:
+        raise ValueError(f"returned no 'rewards' (keys: {', '.join(map(repr, result)) or 'none'})")
+    try:
+        return torch.as_tensor(result["rewards"], dtype=torch.float64).reshape(-1)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(f"returned rewards that are not numbers ({err})") from None
+
+
+def probe_reward_script(flag: str, url: str | None, record: Mapping[str, Any], args: argparse.Namespace) -> None:
+    """Refuse a local reward script that cannot be imported or called on `record`, or returns no usable reward."""
+    if not url or not url.split(",")[0].endswith(".py"):
+        return
+    path = url.split(",")[0]  # upstream calls the first script only
+    try:
+        reward_func = load_reward_func(path)
+    except Exception as err:
+        raise UsageError(flag, f"reward script {path} fails to import: {type(err).__name__}: {err}"
+                         f"{_where(err, path)}") from None
+    prompt, label = formatted_prompt(record, args)
+    try:
+        result = reward_func([prompt], [prompt], [label])
+    except Exception as err:
+        raise UsageError(flag, f"reward_func in {path} raised {type(err).__name__}: {err}{_where(err, path)} "
+                         f"when tried on the first prompt (label {label!r})") from None
+    try:
+        rewards = reward_values(result)
+    except ValueError as err:
+        raise UsageError(flag, f"reward_func in {path} {err} when tried on the first prompt") from None
+    if rewards.numel() != 1:
+        raise UsageError(flag, f"reward_func in {path} returned {rewards.numel()} rewards for 1 query")
+    if not math.isfinite(rewards.item()):
+        print(f"[openrlhf_tis] warning: reward_func in {path} returned {rewards.item()} for the first prompt with no "
+              f"response; a non-finite reward in training is handled by --reward.nonfinite "
+              f"({getattr(args, 'reward.nonfinite')})", file=sys.stderr)
