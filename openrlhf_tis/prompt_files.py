@@ -121,8 +121,8 @@ def read_prompt_file(path: str, keys: Sequence[str]) -> PromptFile:
         for key in keys:
             if record.get(key) is None:
                 have = ", ".join(map(repr, list(record)[:8])) or "none"
-                what = "has no" if key not in record else "has a null"
-                raise PromptFileError(f"{where} {what} key {key!r} (its keys: {have})", key=key)
+                what = f"has no key {key!r}" if key not in record else f"has null for key {key!r}"
+                raise PromptFileError(f"{where} {what} (its keys: {have})", key=key)
         if first is None:
             first = record
     if first is None:

@@ -113,6 +113,29 @@ def test_query_filters_match_pandas_reference(runs, steps, samples, masked_only,
     assert got["mask_reason"].tolist() == want["mask_reason"].tolist()
 
 
+@pytest.mark.parametrize("steps", [5, np.int64(10), 3, range(5, 16), range(1, 21, 10), range(20, 0, -5), range(7, 7),
+                                   (None, 5), [10, None]])
+def test_steps_take_a_step_a_range_or_bounds(runs, steps):
+    root, refs = runs
+    ref = refs["a"]
+    if isinstance(steps, (tuple, list)):
+        lo, hi = (-1 if steps[0] is None else steps[0]), (10**9 if steps[1] is None else steps[1])
+        wanted = [s for s in STEPS if lo <= s <= hi]
+    else:
+        wanted = list(steps) if isinstance(steps, range) else [int(steps)]
+    got = query_tokens(root / "a", steps=steps, reason_names=False)
+    expected = ref[ref["step"].isin(wanted)]
+    assert got["step"].tolist() == expected["step"].tolist()
+    assert got["position"].tolist() == expected["position"].tolist()
+
+
+@pytest.mark.parametrize("steps", ["5", 2.5, (1, 2, 3), True])
+def test_steps_of_another_kind_are_a_type_error(runs, steps):
+    root, _ = runs
+    with pytest.raises(TypeError, match="steps must be"):
+        query_tokens(root / "a", steps=steps)
+
+
 def test_query_all_columns_types_and_values(runs):
     root, refs = runs
     got = query_tokens(root / "a")

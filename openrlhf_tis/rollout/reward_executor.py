@@ -10,6 +10,7 @@ traceback to the driver. A reward call that returns no `rewards` fails the same 
 
 from __future__ import annotations
 
+import sys
 from contextvars import ContextVar
 
 from openrlhf.utils.agent import SingleTurnAgentExecutor
@@ -43,7 +44,8 @@ class LoudRewardExecutor(SingleTurnAgentExecutor):
         source = self.reward_endpoints[0] if self.reward_endpoints else "?"
         where = f"the reward of {source} for prompt {prompt[:200]!r}"
         if failures:
-            failures[0].add_note(f"[openrlhf_tis] raised by {where} (label {label!r})")
+            # Printed, not added as a note: Ray copies notes at every hop, so the driver would show it thrice.
+            print(f"[openrlhf_tis] {where} (label {label!r}) raised {type(failures[0]).__name__}", file=sys.stderr)
             raise failures[0]
         if self.reward_endpoints and output.get("reward") is None:
             raise RewardFunctionError(f"{where} is missing: the call returned no 'rewards'")

@@ -68,7 +68,7 @@ def cmd_list(root: str, console: Console) -> int:
     try:
         runs = list_runs(root)
     except (FileNotFoundError, NotADirectoryError) as err:
-        console.print(f"[red]{err}[/red]", highlight=False)
+        console.print(f"[red]{err}[/red]", highlight=False, soft_wrap=True)
         return 2
     if runs.empty:
         console.print(f"no runs under {root}")
