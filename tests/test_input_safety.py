@@ -309,7 +309,7 @@ def test_training_refuses_a_calibration_made_on_no_prompts(valid_argv, tiny_mode
 
 def test_readers_name_a_missing_path(tmp_path, capsys):
     missing = tmp_path / "no_such_run"
-    for read in (load_metrics, query_tokens, token_steps, summary, list_runs):
+    for read in (load_metrics, query_tokens, summary, list_runs):
         with pytest.raises(FileNotFoundError, match=str(missing)):
             read(missing)
     with pytest.raises(FileNotFoundError, match=str(missing)):

@@ -51,8 +51,8 @@ def _cursor() -> duckdb.DuckDBPyConnection:
 
 
 def token_steps(run_dir: str | os.PathLike) -> list[int]:
-    """Steps of a run that have a token dump (FileNotFoundError naming a missing run directory)."""
-    return list(token_files(existing_dir(run_dir)))
+    """Steps of a run that have a token dump."""
+    return list(token_files(run_dir))
 
 
 def _as_runs(run_dir: RunPaths) -> tuple[list[Path], bool]:
