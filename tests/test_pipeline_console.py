@@ -30,8 +30,10 @@ def test_the_summary_says_where_reward_went_and_where_the_report_is(tmp_path):
     writer = RunWriter(tmp_path)
     for step in range(1, 11):
         writer.append_metrics(step, {"rollout/reward_mean": step / 10, "correction/masked_frac": 0.02})
-    text = describe({"summary": summary(tmp_path), "run_dir": tmp_path, "html": tmp_path / "report.html"})
+    text = describe({"summary": summary(tmp_path), "run_dir": tmp_path, "html": tmp_path / "report.html",
+                     "held_out": ("eval/default_pass1", 0.25, 0.5)})
     assert "reward (first -> last tenth of steps): 0.100 -> 1.000" in text
+    assert "held-out eval/default_pass1 (before training -> last evaluation): 0.250 -> 0.500" in text
     assert "masked fraction (last): 0.020" in text and f"report: {tmp_path / 'report.html'}" in text
 
 

@@ -44,13 +44,16 @@ def test_bucket_table_weights_each_step_by_its_token_share():
 
 
 def test_panels_draw_the_first_logged_alternative_and_say_when_nothing_is_logged():
-    frame = pd.DataFrame(_records(3, reward=0.5, vllm_kl=1.0, **{"eval_reward_mean": 0.2}))
+    frame = pd.DataFrame(_records(3, reward=0.5, vllm_kl=1.0, **{"eval/default_pass1": 0.2}))
     reward, held_out = PANELS[0], PANELS[1]
     assert panel_keys(frame, reward) == ["rollout/reward_mean"]  # not also the upstream synonym
-    assert panel_keys(frame, held_out) == ["eval_reward_mean"]
+    assert panel_keys(frame, held_out) == ["eval/default_pass1"]
     fig = plot_curves(frame)
     texts = {t.get_text() for ax in fig.axes for t in ax.texts}
     assert "not logged" in texts  # e.g. the IS-weight panel: this run logs no correction/*
+    frame.loc[0, "eval_start/default_pass1"] = 0.1
+    held_ax = next(ax for ax in plot_curves(frame).axes if ax.get_title() == "held-out reward")
+    np.testing.assert_allclose(held_ax.lines[0].get_xydata(), [[0, 0.1], [1, 0.2], [2, 0.2], [3, 0.2]])
     reward_ax = next(ax for ax in fig.axes if ax.get_title() == "reward")
     np.testing.assert_allclose(reward_ax.lines[0].get_ydata(), [0.1, 0.2, 0.3])
 
@@ -64,8 +67,11 @@ def test_overlaid_runs_get_one_line_each():
 
 def test_final_table_against_hand_computed_values():
     records = _records(10, **{"correction/masked_frac": lambda s: 0.1 * (s % 2), "mismatch/abs_dp_max":
-                              lambda s: s / 100, "eval_reward_mean": lambda s: 0.0 if s < 10 else 0.8})
+                              lambda s: s / 100, "eval/default_pass1": lambda s: 0.8 if s == 10 else np.nan,
+                              "eval/default_seconds": 3.0})
+    records[0]["eval_start/default_pass1"] = 0.3  # the untrained policy, logged on step 1's line
     row = final_table({"r": pd.DataFrame(records)}).loc["r"]
+    assert row["held_out_first"] == pytest.approx(0.3) and row["held_out_first_step"] == 0
     assert row["steps"] == 10 and row["reward_first"] == pytest.approx(0.1) and row["reward_last"] == pytest.approx(1.0)
     assert row["held_out_last"] == pytest.approx(0.8)
     assert row["k3_kl_mean"] == pytest.approx(5.5e-3) and row["abs_dp_max"] == pytest.approx(0.1)

@@ -21,7 +21,10 @@ from openrlhf_tis.pipeline.console import follow_run
 from openrlhf_tis.pipeline.execute import execute, export_html
 from openrlhf_tis.pipeline.params import ParameterError, check_params
 from openrlhf_tis.pipeline.train import TRAIN_PARAMS, log_tail
+from openrlhf_tis.runs.reader import load_metrics
 from openrlhf_tis.runs.summary import summary
+from openrlhf_tis.viz.compare import held_out_key
+from openrlhf_tis.viz.curves import held_out
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,11 @@ def run_main_job(params: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     if failure:
         raise RuntimeError(f"the training notebook failed: {failure[0]}\nreport: {html}\n"
                            f"log tail:\n{log_tail(run_dir / 'train.log', 20)}")
-    return {"run_dir": run_dir, "notebook": notebook, "html": html, "summary": summary(run_dir)}
+    metrics = load_metrics(run_dir)
+    key = held_out_key(metrics)
+    _, held = held_out(metrics, key) if key else (None, [])
+    return {"run_dir": run_dir, "notebook": notebook, "html": html, "summary": summary(run_dir),
+            "held_out": (key, float(held[0]), float(held[-1])) if len(held) else None}
 
 
 def describe(result: dict[str, Any]) -> str:
@@ -84,6 +91,8 @@ def describe(result: dict[str, Any]) -> str:
     lines = [
         f"steps: {s['steps']}",
         f"reward (first -> last tenth of steps): {trend(s.get('reward'), '.3f')}",
+        "held-out: not evaluated" if not result.get("held_out") else
+        "held-out {} (before training -> last evaluation): {:.3f} -> {:.3f}".format(*result["held_out"]),
         f"k3 KL(μ‖π_old): {trend(s.get('mismatch'), '.2e')}",
         f"masked fraction (last): {masked.get('last'):.3f}" if masked.get("last") is not None else "masked: not logged",
         f"run: {result['run_dir']}",

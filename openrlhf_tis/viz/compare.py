@@ -20,6 +20,7 @@ from openrlhf_tis.runs.config import read_run_config
 from openrlhf_tis.runs.layout import is_run_dir
 from openrlhf_tis.runs.reader import find_runs, load_metrics
 from openrlhf_tis.runs.summary import MISMATCH_KEYS, REWARD_KEYS, pick_key
+from openrlhf_tis.viz.curves import held_out
 
 # Paths that differ between any two runs without making them different experiments.
 _INCIDENTAL = ("logger.run_dir", "ckpt.path", "ckpt.output_dir", "data.prompt_dataset", "actor.model_name_or_path")
@@ -86,13 +87,21 @@ def _column(frame: pd.DataFrame, key: str, how: str) -> float:
     return float(values.max() if how == "max" else values.mean())
 
 
+def held_out_key(frame: pd.DataFrame) -> str | None:
+    """The run's main held-out metric: the first `eval/*pass1` key, else the first `eval/` score-like key."""
+    keys = sorted(k for k in frame.columns if k.startswith("eval/") and not k.endswith("seconds"))
+    return next((k for k in keys if k.endswith("pass1")), keys[0] if keys else None)
+
+
 def final_table(metrics: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
-    """One row per run: steps, reward first -> last (means of the first and last tenth), held-out reward,
+    """One row per run: steps, reward first -> last (means of the first and last tenth), held-out score
+    first (step 0 = before training, when logged) and last,
     mean k3 KL, largest |Δp|, mean masked and truncated fractions, last entropy, mean seconds per step."""
     rows = []
     for name, frame in metrics.items():
         reward_key = pick_key(frame, REWARD_KEYS)
-        held_out = sorted(k for k in frame.columns if k.startswith("eval") and "reward" in k)
+        held = held_out_key(frame)
+        held_steps, held_values = held_out(frame, held) if held else ([], [])
         first = float("nan")
         if reward_key is not None:
             values = pd.to_numeric(frame[reward_key], errors="coerce").dropna().to_numpy(dtype=float)
@@ -102,7 +111,9 @@ def final_table(metrics: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
             "steps": int(len(frame)),
             "reward_first": first,
             "reward_last": _tail_mean(frame, reward_key),
-            "held_out_last": _tail_mean(frame, held_out[0]) if held_out else float("nan"),
+            "held_out_first": float(held_values[0]) if len(held_values) else float("nan"),
+            "held_out_last": float(held_values[-1]) if len(held_values) else float("nan"),
+            "held_out_first_step": int(held_steps[0]) if len(held_steps) else None,
             "k3_kl_mean": _column(frame, pick_key(frame, MISMATCH_KEYS) or "", "mean"),
             "abs_dp_max": _column(frame, "mismatch/abs_dp_max", "max"),
             "masked_frac_mean": _column(frame, "correction/masked_frac", "mean"),

@@ -36,7 +36,7 @@ def _one(*keys: str) -> tuple[tuple[str, ...], ...]:
 
 PANELS: tuple[Panel, ...] = (
     Panel("reward", (("rollout/reward_mean", "reward"),)),
-    Panel("held-out reward", (), pattern=r"^eval.*(reward|score|pass|correct)"),
+    Panel("held-out reward", (), pattern=r"^eval/.*(reward|score|pass|correct)"),
     Panel("response length", (("rollout/response_length_mean", "response_length"),)),
     Panel("entropy", (("mismatch/entropy", "mismatch/entropy_sampled"),)),
     Panel("k3 KL(μ ‖ π_old)", (("mismatch/k3_kl", "vllm_kl"),), log=True),
@@ -70,6 +70,21 @@ def panel_keys(frame: pd.DataFrame, panel: Panel) -> list[str]:
     return keys
 
 
+def held_out(frame: pd.DataFrame, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """The finite (steps, values) of held-out metric `eval/<name>`, led by the untrained policy's score at
+    step 0 when the run logged it (`eval_start/<name>`, on the first line)."""
+    values = pd.to_numeric(frame[key], errors="coerce").to_numpy(dtype=float)
+    steps = frame["step"].to_numpy()
+    ok = np.isfinite(values)
+    steps, values = steps[ok], values[ok]
+    start = "eval_start/" + key.removeprefix("eval/")
+    if start in frame:
+        first = pd.to_numeric(frame[start], errors="coerce").dropna()
+        if len(first):
+            steps, values = np.r_[0, steps], np.r_[float(first.iloc[0]), values]
+    return steps, values
+
+
 def _draw(ax, steps: np.ndarray, values: np.ndarray, label: str, log: bool) -> None:
     values = pd.to_numeric(pd.Series(values), errors="coerce").to_numpy(dtype=float)
     ok = np.isfinite(values) & ((values > 0) if log else True)
@@ -89,7 +104,9 @@ def plot_curves(runs: pd.DataFrame | list[dict] | Mapping[str, pd.DataFrame | li
         for name, frame in frames.items():
             keys = panel_keys(frame, panel)
             for key in keys[:1] if many else keys:
-                _draw(ax, frame["step"].to_numpy(), frame[key].to_numpy(), name if many else key, panel.log)
+                steps, values = held_out(frame, key) if key.startswith("eval/") else \
+                    (frame["step"].to_numpy(), frame[key].to_numpy())
+                _draw(ax, steps, values, name if many else key, panel.log)
                 drawn += 1
         ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
