@@ -107,6 +107,7 @@ def test_training_command_follows_the_parameters(tmp_path):
 
     assert flag("--data.max_samples") == "15"  # 5 steps x 3 prompts: one rollout batch per step
     assert flag("--rollout.batch_size") == "3" and flag("--train.batch_size") == "12"
+    assert flag("--train.micro_batch_size") == "6" == flag("--rollout.micro_batch_size")  # divides 12, <= 8
     assert flag("--rollout.n_samples_per_prompt") == "4" and flag("--algo.advantage.estimator") == "group_norm"
     assert flag("--algo.correction.preset") == "mis_full"
     assert flag("--algo.correction.upper") == "4"  # extra_args come last and win over correction_options

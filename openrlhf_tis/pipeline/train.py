@@ -101,10 +101,16 @@ def resolve_prompts(prompts: str, run_dir: Path, count: int) -> Path:
     return write_arithmetic_prompts(run_dir.parent / f"{run_dir.name}.prompts.jsonl", count)
 
 
+def micro_batch(batch: int, largest: int = 8) -> int:
+    """The largest micro batch up to `largest` that divides `batch` (DeepSpeed needs whole micro batches)."""
+    return max(d for d in range(1, min(batch, largest) + 1) if batch % d == 0)
+
+
 def build_argv(params: dict[str, Any], model_dir: Path, prompts: Path, run_dir: Path) -> list[str]:
     """The training command line for checked `params` (extra_args last, so they win)."""
     n, group = params["prompts_per_step"], params["samples_per_prompt"]
     batch = n * group
+    micro = str(micro_batch(batch))
     argv = [
         sys.executable, "-m", "openrlhf_tis.cli.train_ppo_ray",
         "--actor.model_name_or_path", str(model_dir),
@@ -115,8 +121,8 @@ def build_argv(params: dict[str, Any], model_dir: Path, prompts: Path, run_dir: 
         "--vllm.num_engines", "1", "--vllm.rollout_precision", params["rollout_precision"],
         "--algo.advantage.estimator", "group_norm" if group > 1 else "reinforce", "--algo.kl.init_coef", "0",
         "--rollout.n_samples_per_prompt", str(group), "--rollout.batch_size", str(n),
-        "--rollout.micro_batch_size", str(min(batch, 8)), "--rollout.max_new_tokens", str(params["max_new_tokens"]),
-        "--train.batch_size", str(batch), "--train.micro_batch_size", str(min(batch, 8)),
+        "--rollout.micro_batch_size", micro, "--rollout.max_new_tokens", str(params["max_new_tokens"]),
+        "--train.batch_size", str(batch), "--train.micro_batch_size", micro,
         "--train.num_episodes", "1", "--train.max_epochs", "1", "--train.seed", str(params["seed"]),
         "--ds.zero_stage", "2", "--actor.adam.lr", str(params["lr"]), "--actor.lr_warmup_ratio", "0",
         "--algo.correction.preset", params["correction"],
