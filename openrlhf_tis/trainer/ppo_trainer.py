@@ -7,6 +7,11 @@ Step numbering: upstream's `train_step(samples, global_step)` trains with `ppo_t
 returns `global_step + 1`, the number `save_logs_and_checkpoints` writes as the metrics line's `step`
 (1 for the first step, and a resumed run continues from the checkpoint's number). The token dump of a
 step therefore carries `global_steps + 1` of `ppo_train`, the same number as its metrics line.
+
+Held-out evaluation (`--eval.dataset`, every `--eval.steps`): upstream evaluates after a step's metrics
+were logged and sends the result to wandb/TensorBoard only, and never evaluates the untrained policy.
+Here a fresh run is also evaluated before its first step (`eval_start/*` on step 1's line) and the line
+of an evaluated step is written once its evaluation is in (`eval/*`: upstream's `eval_*` keys).
 """
 
 from __future__ import annotations
@@ -59,6 +64,13 @@ def token_dump_plan(args, step: int, num_samples: int) -> TokenDumpPlan | None:
                          group_size=group)
 
 
+def eval_metrics(logs: dict, prefix: str, seconds: float) -> dict[str, float]:
+    """Upstream's eval logs (`eval_default_pass1`, ...) as run-store metrics (`<prefix>default_pass1`, ...)."""
+    metrics = {prefix + key.removeprefix("eval_"): value for key, value in logs.items()}
+    metrics[prefix + "seconds"] = seconds
+    return metrics
+
+
 class _TisPPOTrainer(_UpstreamPPOTrainer):
     def __init__(self, pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
                  reference_model_group, vllm_engines, **generate_kwargs):
@@ -77,6 +89,8 @@ class _TisPPOTrainer(_UpstreamPPOTrainer):
         self._sync_metrics: dict[str, float] = {}
         self._run = RunWriter(self.args.logger.run_dir) if self.args.logger.run_dir else None
         self._step_samples = 0  # samples of the step being trained (train_step), for the dump plan
+        self._eval_start: dict[str, float] = {}  # the untrained policy's eval, logged on the first line
+        self._held_line: tuple[int, dict] | None = None  # (step, metrics) waiting for that step's eval
         self._reward_policy = RewardPolicy.from_args(self.args)
         # Bypass mode: the experience maker must not even dispatch the pi_old forward (see ppo_actor).
         install_bypass_experience_maker(self)
@@ -89,7 +103,26 @@ class _TisPPOTrainer(_UpstreamPPOTrainer):
             if dropped:
                 print(f"[openrlhf_tis] run store: dropped {dropped} record(s) after step {states['global_step']}, "
                       "which this run trains again")
+        # fit() calls this before its first rollout: the one point where a fresh run's policy is untrained.
+        if states["global_step"] == 0 and self.eval_dataloader is not None and self.args.eval.steps != float("inf"):
+            t0 = time.perf_counter()
+            logs = self.evaluate(0, **self._eval_generate_kwargs())
+            self._eval_start = eval_metrics(logs, "eval_start/", time.perf_counter() - t0)
         return states
+
+    def _eval_generate_kwargs(self) -> dict:
+        """What upstream's fit() passes to evaluate()."""
+        return {**self.generate_kwargs, "temperature": self.args.eval.temperature,
+                "n_samples_per_prompt": self.args.eval.n_samples_per_prompt}
+
+    def evaluate(self, global_step, **generate_kwargs):
+        t0 = time.perf_counter()
+        logs = super().evaluate(global_step, **generate_kwargs)
+        if self._held_line is not None and self._held_line[0] == global_step:
+            step, line = self._held_line
+            self._held_line = None
+            self._run.append_metrics(step, {**line, **eval_metrics(logs, "eval/", time.perf_counter() - t0)})
+        return logs
 
     def broadcast_to_vllm(self) -> None:
         # Upstream's `timing/broadcast` covers this whole method; `sync/weights_s` is the weight sync
@@ -151,7 +184,13 @@ class _TisPPOTrainer(_UpstreamPPOTrainer):
 
     def save_logs_and_checkpoints(self, global_step: int, logs_dict=None, client_states=None) -> None:
         if self._run is not None and logs_dict:
-            self._run.append_metrics(global_step, logs_dict)
+            line = {**self._eval_start, **logs_dict}
+            self._eval_start = {}
+            # Upstream's fit() evaluates right after this call under exactly this condition.
+            if global_step % self.args.eval.steps == 0 and self.eval_dataloader:
+                self._held_line = (global_step, line)
+            else:
+                self._run.append_metrics(global_step, line)
         super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
 
 

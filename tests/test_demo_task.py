@@ -1,0 +1,174 @@
+"""The demo task: a deterministic train/held-out split, the reward rule on hand-written answers, bad task
+or reward files refused before Ray starts, and held-out evaluation landing in the run's metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _support import refused
+
+from openrlhf_tis.demo import task
+from openrlhf_tis.demo.prepare import main as prepare_main
+
+REWARD = Path(task.__file__).with_name("task_reward.py")
+DEMO_REWARD = Path(task.__file__).with_name("reward_func.py")
+QUESTION = re.compile(r"^What is (\d) ([-+*]) (\d)\? Put the final answer after 'Answer:'\.$")
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _load_reward():
+    from openrlhf_tis.cli.reward_probe import load_reward_func
+
+    return load_reward_func(str(REWARD))
+
+
+def test_same_seed_writes_the_same_files_and_another_seed_another_split(tmp_path):
+    first, again, other = (task.write_task(tmp_path / name, 64, seed) for name, seed in
+                           (("a", 0), ("b", 0), ("c", 1)))
+    assert [p.read_bytes() for p in first] == [p.read_bytes() for p in again]
+    assert first[1].read_bytes() != other[1].read_bytes()
+
+
+def test_held_out_questions_are_never_trained_on_and_together_cover_the_task(tmp_path):
+    train_path, eval_path = task.write_task(tmp_path, 64, seed=3)
+    train, held_out = _records(train_path), _records(eval_path)
+    train_q, held_q = [r["input"] for r in train], [r["input"] for r in held_out]
+    assert len(held_q) == 64 and len(set(held_q)) == 64 and len(set(train_q)) == len(train_q)
+    assert not set(train_q) & set(held_q)
+    # 0..9 x 0..9 for + and *, and the 55 pairs a >= b for -
+    assert len(train_q) + len(held_q) == 100 + 55 + 100
+
+
+def test_every_label_is_the_value_of_its_question(tmp_path):
+    train_path, eval_path = task.write_task(tmp_path, 64)
+    for record in _records(train_path) + _records(eval_path):
+        a, op, b = QUESTION.match(record["input"]).groups()
+        expected = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        assert expected >= 0 and record["label"] == str(expected), record
+
+
+def test_held_out_size_must_leave_training_questions():
+    for n_eval in (0, 255):
+        with pytest.raises(ValueError, match="n_eval"):
+            task.split(n_eval)
+
+
+PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant<|im_end|>\n<|im_start|>user\n"
+          "What is 0 + 7? Put the final answer after 'Answer:'.<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(("response", "correct", "tagged", "answered"), [
+    ("0 + 7 = 7<|im_end|>", 1, 0, 1),                    # the model's own style: last number
+    ("Answer: 7<|im_end|>", 1, 1, 1),                    # the asked-for format
+    ("The answer is 7.0.", 1, 0, 1),                      # same value written as a decimal
+    ("0 + 7 = 8<|im_end|>", 0, 0, 1),                    # wrong
+    ("Answer: 8\nWait, 0 + 7 = 7", 0, 1, 1),             # the tagged answer is the final one
+    ("It is 7, no: 70", 0, 0, 1),                         # only the last number counts
+    ("seven<|im_end|>", 0, 0, 0),                         # badly formatted: no number at all
+    ("", 0, 0, 0),                                        # nothing: the question's own 7 is not an answer
+])
+def test_reward_scores_hand_written_responses(response, correct, tagged, answered):
+    out = _load_reward()([PROMPT + response], [PROMPT], ["7"])
+    assert out["rewards"] == out["scores"] == correct
+    assert out["extra_logs"] == {"correct": correct, "tagged": tagged, "answered": answered}
+
+
+def test_reward_scores_a_batch_and_refuses_a_query_without_its_prompt():
+    reward_func = _load_reward()
+    out = reward_func([PROMPT + "Answer: 7", PROMPT + "6"], [PROMPT, PROMPT], ["7", "7"])
+    assert out["rewards"] == [1.0, 0.0] and out["extra_logs"]["tagged"] == [1.0, 0.0]
+    with pytest.raises(ValueError, match="does not start with its prompt"):
+        reward_func(["user: What is 0 + 7? assistant: 7"], [PROMPT], ["7"])
+
+
+@pytest.fixture()
+def task_argv(tiny_model_dir, tmp_path):
+    train, held_out = task.write_task(tmp_path / "task")
+    return ["--actor.model_name_or_path", str(tiny_model_dir), "--reward.remote_url", str(REWARD),
+            "--data.prompt_dataset", str(train), "--eval.dataset", str(held_out),
+            "--data.input_key", "input", "--data.label_key", "label", "--data.apply_chat_template",
+            "--logger.run_dir", str(tmp_path / "run")]
+
+
+def _with(argv: list[str], flag: str, value: str) -> list[str]:
+    argv = list(argv)
+    argv[argv.index(flag) + 1] = value
+    return argv
+
+
+def test_the_task_files_and_reward_pass_the_cli_checks(task_argv):
+    from openrlhf_tis.cli import train_ppo_ray
+
+    args = train_ppo_ray.parse(task_argv, cpu=True)  # includes calling reward_func on the first prompt
+    assert getattr(args, "eval.dataset").endswith("eval.jsonl")
+
+
+def test_unreadable_task_or_reward_files_are_refused_naming_them(task_argv, tmp_path, capsys):
+    garbled = tmp_path / "garbled.jsonl"
+    garbled.write_text('{"input": "What is 1 + 1?", "label": "2"}\n{"input": "What is\n')
+    broken = tmp_path / "broken_reward.py"
+    broken.write_text("import no_such_module_anywhere\n\ndef reward_func(queries, prompts, labels):\n    return {}\n")
+    cases = [
+        ("--data.prompt_dataset", str(tmp_path / "missing_train.jsonl")),
+        ("--eval.dataset", str(tmp_path / "missing_eval.jsonl")),
+        ("--eval.dataset", str(garbled)),
+        ("--reward.remote_url", str(tmp_path / "missing_reward.py")),
+        ("--reward.remote_url", str(broken)),
+    ]
+    for flag, value in cases:
+        err = refused(_with(task_argv, flag, value), capsys)
+        assert flag in err and Path(value).name in err, (flag, err)
+
+
+def test_prepare_writes_the_task_and_prints_the_model_last(tiny_model_dir, tmp_path, capsys):
+    (tmp_path / "tiny_model").symlink_to(tiny_model_dir)  # prepare reuses a model already there
+    prepare_main([str(tmp_path), "--model", "tiny", "--eval_prompts", "32"])
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(tmp_path / "tiny_model")
+    assert len(_records(tmp_path / "eval.jsonl")) == 32 and len(_records(tmp_path / "train.jsonl")) == 255 - 32
+
+
+EVAL_STEPS, TOTAL_STEPS, EVAL_PROMPTS, EVAL_SAMPLES = 2, 3, 6, 2
+
+
+@pytest.mark.e2e
+def test_held_out_evaluation_lands_in_metrics_jsonl(tiny_model_dir, tmp_path):
+    """Upstream's eval logs to wandb/TensorBoard only; the fork writes it on the step lines, plus a
+    pre-training eval on step 1's line. The demo reward (dense, never all-zero on the random tiny model)
+    makes the pass rates informative."""
+    from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
+
+    write_arithmetic_prompts(tmp_path / "train.jsonl", 4 * TOTAL_STEPS)
+    write_arithmetic_prompts(tmp_path / "eval.jsonl", EVAL_PROMPTS, seed=1)
+    argv = [
+        sys.executable, "-m", "openrlhf_tis.cli.train_ppo_ray",
+        "--actor.model_name_or_path", str(tiny_model_dir), "--reward.remote_url", str(DEMO_REWARD),
+        "--data.prompt_dataset", "train.jsonl", "--eval.dataset", "eval.jsonl",
+        "--data.input_key", "input", "--data.label_key", "label", "--data.apply_chat_template",
+        "--vllm.num_engines", "1", "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
+        "--rollout.n_samples_per_prompt", "2", "--rollout.batch_size", "4", "--train.batch_size", "8",
+        "--train.micro_batch_size", "8", "--rollout.max_new_tokens", "16", "--data.max_samples", "12",
+        "--actor.adam.lr", "1e-3", "--actor.lr_warmup_ratio", "0", "--ckpt.save_steps", "-1",
+        "--ckpt.best_metric_key", "none", "--eval.steps", str(EVAL_STEPS),
+        "--eval.n_samples_per_prompt", str(EVAL_SAMPLES), "--logger.run_dir", "run",
+    ]
+    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    lines = _records(tmp_path / "run" / "metrics.jsonl")
+    assert [line["step"] for line in lines] == list(range(1, TOTAL_STEPS + 1))
+    for line in lines:
+        evaluated = {"eval_start"} if line["step"] == 1 else set()
+        if line["step"] % EVAL_STEPS == 0:
+            evaluated.add("eval")
+        assert {key.split("/")[0] for key in line if key.startswith("eval")} == evaluated, line
+        for prefix in evaluated:
+            assert line[f"{prefix}/num_samples"] == EVAL_PROMPTS * EVAL_SAMPLES
+            assert 0 <= line[f"{prefix}/default_pass1"] <= line[f"{prefix}/default_pass{EVAL_SAMPLES}"]
+            assert line[f"{prefix}/seconds"] > 0
