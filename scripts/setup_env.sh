@@ -8,6 +8,26 @@ STAMP="$VENV/.setup-stamp"
 PY=${PYTHON:-python3.11}
 cd "$ROOT"
 
+# The browser test (tests/test_browser_explorer.py) drives Debian's chromium through Debian's chromedriver, never a
+# downloaded build. Checked before the stamp, which hashes only the venv's inputs: two file tests when present.
+ensure_browser() {
+  if [[ -x /usr/bin/chromium && -x /usr/bin/chromedriver ]]; then
+    return 0
+  fi
+  local skip="the browser test will skip"
+  if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null; then
+    echo "[setup] WARNING: chromium/chromedriver missing and no apt-get as root to install them: $skip" >&2
+    return 0
+  fi
+  echo "[setup] installing Debian's chromium and chromium-driver (for the browser test)" >&2
+  if ! { timeout 600 apt-get update -qq &&
+         DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -qq --no-install-recommends \
+           chromium chromium-driver; } >&2; then
+    echo "[setup] WARNING: apt-get could not install chromium and chromium-driver: $skip" >&2
+  fi
+}
+ensure_browser
+
 inputs_hash=$(cat setup.py requirements/constraints-cpu.txt scripts/setup_env.sh | sha256sum | cut -d' ' -f1)
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$inputs_hash" ]]; then
   exit 0
