@@ -1,1 +1,1 @@
-"""The demo task: a tiny locally built model, arithmetic prompts and a rule-based reward."""
+"""The demo: the embedded SmolLM2-135M-Instruct or a tiny random model, the arithmetic task, rule-based rewards."""
