@@ -10,7 +10,7 @@ from _support import CALIBRATION_PROMPTS, write_calibration
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from openrlhf_tis.cli.checks import UsageError
+from openrlhf_tis.errors import UsageError
 from openrlhf_tis.rollout.calibration import (
     Calibration,
     CalibrationMismatchError,

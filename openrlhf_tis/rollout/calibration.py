@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from openrlhf_tis.errors import UsageError
 from openrlhf_tis.rollout.quantize import (
     INT8_MAX,
     PROJECTIONS,
@@ -353,7 +354,6 @@ def read_prompt_texts(path: str, input_key: str, limit: int) -> list[str]:
     """The first `limit` prompt texts of a prompt file; UsageError naming --prompts / --input_key otherwise."""
     from itertools import islice
 
-    from openrlhf_tis.cli.checks import UsageError
     from openrlhf_tis.prompt_files import PromptFileError, prompt_records, read_prompt_file
 
     try:
@@ -370,7 +370,7 @@ def read_prompt_texts(path: str, input_key: str, limit: int) -> list[str]:
 
 def _check_main_args(args) -> list[str]:
     """Every input of the command, checked before a model loads; returns the prompt texts."""
-    from openrlhf_tis.cli.checks import UsageError, check_model_path
+    from openrlhf_tis.model_files import check_model_path
 
     check_model_path("--model", args.model, required=True)
     if not 0.0 <= args.alpha <= 1.0:
@@ -393,7 +393,6 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m openrlhf_tis.rollout.calibration --model DIR --prompts F.jsonl --out F [--static_activations]`."""
     import argparse
 
-    from openrlhf_tis.cli.checks import UsageError
 
     parser = argparse.ArgumentParser(description="Calibrate INT8 rollouts once per run: SmoothQuant factors and, "
                                      "optionally, static activation scales.")

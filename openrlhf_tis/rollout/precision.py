@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from openrlhf_tis.errors import UsageError
+
 PRECISIONS = ("bf16", "fp32", "int8", "fp8")
 FLAG = "--vllm.rollout_precision"
 CALIBRATION_FLAG = "--vllm.int8_calibration"
@@ -62,7 +64,6 @@ def fp8_quantization(cuda: bool) -> str:
 
 def check_fp8_available(cuda: bool) -> None:
     """Raise UsageError when no FP8 kernel can run on this machine."""
-    from openrlhf_tis.cli.checks import UsageError
 
     if cuda:
         import torch
@@ -117,7 +118,6 @@ def check_rollout_precision(precision: str, model_dir: str, *, cuda: bool, calib
                             scales: str = "recompute", fp32_head: bool = False, activations: str = "dynamic",
                             weight_bits: str = "auto") -> None:
     """Every precision problem, named by its flag, before any engine starts."""
-    from openrlhf_tis.cli.checks import UsageError
     from openrlhf_tis.rollout.calibration import CalibrationMismatchError, has_input_scales, load_calibration
     from openrlhf_tis.rollout.checkpoint import NotQuantizableError, check_quantizable, read_config, weight_names
     from openrlhf_tis.rollout.quantize import ACTIVATION_MODES
@@ -171,7 +171,6 @@ def check_cli_precision(args) -> None:
     """The train_ppo_ray checks: the generic ones plus what the training path does not wire yet."""
     import torch
 
-    from openrlhf_tis.cli.checks import UsageError
 
     precision = getattr(args, "vllm.rollout_precision")
     cuda = torch.cuda.is_available()
