@@ -296,7 +296,7 @@ def test_calibration_command_refuses_an_empty_prompt_file_in_a_fresh_process(tin
 
 
 def test_training_refuses_a_calibration_made_on_no_prompts(valid_argv, tiny_model_dir, tmp_path, capsys):
-    from openrlhf_tis.rollout.calibration import Calibration, save_calibration
+    from openrlhf_tis.rollout.calibration_file import Calibration, save_calibration
     from openrlhf_tis.rollout.checkpoint import read_config
 
     cal = save_calibration(tmp_path / "cal.safetensors", Calibration({}), read_config(tiny_model_dir), 0.5, 0)

@@ -11,12 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from openrlhf_tis.errors import UsageError
-from openrlhf_tis.rollout.calibration import (
+from openrlhf_tis.rollout.calibration import calibrate, calibrate_smoothing, input_scales_from_absmax
+from openrlhf_tis.rollout.calibration_file import (
     Calibration,
     CalibrationMismatchError,
-    calibrate,
-    calibrate_smoothing,
-    input_scales_from_absmax,
     load_calibration,
     save_calibration,
     split_calibration,
@@ -428,7 +426,8 @@ def test_int8_sync_refuses_float_weights_without_a_plan(tmp_path):
 
 
 def test_calibration_command_writes_a_file_the_run_accepts(tiny_model_dir, tmp_path, capsys):
-    from openrlhf_tis.rollout.calibration import dynamic_projections, main
+    from openrlhf_tis.rollout.calibration import main
+    from openrlhf_tis.rollout.calibration_file import dynamic_projections
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input": f"what is {i} plus {i + 3}?"}) + "\n" for i in range(6)))

@@ -28,6 +28,12 @@ from pathlib import Path
 
 import torch
 
+from openrlhf_tis.rollout.calibration_file import (
+    dynamic_projections,
+    has_input_scales,
+    load_calibration,
+    split_calibration,
+)
 from openrlhf_tis.rollout.quantize import (
     ACTIVATION_MODES,
     Int8Plan,
@@ -105,13 +111,6 @@ def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "b
     `weight_bits` None picks the grid this machine's int8 GEMM computes exactly (precision.int8_weight_bits);
     it is stored in the plan, so every sync quantizes onto the same grid.
     """
-    from openrlhf_tis.rollout.calibration import (
-        dynamic_projections,
-        has_input_scales,
-        load_calibration,
-        split_calibration,
-    )
-
     if activations not in ACTIVATION_MODES:
         raise ValueError(f"activations must be one of {ACTIVATION_MODES}, got {activations!r}")
     if activations != "dynamic" and precision != "int8":
@@ -204,8 +203,6 @@ def load_int8_plan(model_dir: str | Path) -> Int8Plan:
     meta = read_plan(model_dir)
     if meta is None or meta["precision"] != "int8":
         raise ValueError(f"{model_dir} is not an INT8 rollout model directory")
-    from openrlhf_tis.rollout.calibration import split_calibration
-
     calibration = load_file(str(model_dir / meta["smoothing"])) if meta.get("smoothing") else {}
     smoothing, input_scales = split_calibration(calibration)
     activations = meta.get("activations", "dynamic")

@@ -118,7 +118,7 @@ def check_rollout_precision(precision: str, model_dir: str, *, cuda: bool, calib
                             scales: str = "recompute", fp32_head: bool = False, activations: str = "dynamic",
                             weight_bits: str = "auto") -> None:
     """Every precision problem, named by its flag, before any engine starts."""
-    from openrlhf_tis.rollout.calibration import CalibrationMismatchError, has_input_scales, load_calibration
+    from openrlhf_tis.rollout.calibration_file import CalibrationMismatchError, has_input_scales, load_calibration
     from openrlhf_tis.rollout.checkpoint import NotQuantizableError, check_quantizable, read_config, weight_names
     from openrlhf_tis.rollout.quantize import ACTIVATION_MODES
 
