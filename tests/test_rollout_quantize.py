@@ -26,7 +26,7 @@ from openrlhf_tis.rollout.checkpoint import (
     weight_names,
     write_rollout_model,
 )
-from openrlhf_tis.rollout.precision import check_rollout_precision, engine_kwargs, int8_weight_bits
+from openrlhf_tis.rollout.precision import check_rollout_precision, engine_kwargs
 from openrlhf_tis.rollout.quantize import (
     FUSED_GROUPS,
     SMOOTH_GROUPS,
@@ -34,6 +34,7 @@ from openrlhf_tis.rollout.quantize import (
     compressed_tensors_config,
     dequantize,
     input_scale_name,
+    int8_weight_bits,
     is_quantized_weight,
     per_channel_scale,
     quantize_named_weights,

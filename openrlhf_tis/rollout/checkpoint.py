@@ -39,6 +39,7 @@ from openrlhf_tis.rollout.quantize import (
     Int8Plan,
     QuantStats,
     compressed_tensors_config,
+    int8_weight_bits,
     is_quantized_weight,
     model_fingerprint,
     quantize_named_weights,
@@ -108,7 +109,7 @@ def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "b
     sends at every sync (`--ds.param_dtype bf16`), so quantizing the initial trainer weights at a sync
     reproduces this checkpoint bit for bit. `activations="static"` takes the per-projection input
     scales from `calibration` (which must carry them) and writes vLLM's static per-tensor scheme.
-    `weight_bits` None picks the grid this machine's int8 GEMM computes exactly (precision.int8_weight_bits);
+    `weight_bits` None picks the grid this machine's int8 GEMM computes exactly (quantize.int8_weight_bits);
     it is stored in the plan, so every sync quantizes onto the same grid.
     """
     if activations not in ACTIVATION_MODES:
@@ -132,8 +133,6 @@ def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "b
     if precision == "int8":
         check_quantizable(src)
         if weight_bits is None:
-            from openrlhf_tis.rollout.precision import int8_weight_bits
-
             weight_bits = int8_weight_bits("auto", cuda=torch.cuda.is_available())
         plan_meta["weight_bits"] = weight_bits
         smoothing, input_scales, dynamic = {}, {}, []
