@@ -24,7 +24,6 @@ unchanged to every sync, never recomputed from the new weights.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -314,7 +313,3 @@ def fingerprint_mismatch(expected: dict, found: dict) -> list[str]:
     """Human-readable differences between two fingerprints (empty when they match)."""
     return [f"{k}: {expected.get(k)!r} != {found.get(k)!r}" for k in sorted(set(expected) | set(found))
             if expected.get(k) != found.get(k)]
-
-
-def fingerprint_json(config: dict) -> str:
-    return json.dumps(model_fingerprint(config), sort_keys=True)
