@@ -6,6 +6,8 @@ the rollout layer below only writes the directory (`rollout.checkpoint.write_rol
 
 from __future__ import annotations
 
+from openrlhf_tis.runs.layout import ROLLOUT_MODEL_DIR
+
 
 def prepare_rollout_engines(args) -> str | None:
     """Write <run_dir>/rollout_model and point the engines at it; None when the defaults need nothing.
@@ -25,7 +27,7 @@ def prepare_rollout_engines(args) -> str | None:
     from openrlhf_tis.rollout.checkpoint import write_rollout_model
     from openrlhf_tis.rollout.quantize import int8_weight_bits
 
-    dst = os.path.abspath(os.path.join(getattr(args, "logger.run_dir"), "rollout_model"))
+    dst = os.path.abspath(os.path.join(getattr(args, "logger.run_dir"), ROLLOUT_MODEL_DIR))
     bits = int8_weight_bits(getattr(args, "vllm.int8_weight_bits", "auto"), cuda=torch.cuda.is_available())
     write_rollout_model(getattr(args, "actor.model_name_or_path"), dst, precision=precision,
                         scale_mode=getattr(args, "vllm.int8_scales"),
