@@ -87,7 +87,8 @@ def write_calibration(model_dir, path, static: bool = True, alpha: float = 0.5, 
     every projection whose median token keeps `min_levels` levels; 0: all of them)."""
     from transformers import AutoModelForCausalLM
 
-    from openrlhf_tis.rollout.calibration import calibrate, save_calibration
+    from openrlhf_tis.rollout.calibration import calibrate
+    from openrlhf_tis.rollout.calibration_file import save_calibration
     from openrlhf_tis.rollout.checkpoint import read_config
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

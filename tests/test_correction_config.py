@@ -13,7 +13,6 @@ from openrlhf_tis.correction import (
     RejectionCriterion,
     from_upstream,
     preset,
-    presets,
 )
 
 
@@ -103,8 +102,16 @@ def test_json_roundtrip_of_every_preset():
         CorrectionConfig.from_dict({"bogus": 1})
 
 
+# The preset names users type (--algo.correction.preset, notebooks, docs/correction.md), written out by hand.
+PRESET_NAMES = {
+    "off", "ppo_is", "vanilla_is", "tis", "seq_tis", "icepop", "token_mis", "seq_mis", "geo_rs", "geo_rs_token_tis",
+    "k3_rs", "mis_full", "opsm", "bypass_ppo", "bypass_reinforce", "upstream_tis", "upstream_icepop",
+    "upstream_seq_mask_tis",
+}
+
+
 def test_presets_are_valid_documented_and_overridable():
-    assert presets is PRESETS
+    assert set(PRESETS) == PRESET_NAMES
     for name, p in PRESETS.items():
         p.config.validate(training=True)
         assert p.source, name
@@ -113,6 +120,30 @@ def test_presets_are_valid_documented_and_overridable():
         preset("nope")
     assert preset("ppo_is").loss == "bypass_ppo" and not preset("off").enabled
     assert preset("vanilla_is").mode == "raw"
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [  # the published recipe each preset reproduces: (level, mode, lower, upper, rejection criteria, loss)
+        ("tis", ("token", "truncate", None, 2.0, (), "decoupled")),
+        ("seq_tis", ("sequence", "truncate", None, 2.0, (), "decoupled")),
+        ("icepop", ("token", "mask", 0.5, 5.0, (), "decoupled")),
+        ("token_mis", ("token", "mask", 0.5, 2.0, (), "decoupled")),
+        ("seq_mis", ("sequence", "mask", 0.0, 2.0, (), "decoupled")),
+        ("geo_rs", ("token", "none", None, 2.0, (("ratio", "mean", 0.999, 1.001),), "decoupled")),
+        ("k3_rs", ("token", "none", None, 2.0, (("k3", "mean", None, 0.01),), "decoupled")),
+        ("mis_full",
+         ("token", "mask", 0.5, 2.0, (("ratio", "mean", 0.99, 1.01), ("k3", "max", None, 1.0)), "decoupled")),
+        ("bypass_reinforce", ("token", "truncate", None, 2.0, (), "bypass_reinforce")),
+        ("upstream_tis", ("token", "clip", 0.5, 5.0, (), "decoupled")),
+        ("upstream_icepop", ("token", "mask", 0.5, 5.0, (), "decoupled")),
+        ("upstream_seq_mask_tis", ("token", "raw", None, 2.0, (("ratio", "mean", 0.5, 5.0),), "decoupled")),
+    ],
+)
+def test_preset_contents(name, expected):
+    cfg = preset(name)
+    specs = tuple(RejectionCriterion(*criterion) for criterion in expected[4])
+    assert (cfg.level, cfg.mode, cfg.lower, cfg.upper, cfg.rejection, cfg.loss) == (*expected[:4], specs, expected[5])
 
 
 def test_from_upstream_mapping():

@@ -287,12 +287,44 @@ def test_all_masked_batch_gives_zero_weights_and_finite_metrics():
     assert rejected.mask.sum() == 0 and (rejected.weights == 0).all()
 
 
+# The logged metric keys, written out by hand: dashboards, notebooks and older runs' metrics.jsonl depend on
+# them, so a renamed, dropped or reordered key must fail here (docs/correction.md documents them).
+MISMATCH_KEYS = [
+    "mismatch/k1_kl", "mismatch/k2_kl", "mismatch/k3_kl", "mismatch/chi2_token", "mismatch/chi2_seq",
+    "mismatch/rollout_ppl", "mismatch/training_ppl", "mismatch/ppl_ratio", "mismatch/log_ppl_diff",
+    "mismatch/ess_token", "mismatch/ess_seq", "mismatch/abs_dp_max", "mismatch/abs_dp_mean",
+    "mismatch/abs_dlogp_mean", "mismatch/abs_dlogp_max", "mismatch/pearson_p",
+    "mismatch/abs_dlogp_p0-0.001", "mismatch/frac_p0-0.001", "mismatch/abs_dlogp_p0.001-0.01",
+    "mismatch/frac_p0.001-0.01", "mismatch/abs_dlogp_p0.01-0.1", "mismatch/frac_p0.01-0.1",
+    "mismatch/abs_dlogp_p0.1-0.5", "mismatch/frac_p0.1-0.5", "mismatch/abs_dlogp_p0.5-0.9", "mismatch/frac_p0.5-0.9",
+    "mismatch/abs_dlogp_p0.9-1", "mismatch/frac_p0.9-1",
+]
+WEIGHT_KEYS = [
+    "correction/weight_raw_mean", "correction/weight_raw_std", "correction/weight_raw_min", "correction/weight_raw_max",
+    "correction/weight_mean", "correction/weight_std", "correction/weight_min", "correction/weight_max",
+    "correction/ess", "correction/truncated_frac", "correction/clipped_low_frac", "correction/clipped_high_frac",
+    "correction/bounds_masked_frac", "correction/rejected_frac",
+]
+FILTER_KEYS = [
+    "correction/vetoed_frac", "correction/vetoed_seq_frac", "correction/opsm_frac", "correction/nonfinite_frac",
+    "correction/nonfinite_count", "correction/masked_frac", "correction/kept_frac", "correction/norm_factor",
+]
+
+
 def test_metric_keys_are_stable_and_prefixed():
-    cfg = preset("mis_full")
+    cfg = preset("mis_full")  # rejection ratio:mean:0.99:1.01 and k3:max::1.0
     out = compute_correction(torch.randn(3, 4), torch.randn(3, 4), torch.ones(3, 4), cfg)
-    assert list(out.metrics) == metric_names(cfg)
-    assert all(k.startswith(("mismatch/", "correction/")) for k in out.metrics)
-    assert "correction/rs_ratio_mean_frac" in out.metrics and "correction/rs_k3_max_frac" in out.metrics
+    assert list(out.metrics) == [*MISMATCH_KEYS, *WEIGHT_KEYS, "correction/rs_ratio_mean_frac",
+                                 "correction/rs_k3_max_frac", *FILTER_KEYS]
+    plain = compute_correction(torch.randn(3, 4), torch.randn(3, 4), torch.ones(3, 4), preset("tis"))
+    assert list(plain.metrics) == [*MISMATCH_KEYS, *WEIGHT_KEYS, *FILTER_KEYS]  # no rejection criterion
+
+
+def test_metric_names_add_the_entropy_keys_after_the_buckets():
+    assert metric_names(preset("tis"), has_entropy=True, has_log_probs=True) == [
+        *MISMATCH_KEYS, "mismatch/entropy", "mismatch/entropy_sampled", *WEIGHT_KEYS, *FILTER_KEYS]
+    assert metric_names(preset("tis"), has_log_probs=True) == [
+        *MISMATCH_KEYS, "mismatch/entropy_sampled", *WEIGHT_KEYS, *FILTER_KEYS]
 
 
 def test_metrics_on_hand_computed_case():

@@ -17,7 +17,7 @@ from _support import refused
 
 from openrlhf_tis.cli import train_ppo_ray
 from openrlhf_tis.cli.batch_checks import check_batches
-from openrlhf_tis.cli.checks import UsageError
+from openrlhf_tis.errors import UsageError
 from openrlhf_tis.runs import RunWriter, list_runs, load_metrics, query_tokens, read_run_config, summary, token_steps
 from openrlhf_tis.runs import cli as runs_cli
 from openrlhf_tis.runs.layout import token_file
@@ -296,7 +296,7 @@ def test_calibration_command_refuses_an_empty_prompt_file_in_a_fresh_process(tin
 
 
 def test_training_refuses_a_calibration_made_on_no_prompts(valid_argv, tiny_model_dir, tmp_path, capsys):
-    from openrlhf_tis.rollout.calibration import Calibration, save_calibration
+    from openrlhf_tis.rollout.calibration_file import Calibration, save_calibration
     from openrlhf_tis.rollout.checkpoint import read_config
 
     cal = save_calibration(tmp_path / "cal.safetensors", Calibration({}), read_config(tiny_model_dir), 0.5, 0)

@@ -6,7 +6,7 @@ import pytest
 from _support import refused, write_calibration
 
 from openrlhf_tis.cli import train_ppo_ray
-from openrlhf_tis.rollout.calibration import Calibration, save_calibration
+from openrlhf_tis.rollout.calibration_file import Calibration, save_calibration
 from openrlhf_tis.rollout.checkpoint import read_config, read_plan
 
 

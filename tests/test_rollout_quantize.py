@@ -10,13 +10,11 @@ from _support import CALIBRATION_PROMPTS, write_calibration
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from openrlhf_tis.cli.checks import UsageError
-from openrlhf_tis.rollout.calibration import (
+from openrlhf_tis.errors import UsageError
+from openrlhf_tis.rollout.calibration import calibrate, calibrate_smoothing, input_scales_from_absmax
+from openrlhf_tis.rollout.calibration_file import (
     Calibration,
     CalibrationMismatchError,
-    calibrate,
-    calibrate_smoothing,
-    input_scales_from_absmax,
     load_calibration,
     save_calibration,
     split_calibration,
@@ -28,7 +26,7 @@ from openrlhf_tis.rollout.checkpoint import (
     weight_names,
     write_rollout_model,
 )
-from openrlhf_tis.rollout.precision import check_rollout_precision, engine_kwargs, int8_weight_bits
+from openrlhf_tis.rollout.precision import check_rollout_precision, engine_kwargs
 from openrlhf_tis.rollout.quantize import (
     FUSED_GROUPS,
     SMOOTH_GROUPS,
@@ -36,6 +34,7 @@ from openrlhf_tis.rollout.quantize import (
     compressed_tensors_config,
     dequantize,
     input_scale_name,
+    int8_weight_bits,
     is_quantized_weight,
     per_channel_scale,
     quantize_named_weights,
@@ -428,7 +427,8 @@ def test_int8_sync_refuses_float_weights_without_a_plan(tmp_path):
 
 
 def test_calibration_command_writes_a_file_the_run_accepts(tiny_model_dir, tmp_path, capsys):
-    from openrlhf_tis.rollout.calibration import dynamic_projections, main
+    from openrlhf_tis.rollout.calibration import main
+    from openrlhf_tis.rollout.calibration_file import dynamic_projections
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input": f"what is {i} plus {i + 3}?"}) + "\n" for i in range(6)))

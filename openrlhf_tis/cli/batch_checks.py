@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from openrlhf_tis.cli.checks import UsageError
+from openrlhf_tis.errors import UsageError
 
 # Estimators with a per-prompt-group baseline: with one sample per prompt every advantage is 0
 # (upstream's assert, and experience_maker's group reshape).

@@ -9,20 +9,13 @@ from __future__ import annotations
 import argparse
 import ast
 import os
-import re
 from dataclasses import dataclass
 
+from openrlhf_tis.errors import UsageError
+from openrlhf_tis.model_files import check_model_path
 from openrlhf_tis.prompt_files import PromptFileError, local_files, read_prompt_file
 
 _UNSET = object()
-
-
-class UsageError(Exception):
-    """Bad input; `flag` names the command-line flag (or file) at fault."""
-
-    def __init__(self, flag: str, message: str):
-        super().__init__(f"{flag}: {message}")
-        self.flag = flag
 
 
 def explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
@@ -86,24 +79,6 @@ def adapt_to_cpu(args: argparse.Namespace, explicit: set[str]) -> list[str]:
             replaced.append(f"--{dest} {getattr(args, dest)!r} -> {cpu_value!r}")
             setattr(args, dest, cpu_value)
     return replaced
-
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def check_model_path(flag: str, path: str | None, *, required: bool = False) -> None:
-    """A model must be a local directory with a config.json, or a hub id when the hub is reachable."""
-    if not path:
-        if required:
-            raise UsageError(flag, "is required")
-        return
-    if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise UsageError(flag, f"{path!r} is a directory without config.json, not a Hugging Face model")
-        return
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-    if offline or not _HUB_ID.match(path):
-        raise UsageError(flag, f"model path {path!r} does not exist" + (" (HF_HUB_OFFLINE is set)" if offline else ""))
 
 
 def check_reward_script(flag: str, url: str | None) -> None:

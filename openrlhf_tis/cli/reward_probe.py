@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from openrlhf_tis.cli.checks import UsageError
+from openrlhf_tis.errors import UsageError
 
 
 def load_reward_func(path: str):

@@ -16,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from openrlhf_tis.cli.checks import UsageError
+from openrlhf_tis.errors import UsageError
 from openrlhf_tis.runs.config import RunConfigMismatch, check_resume
 from openrlhf_tis.runs.layout import CONFIG_FILE, METRICS_FILE, TOKENS_DIR, token_files
 from openrlhf_tis.runs.reader import last_logged_step

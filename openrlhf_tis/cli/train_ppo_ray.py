@@ -13,14 +13,15 @@ import time
 import torch
 
 from openrlhf_tis import patches
-from openrlhf_tis.cli.checks import UsageError, adapt_to_cpu, check_inputs, explicit_dests
+from openrlhf_tis.cli.checks import adapt_to_cpu, check_inputs, explicit_dests
 from openrlhf_tis.cli.fork_flags import add_fork_arguments
 from openrlhf_tis.cli.ray_cluster import start_ray
+from openrlhf_tis.cli.rollout_engines import prepare_rollout_engines
 from openrlhf_tis.cli.run_dir import open_run_dir
 from openrlhf_tis.cli.upstream import run_upstream_main, upstream_parser
+from openrlhf_tis.errors import UsageError
 from openrlhf_tis.patches import fork_classes
 from openrlhf_tis.patches._guard import UnsupportedUpstreamError
-from openrlhf_tis.rollout.precision import prepare_rollout_engines
 
 
 def build_parser():

@@ -19,8 +19,6 @@ from .losses import PolicyLossOutput, aggregate_loss, policy_loss
 from .metrics import metric_names
 from .weights import CorrectionOutput, compute_correction, kept_weight_totals
 
-presets = PRESETS
-
 __all__ = [
     "PRESETS",
     "CorrectionConfig",
@@ -35,5 +33,4 @@ __all__ = [
     "metric_names",
     "policy_loss",
     "preset",
-    "presets",
 ]

@@ -25,8 +25,6 @@ LOSSES = ("decoupled", "bypass_ppo", "bypass_reinforce")
 DENOMINATORS = ("all", "kept")
 STATISTICS = ("ratio", "k1", "k2", "k3", "binary_kl", "binary_kl_sym", "tv")
 AGGREGATIONS = ("token", "sum", "mean", "max")
-# Statistics that are >= 0 and exactly 0 on-policy: only an upper bound makes sense.
-NONNEGATIVE_STATISTICS = ("k2", "k3", "binary_kl", "binary_kl_sym", "tv")
 FLAG_PREFIX = "--algo.correction."
 
 
@@ -310,9 +308,6 @@ class CorrectionConfig:
 
 # ── presets ──────────────────────────────────────────────────────────────────────────────────────────
 # Each preset reproduces one published recipe; overrides on top are allowed (preset(name, upper=3)).
-
-_INF = math.inf
-
 
 @dataclass(frozen=True)
 class Preset:

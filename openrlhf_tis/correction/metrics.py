@@ -46,7 +46,7 @@ def bucket_names(edges: tuple[float, ...] = PROB_BUCKET_EDGES) -> list[str]:
 
 
 def metric_names(cfg: CorrectionConfig, *, has_entropy: bool = False, has_log_probs: bool = False) -> list[str]:
-    """The metric keys `correction_metrics` returns for this configuration, in order."""
+    """The metric keys `metrics_to_dict` returns for this configuration (`compute_correction`'s metrics), in order."""
     names = [
         "mismatch/k1_kl", "mismatch/k2_kl", "mismatch/k3_kl", "mismatch/chi2_token", "mismatch/chi2_seq",
         "mismatch/rollout_ppl", "mismatch/training_ppl", "mismatch/ppl_ratio", "mismatch/log_ppl_diff",

@@ -28,11 +28,18 @@ from pathlib import Path
 
 import torch
 
+from openrlhf_tis.rollout.calibration_file import (
+    dynamic_projections,
+    has_input_scales,
+    load_calibration,
+    split_calibration,
+)
 from openrlhf_tis.rollout.quantize import (
     ACTIVATION_MODES,
     Int8Plan,
     QuantStats,
     compressed_tensors_config,
+    int8_weight_bits,
     is_quantized_weight,
     model_fingerprint,
     quantize_named_weights,
@@ -102,16 +109,9 @@ def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "b
     sends at every sync (`--ds.param_dtype bf16`), so quantizing the initial trainer weights at a sync
     reproduces this checkpoint bit for bit. `activations="static"` takes the per-projection input
     scales from `calibration` (which must carry them) and writes vLLM's static per-tensor scheme.
-    `weight_bits` None picks the grid this machine's int8 GEMM computes exactly (precision.int8_weight_bits);
+    `weight_bits` None picks the grid this machine's int8 GEMM computes exactly (quantize.int8_weight_bits);
     it is stored in the plan, so every sync quantizes onto the same grid.
     """
-    from openrlhf_tis.rollout.calibration import (
-        dynamic_projections,
-        has_input_scales,
-        load_calibration,
-        split_calibration,
-    )
-
     if activations not in ACTIVATION_MODES:
         raise ValueError(f"activations must be one of {ACTIVATION_MODES}, got {activations!r}")
     if activations != "dynamic" and precision != "int8":
@@ -133,8 +133,6 @@ def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "b
     if precision == "int8":
         check_quantizable(src)
         if weight_bits is None:
-            from openrlhf_tis.rollout.precision import int8_weight_bits
-
             weight_bits = int8_weight_bits("auto", cuda=torch.cuda.is_available())
         plan_meta["weight_bits"] = weight_bits
         smoothing, input_scales, dynamic = {}, {}, []
@@ -204,8 +202,6 @@ def load_int8_plan(model_dir: str | Path) -> Int8Plan:
     meta = read_plan(model_dir)
     if meta is None or meta["precision"] != "int8":
         raise ValueError(f"{model_dir} is not an INT8 rollout model directory")
-    from openrlhf_tis.rollout.calibration import split_calibration
-
     calibration = load_file(str(model_dir / meta["smoothing"])) if meta.get("smoothing") else {}
     smoothing, input_scales = split_calibration(calibration)
     activations = meta.get("activations", "dynamic")

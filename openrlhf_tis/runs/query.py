@@ -153,6 +153,12 @@ def where_clause(
     return " AND ".join(terms) or "TRUE"
 
 
+# The row order query_tokens promises. Files alone do not give it: the parts of a step
+# (step_000012.part001.parquet, ...) each hold some samples, and a writer may store rows in any order.
+ORDER = ("step", "sample_id", "position")
+_ORDER_BY = "ORDER BY " + ", ".join(ORDER)
+
+
 def _quote(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
@@ -198,18 +204,20 @@ def _scan_by_name(cursor: duckdb.DuckDBPyConnection, files: list[Path], columns:
     source = f"read_parquet($files, union_by_name = true, filename = true, {_READ_OPTIONS})"
     present = set(cursor.sql(f"SELECT * FROM {source} LIMIT 0", params=params).columns)
     projection = ", ".join(_column_expr(name, present) for name in COLUMNS)
-    sql = f"SELECT {', '.join(map(_quote, columns))} FROM (SELECT {projection} FROM {source}) WHERE {where}"
+    sql = (f"SELECT {', '.join(map(_quote, columns))} FROM (SELECT {projection} FROM {source}) WHERE {where} "
+           f"{_ORDER_BY}")
     return cursor.sql(sql, params=params).to_arrow_table().to_pandas()
 
 
 def _scan(files: list[Path], columns: list[str], where: str) -> pd.DataFrame:
     """Query all files at once; then, if that fails, by column name (dumps of an older schema version
-    lack optional columns), then one by one naming the unreadable ones.
+    lack optional columns), then one by one naming the unreadable ones. Rows come in ORDER.
 
     Results go through Arrow (`to_arrow_table().to_pandas()`), not DuckDB's `.df()`: measured faster on
     large results and the dtypes are exactly those of an empty result built from the schema.
     """
-    sql = f"SELECT {', '.join(map(_quote, columns))} FROM read_parquet($files, {_READ_OPTIONS}) WHERE {where}"
+    sql = (f"SELECT {', '.join(map(_quote, columns))} FROM read_parquet($files, {_READ_OPTIONS}) WHERE {where} "
+           f"{_ORDER_BY}")
     cursor = _cursor()
     try:
         return cursor.sql(sql, params={"files": [os.fspath(f) for f in files]}).to_arrow_table().to_pandas()
@@ -220,14 +228,18 @@ def _scan(files: list[Path], columns: list[str], where: str) -> pd.DataFrame:
     except duckdb.Error:
         pass
     frames = []
+    keyed = [*columns, *(key for key in ORDER if key not in columns)]  # the sort keys, even when not asked for
     for path in files:
         try:
-            frames.append(_scan_by_name(cursor, [path], columns, where))
+            frames.append(_scan_by_name(cursor, [path], keyed, where))
         except duckdb.Error as err:
             message = str(err).splitlines()[0]
             warnings.warn(f"{path}: unreadable token dump skipped ({message})", RunStoreWarning, stacklevel=3)
     frames = [f for f in frames if len(f)]
-    return pd.concat(frames, ignore_index=True) if frames else _empty(columns)
+    if not frames:
+        return _empty(columns)
+    frame = pd.concat(frames, ignore_index=True).sort_values(list(ORDER), kind="stable", ignore_index=True)
+    return frame[columns]
 
 
 def decode_reasons(codes: pd.Series | np.ndarray) -> pd.Categorical:

@@ -24,6 +24,7 @@ import torch
 from openrlhf.trainer.ppo_trainer import PPOTrainer as _UpstreamActorClass
 
 from openrlhf_tis.rollout.checkpoint import read_last_sync_stats
+from openrlhf_tis.runs.layout import ROLLOUT_MODEL_DIR
 from openrlhf_tis.runs.store import RunWriter
 from openrlhf_tis.runs.tokens import select_samples, should_dump
 from openrlhf_tis.trainer.ppo_actor import TokenDumpPlan, install_bypass_experience_maker
@@ -144,7 +145,7 @@ class _TisPPOTrainer(_UpstreamPPOTrainer):
         """INT8 engines log each re-quantization beside their checkpoint (single node: same filesystem)."""
         if getattr(self.args.vllm, "rollout_precision", "bf16") != "int8" or not self.args.logger.run_dir:
             return {}
-        record = read_last_sync_stats(os.path.join(self.args.logger.run_dir, "rollout_model"))
+        record = read_last_sync_stats(os.path.join(self.args.logger.run_dir, ROLLOUT_MODEL_DIR))
         if record is None:
             return {}
         return {f"rollout/int8_{key}": float(record[key])

@@ -1,0 +1,41 @@
+"""The driver's half of the rollout precision: write the rollout model and point the engines at it.
+
+Lives in the CLI because it wires a patch (`patches/rollout_engine.py`) into upstream's `train()`;
+the rollout layer below only writes the directory (`rollout.checkpoint.write_rollout_model`).
+"""
+
+from __future__ import annotations
+
+from openrlhf_tis.runs.layout import ROLLOUT_MODEL_DIR
+
+
+def prepare_rollout_engines(args) -> str | None:
+    """Write <run_dir>/rollout_model and point the engines at it; None when the defaults need nothing.
+
+    Runs in the driver after the checks and before Ray starts, so any error is one message and no
+    engine has started.
+    """
+    import os
+
+    import torch
+
+    precision = getattr(args, "vllm.rollout_precision", "bf16")
+    fp32_head = getattr(args, "vllm.fp32_lm_head", False)
+    if precision == "bf16" and not fp32_head:
+        return None
+    from openrlhf_tis.patches import rollout_engine
+    from openrlhf_tis.rollout.checkpoint import write_rollout_model
+    from openrlhf_tis.rollout.quantize import int8_weight_bits
+
+    dst = os.path.abspath(os.path.join(getattr(args, "logger.run_dir"), ROLLOUT_MODEL_DIR))
+    bits = int8_weight_bits(getattr(args, "vllm.int8_weight_bits", "auto"), cuda=torch.cuda.is_available())
+    write_rollout_model(getattr(args, "actor.model_name_or_path"), dst, precision=precision,
+                        scale_mode=getattr(args, "vllm.int8_scales"),
+                        calibration=getattr(args, "vllm.int8_calibration"), fp32_head=fp32_head,
+                        activations=getattr(args, "vllm.int8_activations", "dynamic"), weight_bits=bits)
+    details = [*([f"{bits}-bit weights"] if precision == "int8" else []),
+               *(["static activation scales"] if getattr(args, "vllm.int8_activations", "dynamic") == "static" else []),
+               *(["fp32 head"] if fp32_head else [])]
+    print(f"[openrlhf_tis] rollout model ({', '.join([precision, *details])}) written to {dst}")
+    rollout_engine.apply(dst)
+    return dst
