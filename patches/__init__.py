@@ -19,10 +19,19 @@ def apply_platform_patches() -> list[str]:
 
     The fork's own classes are wired in separately, in the driver only (fork_classes.apply()).
     """
-    from . import cpu_flash_attn, cpu_fp32_head, cpu_int8_sync, cpu_replay_buffer, cpu_torch_cuda, cpu_weight_sync
+    from . import (
+        cpu_flash_attn,
+        cpu_fp32_head,
+        cpu_int8_sync,
+        cpu_replay_buffer,
+        cpu_torch_cuda,
+        cpu_weight_sync,
+        fp32_training,
+    )
 
     applied = []
-    for patch in (cpu_torch_cuda, cpu_flash_attn, cpu_replay_buffer, cpu_weight_sync, cpu_int8_sync, cpu_fp32_head):
+    for patch in (cpu_torch_cuda, cpu_flash_attn, cpu_replay_buffer, cpu_weight_sync, cpu_int8_sync, cpu_fp32_head,
+                  fp32_training):
         if patch.apply():
             applied.append(patch.NAME)
     return applied

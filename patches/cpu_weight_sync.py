@@ -67,10 +67,12 @@ def cpu_update_weights_bucket(self, names_shapes, dtype, last=False):
     the fork's CPU trainer (`cpu_broadcast_to_vllm`) sends a few flat buckets instead.
     """
     engine_dtype = self.model_config.dtype
-    if dtype != engine_dtype and not (engine_dtype == torch.float32 and dtype.is_floating_point):
+    # Floating weights are cast to the engine dtype: an fp32 engine takes a bf16 trainer's values exactly, a
+    # bf16 (or INT8, whose plan re-quantizes bf16) engine rounds an fp32 trainer's (--ds.param_dtype fp32).
+    if not (dtype.is_floating_point and engine_dtype.is_floating_point):
         raise TypeError(
             f"weight sync: trainer sends {names_shapes[0][0]} as {dtype} but the vLLM engine runs {engine_dtype}; "
-            "set --ds.param_dtype to the engine dtype (bf16)"
+            "set --ds.param_dtype to bf16 or fp32"
         )
     if self._model_update_with_ray:
         raise RuntimeError("weight sync: --vllm.sync_with_ray is not supported on CPU (Ray's gloo group fails here)")

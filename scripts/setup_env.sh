@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create or refresh the project's CPU virtual environment at .venv (DESIGN §5).
+# Create or refresh the project's CPU virtual environment at .venv (docs/design.md §5).
 # Idempotent: a stamp holds the hash of every input; when nothing changed this exits in < 1 s.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -154,9 +154,15 @@ def test_cpu_weight_sync_buffers_until_the_last_tensor_and_upcasts_for_fp32_engi
         assert weight.dtype == torch.float32 and torch.equal(weight, sent.float())  # bf16 -> fp32 is exact
     assert worker.model_runner.reload_default_dtypes == [torch.float32]
 
-    bf16_engine = _worker(torch.bfloat16, sent.float(), tmp_path)
+    fp32_sent = torch.randn(4, 3, dtype=torch.float64).float()
+    bf16_engine = _worker(torch.bfloat16, fp32_sent, tmp_path)  # an fp32 trainer (--ds.param_dtype fp32)
+    cpu_update_weight(bf16_engine, "a.weight", torch.float32, (4, 3), empty_cache=True)
+    ((_, weight),) = bf16_engine.model_runner.reloaded
+    assert weight.dtype == torch.bfloat16 and torch.equal(weight, fp32_sent.to(torch.bfloat16))  # round to nearest
+
+    int_engine = _worker(torch.bfloat16, torch.zeros(4, 3, dtype=torch.int32), tmp_path)
     with pytest.raises(TypeError, match="--ds.param_dtype"):
-        cpu_update_weight(bf16_engine, "a.weight", torch.float32, (4, 3))
+        cpu_update_weight(int_engine, "a.weight", torch.int32, (4, 3))
 
 
 def test_bucketed_receive_splits_one_broadcast_into_the_named_tensors(tmp_path):

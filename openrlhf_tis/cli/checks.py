@@ -1,7 +1,7 @@
 """Argument checks that must end a run before Ray starts, each naming the flag at fault.
 
 On a machine without CUDA, upstream's GPU *defaults* are replaced by choices that run there
-(DESIGN §5) unless the user set the flag; a GPU-only choice the user did make is refused.
+(docs/design.md §5) unless the user set the flag; a GPU-only choice the user did make is refused.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class _GpuOnly:
 
 
 GPU_ONLY = (
-    _GpuOnly("ds.param_dtype", lambda v: v == "fp16", "fp16 training needs CUDA; use bf16"),
+    _GpuOnly("ds.param_dtype", lambda v: v == "fp16", "fp16 training needs CUDA; use bf16 or fp32"),
     _GpuOnly("ds.attn_implementation", lambda v: "flash" in str(v), "flash attention needs CUDA; use sdpa or eager"),
     _GpuOnly("vllm.sync_backend", lambda v: v == "nccl", "NCCL needs CUDA; the CPU weight sync uses gloo"),
     _GpuOnly("vllm.sync_with_ray", bool, "Ray's collective gloo group cannot run beside DeepSpeed here"),

@@ -5,7 +5,7 @@ shape, in the trainer's dtype (bf16), and the worker asserts that dtype equals t
 int8 tensors plus scales instead would mean rewriting that loop, which has no seam. The worker
 therefore quantizes the buffered bf16 tensors with the same pure-torch functions that wrote the
 initial INT8 checkpoint (openrlhf_tis.rollout.quantize), using the calibration stored in the rollout
-model directory. The arithmetic is the same whichever process runs it; what matters (DESIGN §5,
+model directory. The arithmetic is the same whichever process runs it; what matters (docs/design.md §5,
 trap 3) is that float weights are never cast unscaled into the engine's int8 parameters.
 """
 

@@ -5,7 +5,7 @@
 | bf16      | dtype bfloat16 (upstream's hard-coded default)                | reload (cpu_weight_sync)        |
 | fp32      | dtype float32                                                 | reload                          |
 | int8      | compressed-tensors W8A8 checkpoint written by the fork, bf16  | quantize with the stored plan, reload |
-| fp8       | online FP8: `fp8_per_channel` on CPU (DESIGN §5), `fp8` on CUDA | reload; vLLM re-quantizes online |
+| fp8       | online FP8: `fp8_per_channel` on CPU (design.md §5), `fp8` on CUDA | reload; vLLM re-quantizes online |
 
 int8 activations are quantized per token (dynamic) or with static per-tensor scales calibrated once
 (`--vllm.int8_activations static`); static scales travel with every sync, unchanged.
@@ -141,12 +141,11 @@ def check_cli_precision(args) -> None:
     """The train_ppo_ray checks: the generic ones plus what the training path does not wire yet."""
     import torch
 
-
     precision = getattr(args, "vllm.rollout_precision")
     cuda = torch.cuda.is_available()
     if precision != "bf16" and cuda:
         # On CUDA upstream's WorkerWrap.update_weight loads tensor by tensor and asserts the trainer's dtype:
-        # bf16 weights would be cast into int8 / fp8 parameters unscaled (DESIGN §5, trap 3), and an fp32
+        # bf16 weights would be cast into int8 / fp8 parameters unscaled (docs/design.md §5, trap 3), and an fp32
         # engine refuses them. The CPU weight sync (patches/cpu_weight_sync.py) handles all four.
         raise UsageError(FLAG, f"{precision} rollouts are wired for the CPU weight sync only; on CUDA use bf16")
     check_rollout_precision(precision, getattr(args, "actor.model_name_or_path"), cuda=cuda,
@@ -154,5 +153,9 @@ def check_cli_precision(args) -> None:
                             scales=getattr(args, "vllm.int8_scales"), fp32_head=getattr(args, "vllm.fp32_lm_head"),
                             activations=getattr(args, "vllm.int8_activations"),
                             weight_bits=getattr(args, "vllm.int8_weight_bits"))
-    if precision == "int8" and getattr(args, "ds.param_dtype") != "bf16":
-        raise UsageError("--ds.param_dtype", "int8 rollouts re-quantize the trainer's bf16 weights; use bf16")
+    train_dtype = getattr(args, "ds.param_dtype")
+    if train_dtype == "fp32" and cuda:
+        # Upstream's CUDA sync asserts that the trainer sends the engine's dtype (bf16).
+        raise UsageError("--ds.param_dtype", "fp32 training is wired for the CPU weight sync only; on CUDA use bf16")
+    if precision == "int8" and train_dtype not in ("bf16", "fp32"):
+        raise UsageError("--ds.param_dtype", "int8 rollouts re-quantize the trainer's bf16 or fp32 weights")

@@ -13,7 +13,7 @@ Format (compressed-tensors "int-quantized", as vLLM's CompressedTensorsW8A8Int8 
   q = clamp(round(x / s_x), -128, 127));
 - embeddings, norms and lm_head stay unquantized.
 
-Calibration transfer (FlashRL, made precise in DESIGN §4): what was fitted once on data is reused at
+Calibration transfer (FlashRL, made precise in docs/design.md §4): what was fitted once on data is reused at
 every sync. Here that is SmoothQuant's per-input-channel smoothing factors (Xiao et al. 2023,
 arXiv:2211.10438): x W^T = (x / s)(W * s)^T, with 1/s folded into the RMSNorm that precedes the
 projections. Per-channel weight scales are either recomputed from the new weights at every sync
