@@ -35,6 +35,7 @@ from openrlhf.trainer.ray.ppo_actor import PolicyModelActor as _UpstreamActorCla
 from openrlhf.utils.loss_utils import _get_dp_group
 
 from openrlhf_tis.correction import CorrectionConfig, compute_correction, kept_weight_totals, policy_loss
+from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.runs.tokens import TokenDumpWriter
 from openrlhf_tis.trainer.bypass import rollout_as_old
 from openrlhf_tis.trainer.correction_args import correction_config_from_args
@@ -46,7 +47,7 @@ from openrlhf_tis.trainer.token_dumps import (
     dump_part,
 )
 
-_UpstreamPolicyModelActor = _UpstreamActorClass.__ray_metadata__.modified_class.__ray_actor_class__
+_UpstreamPolicyModelActor = ray_actor_class(_UpstreamActorClass)
 
 
 def dp_allreduce(strategy) -> Callable[[torch.Tensor], torch.Tensor] | None:

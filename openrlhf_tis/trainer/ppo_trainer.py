@@ -23,6 +23,7 @@ import ray
 import torch
 from openrlhf.trainer.ppo_trainer import PPOTrainer as _UpstreamActorClass
 
+from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.rollout.checkpoint import read_last_sync_stats
 from openrlhf_tis.runs.layout import ROLLOUT_MODEL_DIR
 from openrlhf_tis.runs.store import RunWriter
@@ -32,7 +33,7 @@ from openrlhf_tis.trainer.rewards import RewardPolicy, screen_rewards
 from openrlhf_tis.trainer.sync_check import SyncChecker
 from openrlhf_tis.trainer.token_dumps import TokenDumpPlan
 
-_UpstreamPPOTrainer = _UpstreamActorClass.__ray_metadata__.modified_class.__ray_actor_class__
+_UpstreamPPOTrainer = ray_actor_class(_UpstreamActorClass)
 
 
 def rollout_logprob_coverage(experiences) -> float:
