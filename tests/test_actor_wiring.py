@@ -23,7 +23,7 @@ from openrlhf.trainer.ppo_utils import NaiveReplayBuffer  # noqa: E402
 from openrlhf.trainer.ppo_utils.experience import Experience, split_experience_batch  # noqa: E402
 
 from openrlhf_tis.correction import CorrectionConfig, policy_loss, preset  # noqa: E402
-from openrlhf_tis.trainer import ppo_actor  # noqa: E402
+from openrlhf_tis.trainer import bypass, correction_args, ppo_actor  # noqa: E402
 
 VOCAB, B, T = 11, 4, 9
 
@@ -141,10 +141,10 @@ def test_fork_classes_substitutes_the_policy_actor():
 
 
 def test_config_from_args_prefers_the_resolved_config():
-    assert ppo_actor.correction_config_from_args(make_args(preset("tis"))) == preset("tis")
+    assert correction_args.correction_config_from_args(make_args(preset("tis"))) == preset("tis")
     up = make_args(None, is_correction_level="token", is_correction_mode="clip")
-    assert ppo_actor.correction_config_from_args(up) == preset("upstream_tis")
-    assert not ppo_actor.correction_config_from_args(make_args(None)).enabled
+    assert correction_args.correction_config_from_args(up) == preset("upstream_tis")
+    assert not correction_args.correction_config_from_args(make_args(None)).enabled
 
 
 @pytest.mark.parametrize("name", ["tis", "mis_full", "bypass_ppo", "bypass_reinforce", "geo_rs"])
@@ -246,7 +246,7 @@ def test_bypass_experience_maker_skips_the_old_forward(monkeypatch):
     controller = SimpleNamespace(args=args)
     controller.experience_maker = em.RemoteExperienceMaker(
         _ForbiddenGroup(), None, None, None, SimpleNamespace(value=0.0), SimpleNamespace(args=args), None)
-    assert ppo_actor.install_bypass_experience_maker(controller)
+    assert bypass.install_bypass_experience_maker(controller)
     samples = [make_experience(seed=8), make_experience(seed=9)]
     for s in samples:
         s.rewards = torch.zeros(B)
@@ -258,7 +258,7 @@ def test_bypass_experience_maker_skips_the_old_forward(monkeypatch):
         torch.testing.assert_close(s.action_log_probs, want)
     # Not in bypass mode: nothing is switched.
     other = SimpleNamespace(args=make_args(preset("tis")), experience_maker=object())
-    assert not ppo_actor.install_bypass_experience_maker(other)
+    assert not bypass.install_bypass_experience_maker(other)
 
 
 def test_actor_forward_stays_exact_in_bypass_mode(monkeypatch):
@@ -279,7 +279,7 @@ def test_bypass_step_uses_rollout_as_old():
     exp.action_log_probs = torch.zeros_like(exp.action_log_probs)  # whatever pi_old the experience carried
     exp.rollout_log_probs[2, 5] = math.inf
     trainer.training_step(exp, kl_ctl=0.0, step=0)
-    torch.testing.assert_close(exp.action_log_probs, ppo_actor.rollout_as_old(exp.rollout_log_probs,
+    torch.testing.assert_close(exp.action_log_probs, bypass.rollout_as_old(exp.rollout_log_probs,
                                                                               exp.action_mask))
     assert torch.isfinite(exp.action_log_probs).all()
 

@@ -93,3 +93,64 @@ def test_correction_without_vllm_isrefused(argv, capsys):
 def test_top_p_only_warns_when_the_correction_is_off(argv, capsys):
     _parse(argv + ["--rollout.top_p", "0.9"])
     assert "--rollout.top_p" in capsys.readouterr().err
+
+
+# Every --algo.correction.* option as the parser must define it: (dest, action class, type, nargs, choices,
+# default). Written out by hand, so generating the flags from CorrectionConfig cannot change any of them.
+_STR, _FLOAT, _STORE, _TRUE = str, float, "_StoreAction", "_StoreTrueAction"
+EXPECTED_CORRECTION_OPTIONS = {
+    "--algo.correction.preset": ("algo.correction.preset", _STORE, _STR, None, sorted(
+        ["off", "ppo_is", "vanilla_is", "tis", "seq_tis", "icepop", "token_mis", "seq_mis", "geo_rs",
+         "geo_rs_token_tis", "k3_rs", "mis_full", "opsm", "bypass_ppo", "bypass_reinforce", "upstream_tis",
+         "upstream_icepop", "upstream_seq_mask_tis"]), None),
+    "--algo.correction.level": ("algo.correction.level", _STORE, _STR, None, ["token", "sequence", "geometric"],
+                                None),
+    "--algo.correction.mode": ("algo.correction.mode", _STORE, _STR, None,
+                               ["truncate", "clip", "mask", "raw", "none"], None),
+    "--algo.correction.lower": ("algo.correction.lower", _STORE, _FLOAT, None, None, None),
+    "--algo.correction.upper": ("algo.correction.upper", _STORE, _FLOAT, None, None, None),
+    "--algo.correction.rejection": ("algo.correction.rejection", _STORE, _STR, "+", None, None),
+    "--algo.correction.veto_threshold": ("algo.correction.veto_threshold", _STORE, _FLOAT, None, None, None),
+    "--algo.correction.veto_sides": ("algo.correction.veto_sides", _STORE, _STR, None, ["both", "low"], None),
+    "--algo.correction.veto_min_prob": ("algo.correction.veto_min_prob", _STORE, _FLOAT, None, None, None),
+    "--algo.correction.opsm_delta": ("algo.correction.opsm_delta", _STORE, _FLOAT, None, None, None),
+    "--algo.correction.batch_normalize": ("algo.correction.batch_normalize", _TRUE, None, 0, None, None),
+    "--algo.correction.normalize_scope": ("algo.correction.normalize_scope", _STORE, _STR, None, ["global", "local"],
+                                          None),
+    "--algo.correction.loss": ("algo.correction.loss", _STORE, _STR, None,
+                               ["decoupled", "bypass_ppo", "bypass_reinforce"], None),
+    "--algo.correction.denominator": ("algo.correction.denominator", _STORE, _STR, None, ["all", "kept"], None),
+    "--algo.correction.nonfinite": ("algo.correction.nonfinite", _STORE, _STR, None, ["sequence", "token"], None),
+    "--algo.correction.log_ratio_clamp": ("algo.correction.log_ratio_clamp", _STORE, _FLOAT, None, None, None),
+    "--algo.correction.compile": ("algo.correction.compile", _TRUE, None, 0, None, None),
+}
+
+
+def test_correction_options_are_exactly_the_expected_ones():
+    parser = train_ppo_ray.build_parser()
+    got = {}
+    for action in parser._actions:
+        for option in action.option_strings:
+            if option.startswith("--algo.correction."):
+                choices = list(action.choices) if action.choices is not None else None
+                got[option] = (action.dest, type(action).__name__, action.type, action.nargs, choices,
+                               action.default)
+                assert action.help, option  # every flag explains itself
+    assert list(got) == list(EXPECTED_CORRECTION_OPTIONS)  # the same flags, in the same (help) order
+    for option, want in EXPECTED_CORRECTION_OPTIONS.items():
+        assert got[option] == want, option
+
+
+def test_every_correction_flag_reaches_the_resolved_config(argv):
+    p = "--algo.correction."
+    args = _parse(argv + [p + "preset", "off", p + "level", "geometric", p + "mode", "clip", p + "lower", "0.6",
+                          p + "upper", "1.5", p + "rejection", "k3:mean:0.05", "ratio:mean:0.9:1.1",
+                          p + "veto_threshold", "0.001", p + "veto_sides", "low", p + "veto_min_prob", "1e-6",
+                          p + "opsm_delta", "0.2", p + "batch_normalize", p + "normalize_scope", "local",
+                          p + "loss", "bypass_reinforce", p + "denominator", "kept", p + "nonfinite", "token",
+                          p + "log_ratio_clamp", "10", p + "compile"])
+    assert _resolved(args) == CorrectionConfig(
+        level="geometric", mode="clip", lower=0.6, upper=1.5, rejection=("k3:mean:0.05", "ratio:mean:0.9:1.1"),
+        veto_threshold=0.001, veto_sides="low", veto_min_prob=1e-6, opsm_delta=0.2, batch_normalize=True,
+        normalize_scope="local", loss="bypass_reinforce", denominator="kept", nonfinite="token",
+        log_ratio_clamp=10.0, compile=True)

@@ -138,3 +138,18 @@ def test_core_layers_import_nothing_above_them():
 def test_library_layers_import_no_entry_point():
     upward = _upward(("openrlhf_tis.rollout", "openrlhf_tis.trainer"), ("openrlhf_tis.cli", "openrlhf_tis.pipeline"))
     assert not upward, "\n".join(upward)
+
+
+def _reachable(module: str) -> set[str]:
+    seen, todo = set(), [module]
+    while todo:
+        for target in GRAPH[todo.pop()] - seen:
+            seen.add(target)
+            todo.append(target)
+    return seen
+
+
+def test_controller_does_not_import_the_actor():
+    """The PPO controller (a Ray actor of its own) needs the dump plan and the bypass maker, not the actor's loss."""
+    assert "openrlhf_tis.trainer.ppo_actor" not in _reachable("openrlhf_tis.trainer.ppo_trainer")
+    assert "openrlhf_tis.trainer.token_dumps" in _reachable("openrlhf_tis.trainer.ppo_trainer")  # guards the test

@@ -19,8 +19,8 @@ from test_actor_wiring import B, TinyPolicy, make_args, make_experience, make_tr
 from openrlhf_tis.correction import CorrectionConfig, preset
 from openrlhf_tis.runs import MASK_REASON_CODES, query_tokens, token_steps
 from openrlhf_tis.runs.tokens import select_samples
-from openrlhf_tis.trainer import ppo_actor, ppo_trainer
-from openrlhf_tis.trainer.ppo_actor import TokenDumpPlan
+from openrlhf_tis.trainer import ppo_actor, ppo_trainer, token_dumps
+from openrlhf_tis.trainer.token_dumps import TokenDumpPlan
 
 GROUP = 2  # n_samples_per_prompt of the fake step
 
@@ -180,7 +180,8 @@ def test_only_planned_samples_at_their_first_update(tmp_path):
 def test_a_step_without_plan_computes_nothing_extra(tmp_path, monkeypatch):
     calls = []
     real = ppo_actor.compute_correction
-    monkeypatch.setattr(ppo_actor, "compute_correction", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for module in (ppo_actor, token_dumps):  # the actor's normalizer and the dump's details pass
+        monkeypatch.setattr(module, "compute_correction", lambda *a, **k: calls.append(1) or real(*a, **k))
     trainer = _trainer(preset("tis"))
     status = _fit(trainer, _experience())
     assert not calls and "run_store/token_dump_s" not in status and trainer.actor_loss_fn.capture is None
@@ -265,18 +266,18 @@ def test_controller_announces_the_logged_step_before_fit(monkeypatch):
 
 def test_entropy_from_logits_matches_a_direct_computation():
     logits = torch.randn(3, 7, 5, generator=torch.Generator().manual_seed(0))
-    got = ppo_actor.response_entropy(SimpleNamespace(logits=logits), (3, 7), width=4, rows=[0, 2])
+    got = token_dumps.response_entropy(SimpleNamespace(logits=logits), (3, 7), width=4, rows=[0, 2])
     logp = torch.log_softmax(logits.double(), -1)
     want = (-(logp.exp() * logp).sum(-1))[:, :-1][:, -4:]  # position t predicts token t+1
     torch.testing.assert_close(got[[0, 2]].double(), want[[0, 2]], rtol=1e-5, atol=1e-6)
     assert torch.isnan(got[1]).all()  # a row not dumped costs nothing
     packed = SimpleNamespace(logits=torch.randn(1, 21, 5))  # no (B, T) layout: unknown, not wrong
-    assert torch.isnan(ppo_actor.response_entropy(packed, (3, 7), 4, [0])).all()
+    assert torch.isnan(token_dumps.response_entropy(packed, (3, 7), 4, [0])).all()
 
 
 def test_entropy_capture_leaves_the_policy_as_it_was():
     policy, exp = TinyPolicy(0), make_experience()
-    with ppo_actor.capture_response_entropy(policy, [1, 3]) as found:
+    with token_dumps.capture_response_entropy(policy, [1, 3]) as found:
         policy(exp.sequences, exp.action_mask, return_output=True)
         policy(exp.sequences, exp.action_mask, return_output=True)
     assert "forward" not in policy.__dict__ and found["entropy"].shape == exp.action_mask.shape
@@ -285,8 +286,8 @@ def test_entropy_capture_leaves_the_policy_as_it_was():
 
 def test_logits_entropy_is_chunked_exactly(monkeypatch):
     logits = torch.randn(10, 7, generator=torch.Generator().manual_seed(1)) * 3
-    whole = ppo_actor.logits_entropy(logits)
-    monkeypatch.setattr(ppo_actor, "ENTROPY_CHUNK_ELEMENTS", 15)  # two rows per chunk
-    torch.testing.assert_close(ppo_actor.logits_entropy(logits), whole)
+    whole = token_dumps.logits_entropy(logits)
+    monkeypatch.setattr(token_dumps, "ENTROPY_CHUNK_ELEMENTS", 15)  # two rows per chunk
+    torch.testing.assert_close(token_dumps.logits_entropy(logits), whole)
     p = torch.softmax(logits.double(), -1)
     torch.testing.assert_close(whole.double(), -(p * p.log()).sum(-1), rtol=1e-5, atol=1e-6)

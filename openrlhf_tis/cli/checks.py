@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -149,12 +150,6 @@ def check_inputs(args: argparse.Namespace) -> None:
         probe_reward_script("--reward.remote_url", getattr(args, "reward.remote_url"), first_prompt, args)
 
 
-CORRECTION_FIELDS = (
-    "level", "mode", "lower", "upper", "rejection", "veto_threshold", "veto_sides", "veto_min_prob", "opsm_delta",
-    "batch_normalize", "normalize_scope", "loss", "denominator", "nonfinite", "log_ratio_clamp", "compile",
-)
-
-
 def check_correction(args: argparse.Namespace):
     """Resolve the rollout correction into one CorrectionConfig (stored as JSON in `algo.correction.resolved`).
 
@@ -169,7 +164,9 @@ def check_correction(args: argparse.Namespace):
     """
     import sys
 
-    from openrlhf_tis.correction import CorrectionConfigError, from_upstream, preset
+    from openrlhf_tis.correction import CorrectionConfig, CorrectionConfigError, from_upstream, preset
+
+    fields = [f.name for f in dataclasses.fields(CorrectionConfig)]  # one --algo.correction.<field> flag each
 
     def get(dest):
         return getattr(args, dest)
@@ -187,7 +184,7 @@ def check_correction(args: argparse.Namespace):
                                 get("algo.advantage.is_correction_threshold"))
         else:
             cfg = preset(name or "off")
-        overrides = {f: get(f"algo.correction.{f}") for f in CORRECTION_FIELDS
+        overrides = {f: get(f"algo.correction.{f}") for f in fields
                      if get(f"algo.correction.{f}") is not None}
         if "rejection" in overrides:
             overrides["rejection"] = tuple(overrides["rejection"])
@@ -199,7 +196,7 @@ def check_correction(args: argparse.Namespace):
         raise UsageError(flag, err.message) from None
 
     ppo = get("actor.policy_loss_type") == "ppo"
-    fork_flags_used = name is not None or any(get(f"algo.correction.{f}") is not None for f in CORRECTION_FIELDS)
+    fork_flags_used = name is not None or any(get(f"algo.correction.{f}") is not None for f in fields)
     if not ppo and fork_flags_used:
         raise UsageError("--actor.policy_loss_type", f"{get('actor.policy_loss_type')!r} keeps upstream's loss; the "
                          "fork's --algo.correction.* flags apply to ppo")

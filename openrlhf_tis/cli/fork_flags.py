@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from openrlhf_tis.runs.tokens import DEFAULT_DUMP_EVERY, DEFAULT_DUMP_SAMPLES
 
@@ -131,47 +132,31 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
 def add_correction_arguments(parser: argparse.ArgumentParser) -> None:
     """`--algo.correction.*`: the rollout correction (openrlhf_tis.correction, docs/correction.md).
 
-    Every flag defaults to None, meaning "as the preset says"; cli/checks.py `check_correction` resolves
-    preset + overrides (or upstream's --algo.advantage.is_correction_* flags) into one CorrectionConfig.
+    `preset`, then one flag per CorrectionConfig field, generated from the field: its annotation gives the
+    type (bool: a switch; the rejection tuple: one or more STAT:AGG:... strings), its metadata the choices
+    and the help. Every flag defaults to None, meaning "as the preset says"; cli/checks.py
+    `check_correction` resolves preset + overrides (or upstream's --algo.advantage.is_correction_* flags)
+    into one CorrectionConfig.
     """
-    from openrlhf_tis.correction.config import AGGREGATIONS, LEVELS, LOSSES, MODES, PRESETS, STATISTICS
+    from openrlhf_tis.correction.config import FLAG_PREFIX, PRESETS, CorrectionConfig
 
-    add = parser.add_argument
-    p = "--algo.correction."
-    add(p + "preset", type=str, default=None, choices=sorted(PRESETS),
+    parser.add_argument(
+        FLAG_PREFIX + "preset", type=str, default=None, choices=sorted(PRESETS),
         help="Named correction recipe (docs/correction.md); other --algo.correction.* flags override its fields. "
         "Default: upstream's --algo.advantage.is_correction_* mapping, else 'off' (metrics only).")
-    add(p + "level", type=str, default=None, choices=LEVELS,
-        help="IS weight granularity: token r_t (TIS), sequence Π r_t (MIS), geometric exp(mean log r_t) (Miles).")
-    add(p + "mode", type=str, default=None, choices=MODES,
-        help="truncate min(r,U) (TIS) | clip clamp(r,L,U) | mask: drop outside [L,U] (IcePop/MIS) | "
-        "raw (vanilla IS) | none (w=1).")
-    add(p + "lower", type=float, default=None, help="Lower weight bound L for clip/mask (default 1/upper).")
-    add(p + "upper", type=float, default=None, help="Upper weight bound U (TIS: 2).")
-    add(p + "rejection", type=str, nargs="+", default=None,
-        help=f"Rejection criteria, AND-chained: STAT:AGG:UPPER or STAT:AGG:LOWER:UPPER with STAT in {STATISTICS} "
-        f"and AGG in {AGGREGATIONS}, e.g. 'ratio:mean:0.999:1.001' (Geo-RS) 'k3:mean:0.01' (verl seq_mean_k3).")
-    add(p + "veto_threshold", type=float, default=None,
-        help="Drop a sequence holding a token with r < v or r > 1/v (verl/Miles veto), v in (0, 1).")
-    add(p + "veto_sides", type=str, default=None, choices=("both", "low"),
-        help="Veto both tails (default) or only r < v (Miles, verl).")
-    add(p + "veto_min_prob", type=float, default=None,
-        help="Drop a sequence holding a token whose probability under μ or π_old is below this value.")
-    add(p + "opsm_delta", type=float, default=None,
-        help="Off-policy sequence masking (DeepSeek-V3.2): drop negative-advantage sequences whose mean "
-        "log(μ/π_θ) exceeds delta.")
-    add(p + "batch_normalize", action="store_true", default=None,
-        help="Self-normalize the weights to mean 1 over kept tokens (token) or kept sequences (sequence levels).")
-    add(p + "normalize_scope", type=str, default=None, choices=("global", "local"),
-        help="Self-normalize over the whole data-parallel batch (global, verl) or per process (local, Miles).")
-    add(p + "loss", type=str, default=None, choices=LOSSES,
-        help="decoupled 3-policy PPO (default) | bypass_ppo: μ as π_old, π_old forward skipped | "
-        "bypass_reinforce: pure IS policy gradient.")
-    add(p + "denominator", type=str, default=None, choices=("all", "kept"),
-        help="Loss denominator: every action token (all, upstream) or only tokens that survived the masks (kept).")
-    add(p + "nonfinite", type=str, default=None, choices=("sequence", "token"),
-        help="A NaN/inf log-prob drops its whole sequence (default) or only its token.")
-    add(p + "log_ratio_clamp", type=float, default=None,
-        help="|log w| clamp before exp for raw weights and metrics (default 20, verl/Miles SAFETY_BOUND).")
-    add(p + "compile", action="store_true", default=None,
-        help="torch.compile the correction core and metrics into fused kernels (first step compiles).")
+    for f in dataclasses.fields(CorrectionConfig):
+        parser.add_argument(FLAG_PREFIX + f.name, default=None, help=f.metadata["help"], **_flag_kind(f))
+
+
+def _flag_kind(f: dataclasses.Field) -> dict:
+    """argparse arguments for a CorrectionConfig field's type (its annotation, a string here)."""
+    annotation = str(f.type)
+    if annotation == "bool":
+        return {"action": "store_true"}
+    if annotation.startswith("tuple["):
+        return {"type": str, "nargs": "+"}
+    if annotation in ("float", "float | None"):
+        return {"type": float}
+    if annotation == "str":
+        return {"type": str, "choices": f.metadata["choices"]}
+    raise TypeError(f"CorrectionConfig.{f.name}: no command-line flag for a field of type {annotation}")

@@ -16,8 +16,7 @@ from .config import (
     preset,
 )
 from .losses import PolicyLossOutput, aggregate_loss, policy_loss
-from .metrics import metric_names
-from .weights import CorrectionOutput, compute_correction, kept_weight_totals
+from .weights import CorrectionOutput, compute_correction, kept_weight_totals, metric_names
 
 __all__ = [
     "PRESETS",

@@ -139,54 +139,79 @@ class RejectionCriterion:
                 raise CorrectionConfigError(flag, f"{self.name} needs an upper bound > 0, got {self.upper}")
 
 
+def _option(default: Any, choices: tuple[str, ...] | None, doc: str) -> Any:
+    """A CorrectionConfig field and its documentation, which is also the help of its command-line flag.
+
+    `--algo.correction.<name>` is generated from the field (cli/fork_flags.py): the flag's type follows the
+    annotation, its choices are `choices` (also what `validate()` accepts), its help is `doc`.
+    """
+    return field(default=default, metadata={"choices": choices, "help": " ".join(doc.split())})
+
+
 @dataclass(frozen=True)
 class CorrectionConfig:
-    """The rollout–training mismatch correction: IS weights, rejection masks, veto, normalization, loss."""
+    """The rollout–training mismatch correction: IS weights, rejection masks, veto, normalization, loss.
 
-    level: str = "token"
-    """Granularity of the IS weight: token r_t (TIS, Yao et al. 2025), sequence Π_t r_t (sequence IS/MIS,
-    Liu et al. 2025 "When Speed Kills Stability"), geometric exp(mean_t log r_t) (Geo, Miles)."""
-    mode: str = "truncate"
-    """truncate w = min(r, upper) (TIS) | clip w = clamp(r, lower, upper) (Miles CIS) | mask w = r inside
-    [lower, upper], unit dropped outside (IcePop; MIS at sequence level) | raw w = r, unbounded (vanilla IS,
-    TIS talk baseline) | none w = 1 (no IS weight; masks still apply)."""
-    lower: float | None = None
-    """Lower bound on the weight for clip and mask; None means 1/upper (Miles, verl). Unused by truncate."""
-    upper: float = 2.0
-    """Upper bound on the weight (TIS cap C = 2, Yao et al. 2025)."""
-    rejection: tuple[RejectionCriterion, ...] = ()
-    """Rejection-sampling criteria chained with AND (verl rollout_rs; Geo-RS = ratio:mean)."""
-    veto_threshold: float | None = None
-    """Catastrophic-token veto v in (0, 1): drop a whole sequence holding a token with r_t < v or r_t > 1/v
-    (verl rollout_token_veto_threshold, Miles rs_veto_threshold). None: off."""
-    veto_sides: str = "both"
-    """both: veto r_t < v and r_t > 1/v | low: only r_t < v (Miles, verl)."""
-    veto_min_prob: float | None = None
-    """Probability veto: drop a sequence holding a token whose probability under μ or under π_old is below
-    this value (both policies: a token one engine deems near-impossible). None: off."""
-    opsm_delta: float | None = None
-    """OPSM (DeepSeek-V3.2 off-policy sequence masking): drop the tokens of a sequence whose advantage is
-    negative when mean_t log(μ/π_θ) over the sequence exceeds delta. Needs π_θ and advantages. None: off."""
-    batch_normalize: bool = False
-    """Self-normalize: divide weights by the mean kept weight, so they average 1 (per kept token at token
-    level, per kept sequence at sequence/geometric level) (verl rollout_is_batch_normalize, Miles)."""
-    normalize_scope: str = "global"
-    """global: the mean is taken over the whole data-parallel batch (all ranks, verl) | local: over this
-    process's batch only (Miles)."""
-    loss: str = "decoupled"
-    """decoupled: 3-policy PPO, clip on π_θ/π_old times w(π_old/μ) (Hilton et al. 2021; TIS) |
-    bypass_ppo: π_old := μ, PPO clip on π_θ/μ, old-log-prob forward skipped (verl bypass; TIS talk
-    "PPO-IS") | bypass_reinforce: −w·A·log π_θ with w from π_θ/μ (verl bypass pg_is)."""
-    denominator: str = "all"
-    """Loss denominator: all = every action token (upstream; rejected tokens shrink the gradient) | kept =
-    only tokens that survived the masks (verl modified response mask)."""
-    nonfinite: str = "sequence"
-    """A NaN/inf log-prob makes its token invalid; `sequence` also drops the rest of its sequence (its
-    sequence weight and statistics are undefined), `token` drops only the token."""
-    log_ratio_clamp: float = 20.0
-    """|log w| is clamped here before exp for raw weights and metrics (verl/Miles SAFETY_BOUND)."""
-    compile: bool = False
-    """torch.compile the elementwise core and the metrics into fused kernels (first call compiles)."""
+    Each field's documentation is its `help` metadata (the `--algo.correction.<field>` help text).
+    """
+
+    level: str = _option(
+        "token", LEVELS,
+        """Granularity of the IS weight: token r_t (TIS, Yao et al. 2025), sequence Π_t r_t (sequence IS/MIS,
+        Liu et al. 2025 "When Speed Kills Stability"), geometric exp(mean_t log r_t) (Geo, Miles).""")
+    mode: str = _option(
+        "truncate", MODES,
+        """truncate w = min(r, upper) (TIS) | clip w = clamp(r, lower, upper) (Miles CIS) | mask w = r inside
+        [lower, upper], unit dropped outside (IcePop; MIS at sequence level) | raw w = r, unbounded (vanilla IS,
+        TIS talk baseline) | none w = 1 (no IS weight; masks still apply).""")
+    lower: float | None = _option(
+        None, None,
+        """Lower bound on the weight for clip and mask; None means 1/upper (Miles, verl). Unused by truncate.""")
+    upper: float = _option(2.0, None, """Upper bound on the weight (TIS cap C = 2, Yao et al. 2025).""")
+    rejection: tuple[RejectionCriterion, ...] = _option(
+        (), None,
+        f"""Rejection-sampling criteria chained with AND (verl rollout_rs; Geo-RS = ratio:mean), each
+        STAT:AGG:UPPER or STAT:AGG:LOWER:UPPER with STAT in {STATISTICS} and AGG in {AGGREGATIONS}, e.g.
+        'ratio:mean:0.999:1.001' (Geo-RS), 'k3:mean:0.01' (verl seq_mean_k3).""")
+    veto_threshold: float | None = _option(
+        None, None,
+        """Catastrophic-token veto v in (0, 1): drop a whole sequence holding a token with r_t < v or r_t > 1/v
+        (verl rollout_token_veto_threshold, Miles rs_veto_threshold). None: off.""")
+    veto_sides: str = _option(
+        "both", ("both", "low"), """both: veto r_t < v and r_t > 1/v | low: only r_t < v (Miles, verl).""")
+    veto_min_prob: float | None = _option(
+        None, None,
+        """Probability veto: drop a sequence holding a token whose probability under μ or under π_old is below
+        this value (both policies: a token one engine deems near-impossible). None: off.""")
+    opsm_delta: float | None = _option(
+        None, None,
+        """OPSM (DeepSeek-V3.2 off-policy sequence masking): drop the tokens of a sequence whose advantage is
+        negative when mean_t log(μ/π_θ) over the sequence exceeds delta. Needs π_θ and advantages. None: off.""")
+    batch_normalize: bool = _option(
+        False, None,
+        """Self-normalize: divide weights by the mean kept weight, so they average 1 (per kept token at token
+        level, per kept sequence at sequence/geometric level) (verl rollout_is_batch_normalize, Miles).""")
+    normalize_scope: str = _option(
+        "global", ("global", "local"),
+        """global: the mean is taken over the whole data-parallel batch (all ranks, verl) | local: over this
+        process's batch only (Miles).""")
+    loss: str = _option(
+        "decoupled", LOSSES,
+        """decoupled: 3-policy PPO, clip on π_θ/π_old times w(π_old/μ) (Hilton et al. 2021; TIS) |
+        bypass_ppo: π_old := μ, PPO clip on π_θ/μ, old-log-prob forward skipped (verl bypass; TIS talk
+        "PPO-IS") | bypass_reinforce: −w·A·log π_θ with w from π_θ/μ (verl bypass pg_is).""")
+    denominator: str = _option(
+        "all", DENOMINATORS,
+        """Loss denominator: all = every action token (upstream; rejected tokens shrink the gradient) | kept =
+        only tokens that survived the masks (verl modified response mask).""")
+    nonfinite: str = _option(
+        "sequence", ("sequence", "token"),
+        """A NaN/inf log-prob makes its token invalid; `sequence` also drops the rest of its sequence (its
+        sequence weight and statistics are undefined), `token` drops only the token.""")
+    log_ratio_clamp: float = _option(
+        20.0, None, """|log w| is clamped here before exp for raw weights and metrics (verl/Miles SAFETY_BOUND).""")
+    compile: bool = _option(
+        False, None, """torch.compile the elementwise core and the metrics into fused kernels (first call compiles).""")
 
     def __post_init__(self) -> None:
         crits = self.rejection
@@ -227,11 +252,10 @@ class CorrectionConfig:
         bounds that exclude the on-policy weight 1, a veto at or above 1, and IS weights on top of the
         bypass PPO ratio. The bare core accepts those, so its formulas can be tested on any bounds.
         """
-        for name, allowed in (("level", LEVELS), ("mode", MODES), ("loss", LOSSES), ("denominator", DENOMINATORS),
-                              ("veto_sides", ("both", "low")), ("normalize_scope", ("global", "local")),
-                              ("nonfinite", ("sequence", "token"))):
-            if getattr(self, name) not in allowed:
-                raise CorrectionConfigError(_flag(name), f"{getattr(self, name)!r} is not one of {allowed}")
+        for f in dataclasses.fields(self):
+            allowed = f.metadata["choices"]
+            if allowed is not None and getattr(self, f.name) not in allowed:
+                raise CorrectionConfigError(_flag(f.name), f"{getattr(self, f.name)!r} is not one of {allowed}")
         for name in ("lower", "upper", "veto_threshold", "veto_min_prob", "opsm_delta", "log_ratio_clamp"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int | float) or math.isnan(v)):

@@ -45,35 +45,6 @@ def bucket_names(edges: tuple[float, ...] = PROB_BUCKET_EDGES) -> list[str]:
     return [f"p{_fmt(lo)}-{_fmt(hi)}" for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def metric_names(cfg: CorrectionConfig, *, has_entropy: bool = False, has_log_probs: bool = False) -> list[str]:
-    """The metric keys `metrics_to_dict` returns for this configuration (`compute_correction`'s metrics), in order."""
-    names = [
-        "mismatch/k1_kl", "mismatch/k2_kl", "mismatch/k3_kl", "mismatch/chi2_token", "mismatch/chi2_seq",
-        "mismatch/rollout_ppl", "mismatch/training_ppl", "mismatch/ppl_ratio", "mismatch/log_ppl_diff",
-        "mismatch/ess_token", "mismatch/ess_seq", "mismatch/abs_dp_max", "mismatch/abs_dp_mean",
-        "mismatch/abs_dlogp_mean", "mismatch/abs_dlogp_max", "mismatch/pearson_p",
-    ]
-    for b in bucket_names():
-        names += [f"mismatch/abs_dlogp_{b}", f"mismatch/frac_{b}"]
-    if has_entropy:
-        names.append("mismatch/entropy")
-    if has_log_probs:
-        names.append("mismatch/entropy_sampled")
-    names += [
-        "correction/weight_raw_mean", "correction/weight_raw_std", "correction/weight_raw_min",
-        "correction/weight_raw_max", "correction/weight_mean", "correction/weight_std", "correction/weight_min",
-        "correction/weight_max", "correction/ess", "correction/truncated_frac", "correction/clipped_low_frac",
-        "correction/clipped_high_frac", "correction/bounds_masked_frac", "correction/rejected_frac",
-    ]
-    names += [f"correction/rs_{c.name}_frac" for c in cfg.rejection]
-    names += [
-        "correction/vetoed_frac", "correction/vetoed_seq_frac", "correction/opsm_frac",
-        "correction/nonfinite_frac", "correction/nonfinite_count", "correction/masked_frac",
-        "correction/kept_frac", "correction/norm_factor",
-    ]
-    return names
-
-
 def _ess(w: torch.Tensor, keep_f: torch.Tensor) -> torch.Tensor:
     """Normalized effective sample size (Σw)²/(n Σw²) of finite weights w (clamped at e^±20 upstream)."""
     n = keep_f.sum()
@@ -93,9 +64,13 @@ def _stats(x: torch.Tensor, keep_f: torch.Tensor) -> list[torch.Tensor]:
     return [mean, var.sqrt(), torch.where(n > 0, mn, torch.zeros_like(mn)), mx]
 
 
-def metric_vector(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor | None,
-                  cfg: CorrectionConfig) -> torch.Tensor:
-    """All metrics as one vector, from the core's intermediates (weights before self-normalization)."""
+def metric_pairs(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor | None,
+                 cfg: CorrectionConfig) -> list[tuple[str, torch.Tensor]]:
+    """Every metric as (name, 0-d tensor), in logging order, from the core's intermediates (weights
+    before self-normalization). Names and values are made together here, so they cannot drift apart:
+    `metric_vector` stacks the values (inside the compiled graph) and `weights.metric_names` reads the
+    names off a run on a 1×1 dummy batch.
+    """
     weights = c["weights"]
     vf, lr, old, roll, nf = c["valid_f"], c["lr"], c["old"], c["roll"], c["nf"]
     dt = lr.dtype
@@ -104,45 +79,48 @@ def metric_vector(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor
     seq_vf = (c["n_seq_tok"].squeeze(-1) > 0).to(dt)
     n_seq = seq_vf.sum().clamp(min=1)
     clamp = cfg.log_ratio_clamp
-    out: list[torch.Tensor] = []
+    out: list[tuple[str, torch.Tensor]] = []
+
+    def put(name: str, value: torch.Tensor) -> None:
+        out.append((name, value))
 
     # ── KL estimators and χ² (lr = 0 off V, so every summand below vanishes there) ──
     r = c["r_tok"].clamp(math.exp(-clamp), math.exp(clamp))  # = exp(clamp(log r))
-    out.append(-lr.sum() / n)  # k1
-    out.append((0.5 * lr * lr).sum() / n)  # k2
-    out.append((r - 1.0 - lr).sum() / n)  # k3
-    out.append((r * r - 1.0).sum() / n)  # χ² token
+    put("mismatch/k1_kl", -lr.sum() / n)
+    put("mismatch/k2_kl", (0.5 * lr * lr).sum() / n)
+    put("mismatch/k3_kl", (r - 1.0 - lr).sum() / n)
+    put("mismatch/chi2_token", (r * r - 1.0).sum() / n)
     seq_log = lr.sum(-1)  # log ρ_s
     rho = torch.exp(seq_log.clamp(-clamp, clamp))
-    out.append(((rho * rho - 1.0) * seq_vf).sum() / n_seq)  # χ² sequence
+    put("mismatch/chi2_seq", ((rho * rho - 1.0) * seq_vf).sum() / n_seq)
 
     # ── perplexities ──
     mean_roll = roll.sum(-1) / nf.squeeze(-1)
     mean_old = old.sum(-1) / nf.squeeze(-1)
-    out.append((torch.exp(-mean_roll) * seq_vf).sum() / n_seq)
-    out.append((torch.exp(-mean_old) * seq_vf).sum() / n_seq)
-    out.append((torch.exp(mean_roll - mean_old) * seq_vf).sum() / n_seq)  # ppl_train / ppl_rollout
-    out.append(((mean_roll - mean_old) * seq_vf).sum() / n_seq)  # log ppl_train − log ppl_rollout
+    put("mismatch/rollout_ppl", (torch.exp(-mean_roll) * seq_vf).sum() / n_seq)
+    put("mismatch/training_ppl", (torch.exp(-mean_old) * seq_vf).sum() / n_seq)
+    put("mismatch/ppl_ratio", (torch.exp(mean_roll - mean_old) * seq_vf).sum() / n_seq)  # ppl_train / ppl_rollout
+    put("mismatch/log_ppl_diff", ((mean_roll - mean_old) * seq_vf).sum() / n_seq)  # log ppl_train − log ppl_rollout
 
     # ── effective sample size of the raw weights ──
-    out.append(_ess(r, vf))
-    out.append(_ess(rho, seq_vf))
+    put("mismatch/ess_token", _ess(r, vf))
+    put("mismatch/ess_seq", _ess(rho, seq_vf))
 
     # ── probability gaps and their correlation (off V both probabilities are exp(0) = 1) ──
     p_old, p_roll = torch.exp(old), torch.exp(roll)
     dp = (p_old - p_roll).abs()
-    out.append(dp.amax() if dp.numel() else torch.zeros((), dtype=dt))
-    out.append(dp.sum() / n)
+    put("mismatch/abs_dp_max", dp.amax() if dp.numel() else torch.zeros((), dtype=dt))
+    put("mismatch/abs_dp_mean", dp.sum() / n)
     adl = lr.abs()
-    out.append(adl.sum() / n)
-    out.append(adl.amax() if adl.numel() else torch.zeros((), dtype=dt))
+    put("mismatch/abs_dlogp_mean", adl.sum() / n)
+    put("mismatch/abs_dlogp_max", adl.amax() if adl.numel() else torch.zeros((), dtype=dt))
     po, pr = p_old * vf, p_roll * vf  # one pass: cov = E[xy] − E[x]E[y] (probabilities are O(1))
     mo, mr = po.sum() / n, pr.sum() / n
     cov = (po * p_roll).sum() / n - mo * mr
     vo = ((po * p_old).sum() / n - mo * mo).clamp(min=0)
     vr = ((pr * p_roll).sum() / n - mr * mr).clamp(min=0)
     den = (vo * vr).sqrt()
-    out.append(torch.where(den > 0, cov / den.clamp(min=1e-30), torch.zeros_like(den)))
+    put("mismatch/pearson_p", torch.where(den > 0, cov / den.clamp(min=1e-30), torch.zeros_like(den)))
 
     # ── mismatch by rollout-probability bucket: tokens at or above each edge, then differences ──
     at_or_above = [torch.stack([n, adl.sum()])]  # edge 0: every valid token (adl = 0 off V)
@@ -154,25 +132,29 @@ def metric_vector(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor
     per_bucket = cum[:-1] - cum[1:]  # (E + 1, 2)
     gap = per_bucket[:, 1] / per_bucket[:, 0].clamp(min=1)
     frac = per_bucket[:, 0] / n
-    out.extend(torch.stack([gap, frac], 1).reshape(-1).unbind())
+    for b, bucket in enumerate(bucket_names()):
+        put(f"mismatch/abs_dlogp_{bucket}", gap[b])
+        put(f"mismatch/frac_{bucket}", frac[b])
 
     if entropy is not None:
-        out.append((torch.nan_to_num(entropy.detach().to(dt)) * vf).sum() / n)
+        put("mismatch/entropy", (torch.nan_to_num(entropy.detach().to(dt)) * vf).sum() / n)
     if log_probs is not None:
-        out.append(-(torch.nan_to_num(log_probs.detach().to(dt)) * vf).sum() / n)
+        put("mismatch/entropy_sampled", -(torch.nan_to_num(log_probs.detach().to(dt)) * vf).sum() / n)
 
     # ── weights before and after bounds, at the configured level ──
     kf = c["keep_f"]
     if cfg.level == "token":
-        out.extend(_stats(c["raw"], vf))
-        out.extend(_stats(weights, kf))
-        out.append(_ess(weights, kf))
+        raw_stats, weight_stats, ess = _stats(c["raw"], vf), _stats(weights, kf), _ess(weights, kf)
     else:
         kept_seq = (kf.sum(-1) > 0).to(dt)
-        out.extend(_stats(c["raw"].squeeze(-1), seq_vf))
         seq_w = (weights * kf).amax(-1)  # the sequence's weight, constant on its kept tokens
-        out.extend(_stats(seq_w, kept_seq))
-        out.append(_ess(seq_w, kept_seq))
+        raw_stats, weight_stats = _stats(c["raw"].squeeze(-1), seq_vf), _stats(seq_w, kept_seq)
+        ess = _ess(seq_w, kept_seq)
+    for stat, value in zip(("mean", "std", "min", "max"), raw_stats, strict=True):
+        put(f"correction/weight_raw_{stat}", value)
+    for stat, value in zip(("mean", "std", "min", "max"), weight_stats, strict=True):
+        put(f"correction/weight_{stat}", value)
+    put("correction/ess", ess)
 
     # ── what the correction did, as fractions of action tokens ──
     valid, n_seq_tok = c["valid"], c["n_seq_tok"].squeeze(-1)
@@ -185,47 +167,55 @@ def metric_vector(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor
         return torch.count_nonzero(m & valid).to(dt)
 
     truncating, clipping = cfg.mode == "truncate", cfg.mode == "clip"
-    out.append(count(c["over"]) / n_act if truncating else zero)
-    out.append(count(c["under"]) / n_act if clipping else zero)
-    out.append(count(c["over"]) / n_act if clipping else zero)
-    out.append(count(c["bounds_out"]) / n_act if cfg.mode == "mask" else zero)
+    put("correction/truncated_frac", count(c["over"]) / n_act if truncating else zero)
+    put("correction/clipped_low_frac", count(c["under"]) / n_act if clipping else zero)
+    put("correction/clipped_high_frac", count(c["over"]) / n_act if clipping else zero)
+    put("correction/bounds_masked_frac", count(c["bounds_out"]) / n_act if cfg.mode == "mask" else zero)
     if cfg.rejection:
         rs_any = c["rs_fail"][0]
         for f in c["rs_fail"][1:]:
             rs_any = rs_any | f
-        out.append(count(rs_any) / n_act)
-        out.extend(count(f) / n_act for f in c["rs_fail"])
+        put("correction/rejected_frac", count(rs_any) / n_act)
+        for crit, f in zip(cfg.rejection, c["rs_fail"], strict=True):
+            put(f"correction/rs_{crit.name}_frac", count(f) / n_act)
     else:
-        out.append(zero)
+        put("correction/rejected_frac", zero)
     if cfg.veto_threshold is not None or cfg.veto_min_prob is not None:
         veto_seq = c["veto_seq"].squeeze(-1).to(dt)
-        out.append((veto_seq * n_seq_tok).sum() / n_act)
-        out.append(veto_seq.sum() / torch.count_nonzero(c["action"].any(-1)).clamp(min=1).to(dt))
+        put("correction/vetoed_frac", (veto_seq * n_seq_tok).sum() / n_act)
+        put("correction/vetoed_seq_frac", veto_seq.sum() / torch.count_nonzero(c["action"].any(-1)).clamp(min=1).to(dt))
     else:
-        out.extend([zero, zero])
-    out.append(count(c["opsm"]) / n_act if cfg.opsm_delta is not None else zero)
+        put("correction/vetoed_frac", zero)
+        put("correction/vetoed_seq_frac", zero)
+    put("correction/opsm_frac", count(c["opsm"]) / n_act if cfg.opsm_delta is not None else zero)
     n_act_raw = torch.count_nonzero(c["action"]).to(dt)
     n_valid_raw = vf.sum()
     n_kept = kf.sum()
-    out.append((n_act_raw - n_valid_raw) / n_act)  # lost to non-finite log-probs
-    out.append(torch.count_nonzero(c["nonfinite"]).to(dt))
-    out.append((n_act_raw - n_kept) / n_act)
-    out.append(n_kept / n_act)
-    out.append(torch.ones((), dtype=dt, device=lr.device))  # norm_factor, filled in by metrics_to_dict
-    return torch.stack([o.to(dt).reshape(()) for o in out])
+    put("correction/nonfinite_frac", (n_act_raw - n_valid_raw) / n_act)  # lost to non-finite log-probs
+    put("correction/nonfinite_count", torch.count_nonzero(c["nonfinite"]).to(dt))
+    put("correction/masked_frac", (n_act_raw - n_kept) / n_act)
+    put("correction/kept_frac", n_kept / n_act)
+    put("correction/norm_factor", torch.ones((), dtype=dt, device=lr.device))  # filled in by metrics_to_dict
+    return out
+
+
+def metric_vector(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor | None,
+                  cfg: CorrectionConfig) -> torch.Tensor:
+    """All metric values as one vector (`metric_pairs` order), moved to the host in one transfer."""
+    dt = c["lr"].dtype
+    return torch.stack([value.to(dt).reshape(()) for _, value in metric_pairs(c, log_probs, entropy, cfg)])
 
 
 _SCALED_BY_FACTOR = ("correction/weight_mean", "correction/weight_std", "correction/weight_min",
                      "correction/weight_max")
 
 
-def metrics_to_dict(vector: torch.Tensor, factor: torch.Tensor | None, cfg: CorrectionConfig, *,
-                    has_entropy: bool = False, has_log_probs: bool = False) -> dict[str, float]:
-    """Name the metric vector (one host transfer) and apply the self-normalization factor."""
+def metrics_to_dict(vector: torch.Tensor, factor: torch.Tensor | None, names: list[str]) -> dict[str, float]:
+    """Name the metric vector (`names`: its `metric_pairs` names; one host transfer) and apply the
+    self-normalization factor."""
     if factor is not None:
         vector = torch.cat([vector, factor.to(vector.dtype).reshape(1)])
     values = vector.tolist()
-    names = metric_names(cfg, has_entropy=has_entropy, has_log_probs=has_log_probs)
     out = dict(zip(names, values[: len(names)], strict=True))
     if factor is not None:
         f = values[-1]

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import CorrectionConfig, RejectionCriterion
-from .metrics import metric_vector, metrics_to_dict
+from .metrics import metric_pairs, metric_vector, metrics_to_dict
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a tensor over the data-parallel ranks and returns the sum (e.g. wraps dist.all_reduce)."""
@@ -253,6 +253,25 @@ def _compiled(cfg: CorrectionConfig, metrics: bool, details: bool):
     return torch.compile(functools.partial(fresh, cfg=cfg, metrics=metrics, details=details, compiled=True))
 
 
+def metric_names(cfg: CorrectionConfig, *, has_entropy: bool = False, has_log_probs: bool = False) -> list[str]:
+    """The metric keys `compute_correction` returns for this configuration, in order.
+
+    Read off `metrics.metric_pairs` (where each value is built under its name) on a 1×1 dummy batch, so
+    names and values cannot drift apart; cached per configuration.
+    """
+    return list(_metric_names(cfg, has_entropy, has_log_probs))
+
+
+@functools.lru_cache(maxsize=64)
+def _metric_names(cfg: CorrectionConfig, has_entropy: bool, has_log_probs: bool) -> tuple[str, ...]:
+    x = torch.zeros(1, 1)
+    c = _core(x, x, torch.ones(1, 1), x, x, cfg)
+    names = tuple(name for name, _ in metric_pairs(c, x if has_log_probs else None, x if has_entropy else None, cfg))
+    if len(set(names)) != len(names):
+        raise AssertionError(f"metric_pairs repeats a name: {names}")
+    return names
+
+
 def kept_weight_totals(weights: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
     """[Σ kept weights, number kept] per token (token level) or per sequence (sequence levels).
 
@@ -327,8 +346,8 @@ def compute_correction(
 
     metrics: dict[str, float] = {}
     if with_metrics:
-        metrics = metrics_to_dict(c["metrics"], factor, cfg, has_entropy=entropy is not None,
-                                  has_log_probs=log_probs is not None)
+        metrics = metrics_to_dict(c["metrics"], factor, metric_names(cfg, has_entropy=entropy is not None,
+                                                                      has_log_probs=log_probs is not None))
     out = CorrectionOutput(weights=weights.detach(), mask=c["mask"], metrics=metrics)
     if details:
         out.raw_weights = c["raw"]

@@ -13,11 +13,12 @@ from __future__ import annotations
 import torch
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor as _UpstreamActorClass
 
+from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.rollout.checkpoint import read_plan
 from openrlhf_tis.rollout.precision import engine_kwargs
 from openrlhf_tis.rollout.reward_executor import make_rewards_loud
 
-_UpstreamRolloutRayActor = _UpstreamActorClass.__ray_metadata__.modified_class.__ray_actor_class__
+_UpstreamRolloutRayActor = ray_actor_class(_UpstreamActorClass)
 
 
 def plan_engine_overrides(model_dir: str, cuda: bool) -> dict:

@@ -2,10 +2,10 @@
 
 Trace from flag to metric: `--algo.correction.*` (cli/fork_flags.py) is resolved once in the driver
 (cli/checks.py `check_correction`) into `args.algo.correction.resolved` (JSON of a CorrectionConfig);
-`CorrectionActorPPOTrainer` reads it, `CorrectionPolicyLoss` runs `correction.policy_loss` in place of
-upstream's `PolicyLoss`, and the `mismatch/*` / `correction/*` metrics ride in `experience.info`,
-which upstream's `training_step` already merges into the status dict that reaches its loggers and the
-run store.
+`CorrectionActorPPOTrainer` reads it (trainer/correction_args.py), `CorrectionPolicyLoss` runs
+`correction.policy_loss` in place of upstream's `PolicyLoss`, and the `mismatch/*` / `correction/*`
+metrics ride in `experience.info`, which upstream's `training_step` already merges into the status dict
+that reaches its loggers and the run store.
 
 Upstream seams used:
 - `PolicyModelActor` is a Ray actor class; Ray forbids subclassing it, so the plain class it wraps is
@@ -13,63 +13,41 @@ Upstream seams used:
   points `openrlhf.trainer.ray.ppo_actor.PolicyModelActor` at it before `train()` runs.
 - `init_model_from_pretrained` builds its `ActorPPOTrainer` by name with no factory seam, so the
   instance is re-classed to the fork's subclass right after construction and finishes its set-up there.
-- Bypass mode skips the π_old forward: the controller's `RolloutAsOldExperienceMaker` (installed by
-  `install_bypass_experience_maker`) never dispatches it and hands μ over as π_old, which also serves the
-  reward's KL penalty. The actor's own `forward` stays exact: the weight-sync check scores with it.
+- Bypass mode skips the π_old forward on the controller (trainer/bypass.py); each training step here
+  sets π_old := μ again. The actor's own `forward` stays exact: the weight-sync check scores with it.
 
-Per-token dumps (run store, docs/design.md §6): before `fit` on a dumped step the controller hands the actors a
-`TokenDumpPlan` (`set_token_dump`). Every replay-buffer item carries its sample id (`append` keeps
-upstream's per-step sample index, which the buffer's split would drop); the planned samples are read
-off their first training step of the step and each rank writes its rows as one Parquet file when
-`ppo_train` ends. Steps without a plan take none of these paths and compute nothing extra.
+Per-token dumps (trainer/token_dumps.py): `set_token_dump` takes the controller's plan for a step,
+`append` keeps each replay-buffer item's sample id, and `ppo_train` collects and writes the planned rows.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import ray
 import torch
 import torch.distributed as dist
-from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor as _UpstreamActorClass
 from openrlhf.utils.loss_utils import _get_dp_group
 
-from openrlhf_tis.correction import (
-    CorrectionConfig,
-    compute_correction,
-    from_upstream,
-    kept_weight_totals,
-    policy_loss,
+from openrlhf_tis.correction import CorrectionConfig, compute_correction, kept_weight_totals, policy_loss
+from openrlhf_tis.ray_classes import ray_actor_class
+from openrlhf_tis.runs.tokens import TokenDumpWriter
+from openrlhf_tis.trainer.bypass import rollout_as_old
+from openrlhf_tis.trainer.correction_args import correction_config_from_args
+from openrlhf_tis.trainer.token_dumps import (
+    TokenDumpCollector,
+    TokenDumpPlan,
+    capture_response_entropy,
+    dp_rank_and_size,
+    dump_part,
 )
-from openrlhf_tis.runs.schema import mask_reason_codes
-from openrlhf_tis.runs.tokens import TokenDumpWriter, flatten_response_tokens
 
-_UpstreamPolicyModelActor = _UpstreamActorClass.__ray_metadata__.modified_class.__ray_actor_class__
-
-
-# ── configuration ──────────────────────────────────────────────────────────────────────────────────
-
-def correction_config_from_args(args) -> CorrectionConfig:
-    """The resolved CorrectionConfig of a run (hierarchized args, as the Ray actors receive them).
-
-    The fork's CLI stores it in `args.algo.correction.resolved`; without it (upstream's own CLI, unit
-    tests) upstream's `--algo.advantage.is_correction_*` flags are mapped.
-    """
-    resolved = getattr(getattr(args.algo, "correction", None), "resolved", None)
-    if resolved:
-        return CorrectionConfig.from_json(resolved)
-    adv = args.algo.advantage
-    return from_upstream(adv.is_correction_level, adv.is_correction_mode, adv.is_correction_gating,
-                         adv.is_correction_threshold)
+_UpstreamPolicyModelActor = ray_actor_class(_UpstreamActorClass)
 
 
 def dp_allreduce(strategy) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -285,234 +263,6 @@ class CorrectionActorPPOTrainer(ActorPPOTrainer):
         return torch.tensor(total / count) if count > 0 and total > 0 else None
 
 
-# ── per-token dumps ────────────────────────────────────────────────────────────────────────────────
-
-@dataclass(frozen=True)
-class TokenDumpPlan:
-    """What the controller tells the actors before a dumped step: which step, where, which samples.
-
-    `sample_ids` index the step's samples as upstream's experience maker numbers them (prompt order,
-    the `group_size` samples of a prompt adjacent), so every rank picks its rows from one global choice.
-    """
-
-    step: int
-    run_dir: str
-    sample_ids: tuple[int, ...]
-    group_size: int = 1
-
-
-def dp_rank_and_size(strategy) -> tuple[int, int]:
-    """(rank, size) of this process in the data-parallel group; (0, 1) without torch.distributed."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    group = _get_dp_group(strategy)
-    return dist.get_rank(group=group), dist.get_world_size(group=group)
-
-
-def dump_part(strategy) -> tuple[bool, int | None]:
-    """Whether this rank writes its dump rows, and its part number (None: the only writer, no part suffix).
-
-    Ranks of one ring-attention / tensor-parallel group train the same samples: only the first writes.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return True, None
-    mesh = getattr(strategy, "ds_device_mesh", None)
-    if mesh is None:
-        return True, dist.get_rank()
-    first = mesh["sp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
-    return first, mesh["dp"].get_local_rank()
-
-
-ENTROPY_CHUNK_ELEMENTS = 1 << 24
-"""Logits entries per entropy chunk: bounds the temporaries to ~64 MiB each, whatever the vocabulary."""
-
-
-@torch.no_grad()
-def logits_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last axis of (N, V) logits, in float32, chunked along N.
-
-    Eager on purpose: upstream's `compute_entropy` is `torch.compile`d, which costs seconds of
-    compilation in each process (measured 4.6 s on CPU) and again for new shapes.
-    """
-    chunk = max(1, ENTROPY_CHUNK_ELEMENTS // max(int(logits.shape[-1]), 1))
-    parts = []
-    for piece in logits.split(chunk):
-        logp = torch.log_softmax(piece.float(), dim=-1)
-        parts.append(-(logp.exp() * logp).sum(-1))
-    return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
-
-
-def response_entropy(output: Any, sequences_shape: Sequence[int], width: int, rows: Sequence[int]) -> torch.Tensor:
-    """(B, width) float32 entropy of the training policy at the response tokens of `rows`; NaN elsewhere.
-
-    Read from the forward's own entropy when it computed one (--actor.entropy_coef), otherwise from its
-    logits (already float32 and temperature-scaled by upstream's Actor), row by row without gradient, so
-    the dump neither grows the autograd graph nor holds a (B, T, V) softmax. Packed or
-    sequence-parallel outputs (no (B, T) layout here) give NaN.
-    """
-    batch, seq_len = int(sequences_shape[0]), int(sequences_shape[1])
-    result = torch.full((batch, width), float("nan"))
-    entropy = getattr(output, "entropy", None)
-    if entropy is not None and tuple(entropy.shape[:2]) == (batch, seq_len - 1):
-        result[list(rows)] = entropy.detach()[list(rows), -width:].float().cpu()
-        return result
-    logits = getattr(output, "logits", None)
-    if logits is None or tuple(logits.shape[:2]) != (batch, seq_len):
-        return result
-    for row in rows:  # position t's logits predict token t+1: the response tokens are t = T-1-width .. T-2
-        result[row] = logits_entropy(logits[row, seq_len - 1 - width: seq_len - 1]).cpu()
-    return result
-
-
-@contextmanager
-def capture_response_entropy(actor: torch.nn.Module, rows: Sequence[int]) -> Iterator[dict]:
-    """Within the block, the first `actor(...)` call also leaves its response entropy in the yielded dict.
-
-    Upstream's `training_step` calls the actor with no seam for extras; an instance-level `forward`
-    wraps the class's for the one micro-batch being dumped and is removed afterwards.
-    """
-    found: dict[str, Any] = {}
-    own = actor.__dict__.get("forward")
-    forward = actor.forward
-
-    def capturing(sequences, action_mask=None, *args, **kwargs):
-        result = forward(sequences, action_mask, *args, **kwargs)
-        if "entropy" not in found and isinstance(result, tuple) and action_mask is not None:
-            started = time.perf_counter()
-            found["entropy"] = response_entropy(result[1], sequences.shape, action_mask.shape[1], rows)
-            found["seconds"] = time.perf_counter() - started
-        return result
-
-    actor.forward = capturing
-    try:
-        yield found
-    finally:
-        if own is None:
-            del actor.forward
-        else:
-            actor.forward = own
-
-
-def correction_token_details(config: CorrectionConfig, captured: dict) -> dict[str, torch.Tensor]:
-    """Per-token weights and masks of one micro-batch's loss, as the dump stores them ((B, A) tensors).
-
-    `captured` holds the loss's own inputs and output (CorrectionPolicyLoss.capture). The final weight
-    and the kept mask are the loss's; the raw weight and the reasons come from one eager re-run of
-    `compute_correction(details=True)` on the same inputs (only on dumped micro-batches; `policy_loss`
-    has no details switch). It runs without self-normalization, which changes neither raw weights nor
-    masks, and so needs no all-reduce. Its mask must equal the loss's: a difference raises, except with
-    --algo.correction.compile, whose fused kernels may round a token at a bound the other way (warned).
-
-    is_weight is the factor the loss multiplied the token's term by, 0 where masked; 1 under bypass_ppo
-    (its IS ratio π_θ/μ sits inside the clip) and when the correction is off (the loss is plain PPO,
-    nothing is masked there, so every reason is 'kept').
-    """
-    lp = captured["log_probs"]
-    old = captured["old_log_probs"]
-    roll = captured["rollout_log_probs"]
-    action = captured["action_mask"].bool()
-    out = captured["output"].correction
-    roll_used = roll if roll is not None else old  # as policy_loss: without μ only an inactive correction
-    base = old if config.loss == "decoupled" else lp
-    det = compute_correction(base, roll_used, captured["action_mask"],
-                             config.replace(batch_normalize=False, compile=False), log_probs=lp,
-                             advantages=captured["advantages"], with_metrics=False, details=True)
-    reasons = {name: mask.bool() & action for name, mask in det.reasons.items()}
-    raw = torch.where(reasons["nan"], float("nan"), det.raw_weights.float())
-    if not config.enabled:
-        return {"is_weight_raw": raw, "is_weight": action.float(), "keep": action, "reasons": {}}
-    keep = out.mask.bool() & action
-    detail_keep = det.mask.bool() & action
-    if not torch.equal(keep, detail_keep):
-        differ = int((keep != detail_keep).sum())
-        message = (f"token dump: the re-computed correction masks {differ} token(s) differently from the loss")
-        if not config.compile:
-            raise RuntimeError(message + " (a bug: both ran the same eager code on the same inputs)")
-        warnings.warn(message + " (compiled loss kernels round at a bound); the dump keeps the re-computed mask",
-                      stacklevel=2)
-        keep = detail_keep
-    weight = keep.float() if config.loss == "bypass_ppo" else torch.where(keep, out.weights.float(), 0.0)
-    return {"is_weight_raw": raw, "is_weight": weight, "keep": keep, "reasons": reasons}
-
-
-def _per_sample(value: Any, batch: int) -> torch.Tensor:
-    """A (B,) float tensor from a per-sample field (tensor, or upstream's list of 0-d tensors); NaN if absent."""
-    if value is None:
-        return torch.full((batch,), float("nan"))
-    if isinstance(value, list):
-        value = torch.stack([torch.as_tensor(v).reshape(()) for v in value]) if value else torch.empty(0)
-    value = torch.as_tensor(value).detach().float().reshape(-1).cpu()
-    return value if value.numel() == batch else torch.full((batch,), float("nan"))
-
-
-class TokenDumpCollector:
-    """The rows of one dumped step on one rank, gathered micro-batch by micro-batch inside `ppo_train`.
-
-    A sample is read at its first training step of the step only (epoch 0: π_θ as that forward saw
-    it); later epochs train it again but add nothing. Rows leave the device as numpy right away.
-    """
-
-    def __init__(self, plan: TokenDumpPlan, config: CorrectionConfig, global_ids: bool = True):
-        self.plan = plan
-        self.config = config
-        self.global_ids = global_ids  # False: ids are rank-strided stand-ins, prompt ids unknown
-        self.wanted = frozenset(int(i) for i in plan.sample_ids)
-        self.done: set[int] = set()
-        self.parts: list[dict[str, np.ndarray]] = []
-        self.seconds = 0.0
-
-    def rows_to_collect(self, experience) -> list[int]:
-        """Batch rows of this micro-batch holding planned samples not collected yet."""
-        ids = experience.index
-        if not ids or len(ids) != len(experience.sequences):
-            return []
-        return [row for row, sample_id in enumerate(ids) if sample_id in self.wanted and sample_id not in self.done]
-
-    def add(self, experience, rows: list[int], captured: dict, entropy: torch.Tensor | None) -> None:
-        """Flatten the rows' response tokens into dump columns (see schema.COLUMNS).
-
-        old_logprob is NaN under the bypass losses: π_old is never computed there, and μ, which stands in
-        for it, is the rollout_logprob column already. entropy is NaN where the forward's output has no
-        (B, T) layout (packed samples without --actor.entropy_coef).
-        """
-        if "output" not in captured:
-            raise RuntimeError("token dump: the policy loss did not run on a dumped micro-batch")
-        action_mask = captured["action_mask"]
-        batch, width = action_mask.shape
-        details = correction_token_details(self.config, captured)
-        nan = torch.full((batch, width), float("nan"))
-        roll = captured["rollout_log_probs"]
-        per_token = {
-            "token_id": experience.sequences[:, -width:],
-            "rollout_logprob": roll if roll is not None else nan,
-            "old_logprob": captured["old_log_probs"] if self.config.loss == "decoupled" else nan,
-            "train_logprob": captured["log_probs"],
-            "is_weight_raw": details["is_weight_raw"],
-            "is_weight": details["is_weight"],
-            "masked": ~details["keep"],
-            "advantage": captured["advantages"],
-            "entropy": entropy if entropy is not None else nan,
-            **{f"reason_{name}": mask for name, mask in details["reasons"].items()},
-        }
-        ids = torch.tensor([int(i) for i in experience.index])
-        prompts = ids // max(self.plan.group_size, 1) if self.global_ids else torch.full_like(ids, -1)
-        reward = experience.rewards if experience.rewards is not None else experience.info.get("reward")
-        per_sample = {"sample_id": ids, "prompt_id": prompts, "reward": _per_sample(reward, batch)}
-        columns = flatten_response_tokens(action_mask, per_token, per_sample, rows=rows)
-        reasons = {name[len("reason_"):]: columns.pop(name) for name in list(columns) if name.startswith("reason_")}
-        columns["mask_reason"] = mask_reason_codes(len(columns["token_id"]), **reasons)
-        self.parts.append(columns)
-        self.done.update(int(experience.index[row]) for row in rows)
-
-    def columns(self) -> dict[str, np.ndarray] | None:
-        """All rows, in (sample, position) order (micro-batches arrive shuffled); None when there are none."""
-        if not self.parts:
-            return None
-        columns = {name: np.concatenate([part[name] for part in self.parts]) for name in self.parts[0]}
-        order = np.lexsort((columns["position"], columns["sample_id"]))
-        return {name: array[order] for name, array in columns.items()}
-
-
 # ── the Ray actor ──────────────────────────────────────────────────────────────────────────────────
 
 class _CorrectionPolicyModelActor(_UpstreamPolicyModelActor):
@@ -532,54 +282,3 @@ class _CorrectionPolicyModelActor(_UpstreamPolicyModelActor):
 
 
 PolicyModelActor = ray.remote(num_gpus=1)(_CorrectionPolicyModelActor)
-
-
-# ── controller side: bypass skips the π_old forward ────────────────────────────────────────────────
-
-class RolloutAsOldExperienceMaker(RemoteExperienceMaker):
-    """Bypass mode: π_old := μ, so the actor-group forward that computes π_old is never dispatched.
-
-    `make_experience` dispatches one `forward` per model group; the actor group's answer is replaced
-    by a ready object holding the rollout log-probs, in the layout upstream's own placeholder for
-    absent models (`dummy_ref`) uses. Non-finite rollout log-probs become 0 here (they feed the reward's
-    KL term); the correction masks those tokens from the loss anyway.
-    """
-
-    _bypass_samples = None
-
-    def make_experience(self, samples_list):
-        self._bypass_samples = samples_list
-        try:
-            return super().make_experience(samples_list)
-        finally:
-            self._bypass_samples = None
-
-    def _dispatch_forward(self, group, sync_condition, **kwargs):
-        samples = self._bypass_samples
-        if group is not self.actor_model_group or samples is None:
-            return super()._dispatch_forward(group, sync_condition, **kwargs)
-        if any(s.rollout_log_probs is None for s in samples):
-            raise RuntimeError("--algo.correction.loss bypass_*: rollout log-probs are missing, cannot skip π_old")
-        duplicate = self.args.ds.ring_attn_size * self.args.ds.tensor_parallel_size
-        old = [rollout_as_old(s.rollout_log_probs, s.action_mask) for s in samples]
-        return ray.put([[lp] for lp in old for _ in range(duplicate)])
-
-
-def rollout_as_old(rollout_log_probs: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
-    """μ in the place of π_old: finite (NaN/inf -> 0) and zero off the action tokens, like the actor's output."""
-    finite = torch.nan_to_num(rollout_log_probs.float(), nan=0.0, posinf=0.0, neginf=0.0)
-    return finite * action_mask.to(finite.dtype)
-
-
-def install_bypass_experience_maker(controller) -> bool:
-    """In bypass mode, switch the controller's experience maker to `RolloutAsOldExperienceMaker`.
-
-    Call at the end of the PPO controller's __init__ (it owns `experience_maker` and `args`); returns
-    whether it switched. Re-classing keeps every attribute upstream's constructor set.
-    """
-    if not correction_config_from_args(controller.args).bypass:
-        return False
-    maker = controller.experience_maker
-    if not isinstance(maker, RolloutAsOldExperienceMaker):
-        maker.__class__ = RolloutAsOldExperienceMaker
-    return True

@@ -23,15 +23,17 @@ import ray
 import torch
 from openrlhf.trainer.ppo_trainer import PPOTrainer as _UpstreamActorClass
 
+from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.rollout.checkpoint import read_last_sync_stats
 from openrlhf_tis.runs.layout import ROLLOUT_MODEL_DIR
 from openrlhf_tis.runs.store import RunWriter
 from openrlhf_tis.runs.tokens import select_samples, should_dump
-from openrlhf_tis.trainer.ppo_actor import TokenDumpPlan, install_bypass_experience_maker
+from openrlhf_tis.trainer.bypass import install_bypass_experience_maker
 from openrlhf_tis.trainer.rewards import RewardPolicy, screen_rewards
 from openrlhf_tis.trainer.sync_check import SyncChecker
+from openrlhf_tis.trainer.token_dumps import TokenDumpPlan
 
-_UpstreamPPOTrainer = _UpstreamActorClass.__ray_metadata__.modified_class.__ray_actor_class__
+_UpstreamPPOTrainer = ray_actor_class(_UpstreamActorClass)
 
 
 def rollout_logprob_coverage(experiences) -> float:
@@ -93,7 +95,7 @@ class _TisPPOTrainer(_UpstreamPPOTrainer):
         self._eval_start: dict[str, float] = {}  # the untrained policy's eval, logged on the first line
         self._held_line: tuple[int, dict] | None = None  # (step, metrics) waiting for that step's eval
         self._reward_policy = RewardPolicy.from_args(self.args)
-        # Bypass mode: the experience maker must not even dispatch the pi_old forward (see ppo_actor).
+        # Bypass mode: the experience maker must not even dispatch the pi_old forward (trainer/bypass.py).
         install_bypass_experience_maker(self)
 
     def init_checkpoint_states(self) -> dict:

@@ -1,0 +1,64 @@
+"""Controller side of bypass mode: π_old := μ, so the π_old forward is never dispatched.
+
+`install_bypass_experience_maker` (called at the end of the controller's `__init__`, trainer/ppo_trainer.py)
+re-classes upstream's experience maker to `RolloutAsOldExperienceMaker`, which hands μ over as π_old;
+it also serves the reward's KL penalty. The actor side uses the same `rollout_as_old` on each training
+step (trainer/ppo_actor.py), and its own `forward` stays exact: the weight-sync check scores with it.
+"""
+
+from __future__ import annotations
+
+import ray
+import torch
+from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+from openrlhf_tis.trainer.correction_args import correction_config_from_args
+
+
+class RolloutAsOldExperienceMaker(RemoteExperienceMaker):
+    """Bypass mode: π_old := μ, so the actor-group forward that computes π_old is never dispatched.
+
+    `make_experience` dispatches one `forward` per model group; the actor group's answer is replaced
+    by a ready object holding the rollout log-probs, in the layout upstream's own placeholder for
+    absent models (`dummy_ref`) uses. Non-finite rollout log-probs become 0 here (they feed the reward's
+    KL term); the correction masks those tokens from the loss anyway.
+    """
+
+    _bypass_samples = None
+
+    def make_experience(self, samples_list):
+        self._bypass_samples = samples_list
+        try:
+            return super().make_experience(samples_list)
+        finally:
+            self._bypass_samples = None
+
+    def _dispatch_forward(self, group, sync_condition, **kwargs):
+        samples = self._bypass_samples
+        if group is not self.actor_model_group or samples is None:
+            return super()._dispatch_forward(group, sync_condition, **kwargs)
+        if any(s.rollout_log_probs is None for s in samples):
+            raise RuntimeError("--algo.correction.loss bypass_*: rollout log-probs are missing, cannot skip π_old")
+        duplicate = self.args.ds.ring_attn_size * self.args.ds.tensor_parallel_size
+        old = [rollout_as_old(s.rollout_log_probs, s.action_mask) for s in samples]
+        return ray.put([[lp] for lp in old for _ in range(duplicate)])
+
+
+def rollout_as_old(rollout_log_probs: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """μ in the place of π_old: finite (NaN/inf -> 0) and zero off the action tokens, like the actor's output."""
+    finite = torch.nan_to_num(rollout_log_probs.float(), nan=0.0, posinf=0.0, neginf=0.0)
+    return finite * action_mask.to(finite.dtype)
+
+
+def install_bypass_experience_maker(controller) -> bool:
+    """In bypass mode, switch the controller's experience maker to `RolloutAsOldExperienceMaker`.
+
+    Call at the end of the PPO controller's __init__ (it owns `experience_maker` and `args`); returns
+    whether it switched. Re-classing keeps every attribute upstream's constructor set.
+    """
+    if not correction_config_from_args(controller.args).bypass:
+        return False
+    maker = controller.experience_maker
+    if not isinstance(maker, RolloutAsOldExperienceMaker):
+        maker.__class__ = RolloutAsOldExperienceMaker
+    return True
