@@ -13,7 +13,6 @@ import pytest
 from _support import refused
 
 from openrlhf_tis.demo import task
-from openrlhf_tis.demo.prepare import main as prepare_main
 
 REWARD = Path(task.__file__).with_name("task_reward.py")
 DEMO_REWARD = Path(task.__file__).with_name("reward_func.py")
@@ -128,11 +127,23 @@ def test_unreadable_task_or_reward_files_are_refused_naming_them(task_argv, tmp_
         assert flag in err and Path(value).name in err, (flag, err)
 
 
-def test_prepare_writes_the_task_and_prints_the_model_last(tiny_model_dir, tmp_path, capsys):
-    (tmp_path / "tiny_model").symlink_to(tiny_model_dir)  # prepare reuses a model already there
-    prepare_main([str(tmp_path), "--model", "tiny", "--eval_prompts", "32"])
-    assert capsys.readouterr().out.strip().splitlines()[-1] == str(tmp_path / "tiny_model")
-    assert len(_records(tmp_path / "eval.jsonl")) == 32 and len(_records(tmp_path / "train.jsonl")) == 255 - 32
+def test_main_job_trains_the_task_and_scores_the_held_out_set(tmp_path, monkeypatch):
+    """The main job's notebook parameters: the task's own files and reward, held-out scored at the start and end."""
+    from openrlhf_tis.pipeline import main_job
+    from openrlhf_tis.pipeline.train import build_argv
+
+    captured = {}
+    monkeypatch.setattr(main_job, "run_main_job", lambda params, out_dir: captured.update(params) or {})
+    monkeypatch.setattr(main_job, "describe", lambda result: "")
+    main_job.main(["--out", str(tmp_path), "--model", "tiny", "--set", "steps=6", "--ds.zero_stage", "3"])
+    assert len(_records(tmp_path / "eval.jsonl")) == 64 and len(_records(tmp_path / "train.jsonl")) == 255 - 64
+    assert captured["prompts"] == str(tmp_path / "train.jsonl") and captured["reward"] == str(REWARD)
+    assert captured["train_dtype"] in ("bf16", "fp32") and captured["rollout_precision"] == "int8"
+    argv = build_argv(captured, tmp_path / "model", Path(captured["prompts"]), tmp_path / "run")
+    flags = dict(zip(argv, argv[1:], strict=False))
+    assert flags["--eval.dataset"] == str(tmp_path / "eval.jsonl") and flags["--eval.steps"] == "6"
+    assert flags["--ds.param_dtype"] == captured["train_dtype"]
+    assert argv[-2:] == ["--ds.zero_stage", "3"]  # a training flag given to the main job comes last and wins
 
 
 EVAL_STEPS, TOTAL_STEPS, EVAL_PROMPTS, EVAL_SAMPLES = 2, 3, 6, 2

@@ -1,10 +1,10 @@
 """`python -m openrlhf_tis.pipeline.main_job`: the project's main job, what `scripts/main_job.sh` runs.
 
-Trains the embedded SmolLM2-135M-Instruct on the demo task with INT8 rollouts and the recommended
-correction by executing notebooks/train.ipynb with papermill (the executed notebook and its HTML export
-are the report), while the console shows a progress bar and one line per step; every log of Ray, vLLM
-and DeepSpeed goes to `<run_dir>/train.log`. Sizes follow the CPU: bf16 training where the CPU computes
-bf16 natively (AVX-512 BF16 / AMX), smaller steps where bf16 would be emulated.
+Trains the embedded SmolLM2-135M-Instruct on the demo task (single-digit arithmetic, openrlhf_tis/demo/task.py)
+with INT8 rollouts and token TIS by executing notebooks/train.ipynb with papermill (the executed notebook and its
+HTML export are the report), while the console shows a progress bar and one line per step; every log of Ray,
+vLLM and DeepSpeed goes to `<run_dir>/train.log`. The held-out questions are scored before the first step and
+at the end. Where the CPU emulates bf16 (plain AVX2), the trainer runs in fp32, several times faster there.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from openrlhf_tis.cpu_features import default_train_dtype, native_bf16
+from openrlhf_tis.demo.task import write_task
 from openrlhf_tis.pipeline.console import follow_run
-from openrlhf_tis.pipeline.execute import execute, export_html
+from openrlhf_tis.pipeline.execute import REPO, execute, export_html
 from openrlhf_tis.pipeline.params import ParameterError, check_params
 from openrlhf_tis.pipeline.train import TRAIN_PARAMS, log_tail
 from openrlhf_tis.runs.reader import load_metrics
@@ -26,27 +28,31 @@ from openrlhf_tis.runs.summary import summary
 from openrlhf_tis.viz.compare import held_out_key
 from openrlhf_tis.viz.curves import held_out
 
+TASK_REWARD = REPO / "openrlhf_tis" / "demo" / "task_reward.py"
+# train.ipynb parameters of the main job on any CPU. The sync check compares the INT8 engine with the trainer
+# on sampled tokens: that gap is the INT8 mismatch itself (0.1-0.5 mean |dlog p| here), so the default
+# tolerance (0.5) would stop a healthy run, while broken weights give several nats.
+MAIN_JOB_PARAMS: dict[str, Any] = {
+    "model": "default", "rollout_precision": "int8", "correction": "tis",
+    "steps": 24, "prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 32, "lr": 5e-5,
+    "token_dump_every": 4, "extra_args": ["--vllm.sync_check_tolerance", "1.0"],
+}
+
 
 @dataclass(frozen=True)
 class CpuProfile:
     name: str
     why: str
-    params: dict[str, Any]  # train.ipynb parameters
-
-
-def native_bf16() -> bool:
-    """True where the CPU computes bf16 in hardware; elsewhere torch emulates it (~14x slower rollouts)."""
-    import torch
-
-    caps = torch._C._cpu._get_cpu_capability()
-    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+    params: dict[str, Any]  # train.ipynb parameters over MAIN_JOB_PARAMS
 
 
 def cpu_profile() -> CpuProfile:
-    """The main job's sizes for this CPU."""
-    if native_bf16():
-        return CpuProfile("native-bf16", "this CPU computes bf16 in hardware (AVX-512 BF16/AMX)", {})
-    return CpuProfile("emulated-bf16", "this CPU emulates bf16 (no AVX-512 BF16/AMX): fewer, smaller steps", {})
+    """The main job's trainer precision for this CPU (printed at the start of the job)."""
+    if default_train_dtype() == "bf16":
+        where = "CUDA" if not native_bf16() else "this CPU computes bf16 in hardware (AVX-512 BF16/AMX)"
+        return CpuProfile("bf16", f"{where}: trainer in bf16", {"train_dtype": "bf16"})
+    return CpuProfile("fp32", "this CPU emulates bf16 (no AVX-512 BF16/AMX): trainer in fp32, several times faster "
+                      "here", {"train_dtype": "fp32"})
 
 
 def run_main_job(params: dict[str, Any], out_dir: Path) -> dict[str, Any]:
@@ -102,27 +108,27 @@ def describe(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="main_job", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="work/main_job", help="working directory (runs, report)")
+    parser = argparse.ArgumentParser(prog="main_job", description=__doc__.split("\n")[0],
+                                     epilog="Any other --flag goes to the training CLI (train_ppo_ray) and wins.")
+    parser.add_argument("--out", default="work/main_job", help="working directory (task files, runs, report)")
     parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), 'tiny' or a directory")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="override a train.ipynb parameter (Python literal), e.g. --set steps=5")
-    parser.add_argument("extra_args", nargs=argparse.REMAINDER, help="after --: more training CLI flags")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     out = Path(args.out).expanduser().resolve()
     profile = cpu_profile()
-    print(f"[main job] CPU profile {profile.name}: {profile.why}", file=sys.stderr)
+    print(f"[main job] trainer {profile.name}: {profile.why}", file=sys.stderr)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     overrides = dict(_literal(item) for item in args.set)
-    extra = [a for a in args.extra_args if a != "--"]
+    train, held_out_file = write_task(out)
+    base = {**MAIN_JOB_PARAMS, **profile.params, "model": args.model, "prompts": str(train),
+            "eval_prompts": str(held_out_file), "reward": str(TASK_REWARD), "run_dir": str(out / "runs" / stamp)}
     try:
-        params = check_params({**profile.params, "model": args.model, "run_dir": str(out / "runs" / stamp),
-                               **overrides, "extra_args": [*profile.params.get("extra_args", []), *extra]},
+        params = check_params({**base, **overrides, "extra_args": [*base["extra_args"], *extra]},
                               TRAIN_PARAMS, where="main job")
     except ParameterError as err:
         print(f"main_job: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    out.mkdir(parents=True, exist_ok=True)
     result = run_main_job(params, out / "runs" / stamp)
     print(describe(result))
 

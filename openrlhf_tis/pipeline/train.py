@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from openrlhf_tis.correction.config import PRESETS
+from openrlhf_tis.cpu_features import default_train_dtype
 from openrlhf_tis.pipeline.params import Param, positive
 from openrlhf_tis.rollout.precision import PRECISIONS
 from openrlhf_tis.runs.reader import read_metrics_records
@@ -56,7 +57,14 @@ TRAIN_PARAMS: dict[str, Param] = {
     "correction": Param("tis", "a correction preset (--algo.correction.preset)", (str,), tuple(PRESETS)),
     "correction_options": Param({}, "single correction fields over the preset, e.g. {'upper': 3}", (dict,),
                                 check=_options),
+    "eval_prompts": Param("", "held-out prompt JSONL (same keys), scored with the training reward before the "
+                          "first step and every eval_every steps; '' skips evaluation", (str,),
+                          check=_existing_file_or_empty),
+    "eval_every": Param(0, "score the held-out set every N steps (0: before the first step and after the last)",
+                        (int,), check=lambda v: None if v >= 0 else "must be >= 0"),
     "rollout_precision": Param("bf16", "vLLM rollout precision", (str,), PRECISIONS),
+    "train_dtype": Param("auto", "trainer precision (--ds.param_dtype); auto: bf16 on CUDA or CPUs with native bf16, "
+                         "fp32 where the CPU emulates bf16", (str,), ("auto", "bf16", "fp32")),
     "steps": Param(2, "training steps (one rollout batch each)", (int,), check=positive),
     "prompts_per_step": Param(4, "prompts per rollout batch", (int,), check=positive),
     "samples_per_prompt": Param(2, "responses per prompt (group estimators need 2 or more)", (int,), check=positive),
@@ -127,8 +135,15 @@ def build_argv(params: dict[str, Any], model_dir: Path, prompts: Path, run_dir: 
         "--ds.zero_stage", "2", "--actor.adam.lr", str(params["lr"]), "--actor.lr_warmup_ratio", "0",
         "--algo.correction.preset", params["correction"],
         "--ckpt.path", str(run_dir / "ckpt"), "--ckpt.save_steps", "-1", "--ckpt.output_dir", str(run_dir / "model"),
-        "--eval.steps", "-1", "--logger.logging_steps", "1", "--logger.run_dir", str(run_dir),
+        "--ds.param_dtype", default_train_dtype() if params["train_dtype"] == "auto" else params["train_dtype"],
+        "--logger.logging_steps", "1", "--logger.run_dir", str(run_dir),
     ]
+    if params["eval_prompts"]:  # sampled as in training, so held-out pass@1 is the training reward's held-out twin
+        argv += ["--eval.dataset", str(Path(params["eval_prompts"]).expanduser().resolve()),
+                 "--eval.steps", str(params["eval_every"] or params["steps"]), "--eval.temperature", "1.0",
+                 "--eval.n_samples_per_prompt", str(group)]
+    else:
+        argv += ["--eval.steps", "-1"]
     if params["token_dump_every"]:
         argv += ["--logger.token_dump_steps", str(params["token_dump_every"])]
     else:
