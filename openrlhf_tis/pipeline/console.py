@@ -23,8 +23,9 @@ def follow_run(run_dir: Path, total_steps: int, done: threading.Event, poll_seco
     """Print each new step of `run_dir` until `done` is set (then once more); returns every record seen."""
     printed = 0
     records: list[dict[str, Any]] = []
+    # disable=None: the bar only on a terminal; a log file gets the step lines alone, not a redraw per poll.
     with tqdm(total=total_steps, desc="starting Ray, vLLM, DeepSpeed", unit="step", file=out,
-              dynamic_ncols=True) as bar:
+              dynamic_ncols=True, disable=None) as bar:
         while True:
             finished = done.wait(poll_seconds)
             if (run_dir / METRICS_FILE).is_file():

@@ -60,6 +60,8 @@ TRAIN_PARAMS: dict[str, Param] = {
     "eval_prompts": Param("", "held-out prompt JSONL (same keys), scored with the training reward before the "
                           "first step and every eval_every steps; '' skips evaluation", (str,),
                           check=_existing_file_or_empty),
+    "eval_samples": Param(1, "responses sampled per held-out prompt (at temperature 1, as in training)", (int,),
+                          check=positive),
     "eval_every": Param(0, "score the held-out set every N steps (0: before the first step and after the last)",
                         (int,), check=lambda v: None if v >= 0 else "must be >= 0"),
     "rollout_precision": Param("bf16", "vLLM rollout precision", (str,), PRECISIONS),
@@ -141,7 +143,7 @@ def build_argv(params: dict[str, Any], model_dir: Path, prompts: Path, run_dir: 
     if params["eval_prompts"]:  # sampled as in training, so held-out pass@1 is the training reward's held-out twin
         argv += ["--eval.dataset", str(Path(params["eval_prompts"]).expanduser().resolve()),
                  "--eval.steps", str(params["eval_every"] or params["steps"]), "--eval.temperature", "1.0",
-                 "--eval.n_samples_per_prompt", str(group)]
+                 "--eval.n_samples_per_prompt", str(params["eval_samples"])]
     else:
         argv += ["--eval.steps", "-1"]
     if params["token_dump_every"]:
