@@ -195,3 +195,28 @@ def test_sync_buckets_keep_order_one_dtype_and_the_size_limit(params, limit):
         first = named[nxt[0]]
         size = sum(named[i][2] * named[i][1].itemsize for i in prev)
         assert first[1] != named[prev[0]][1] or size + first[2] * first[1].itemsize > limit
+
+
+def test_fp32_training_patch_maps_fp32_and_keeps_upstream_choices():
+    from openrlhf_tis.patches import fp32_training
+
+    assert fp32_training.apply()
+    from openrlhf.utils import utils
+
+    assert utils.convert_to_torch_dtype("fp32") is torch.float32
+    assert utils.convert_to_torch_dtype("bf16") is torch.bfloat16
+    assert utils.convert_to_torch_dtype("fp16") is torch.float16
+    with pytest.raises(ValueError, match="fp64"):
+        utils.convert_to_torch_dtype("fp64")
+    fp32_training.apply()  # idempotent: the second call wraps nothing again
+    assert utils.convert_to_torch_dtype("fp32") is torch.float32
+
+
+def test_the_cli_adds_fp32_to_upstreams_training_dtypes():
+    from openrlhf_tis.cli.fork_flags import allow_fp32_training
+    from openrlhf_tis.cli.upstream import upstream_parser
+
+    parser = upstream_parser()
+    allow_fp32_training(parser)
+    action = next(a for a in parser._actions if a.dest == "ds.param_dtype")
+    assert list(action.choices) == ["bf16", "fp16", "fp32"] and action.default == "bf16"
