@@ -13,21 +13,17 @@ response and the widget updates (in a kernel the browser's rendering comes on to
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow.dataset as ds
-from bench_runs import generate
+from bench_runs import bench_store, store_arguments
 
-from openrlhf_tis.runs import DEFAULT_DUMP_SAMPLES, token_steps
 from openrlhf_tis.runs.layout import token_files
 from openrlhf_tis.viz.explorer import TokenExplorer
 
@@ -68,25 +64,8 @@ def interactions(ex: TokenExplorer, run_dir: Path) -> dict[str, tuple[Callable[[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=5_000_000, help="token rows to generate")
-    parser.add_argument("--samples", type=int, default=DEFAULT_DUMP_SAMPLES, help="samples per dumped step")
-    parser.add_argument("--mean-len", type=int, default=1000, help="mean response length in tokens")
-    parser.add_argument("--repeat", type=int, default=7, help="times each interaction is timed")
-    parser.add_argument("--dir", type=Path, default=None, help="reuse/keep the generated run here")
-    args = parser.parse_args(argv)
-
-    tmp = None
-    run_dir = args.dir
-    if run_dir is None:
-        tmp = tempfile.mkdtemp(prefix="bench_explorer_")
-        run_dir = Path(tmp) / "run"
-    try:
-        if not token_steps(run_dir):
-            start = time.perf_counter()
-            gen = generate(run_dir, args.rows, args.samples, args.mean_len)
-            print(f"generated {gen['rows']:,} token rows in {gen['steps']} step files "
-                  f"({time.perf_counter() - start:.1f} s)")
+    args = store_arguments(__doc__.split("\n\n")[0], 7, "times each interaction is timed").parse_args(argv)
+    with bench_store(args, "bench_explorer_") as run_dir:
         rows = ds.dataset([os.fspath(p) for paths in token_files(run_dir).values() for p in paths]).count_rows()
         start = time.perf_counter()
         ex = TokenExplorer(run_dir)
@@ -112,9 +91,6 @@ def main(argv: list[str] | None = None) -> int:
             if max(values) >= GOAL_MS:
                 slow.append(name)
         print("every interaction under the goal" if not slow else f"over {GOAL_MS:.0f} ms at least once: {slow}")
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

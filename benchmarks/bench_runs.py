@@ -18,6 +18,7 @@ building the pandas DataFrame.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import shutil
@@ -25,7 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -216,20 +217,22 @@ def time_round_robin(engines: dict[str, Callable[[dict], pd.DataFrame]], q: dict
     return best, counts
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def store_arguments(description: str, repeat: int, repeat_help: str) -> argparse.ArgumentParser:
+    """The flags both run-store benchmarks share (bench_explorer.py reuses this store and its generator)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rows", type=int, default=5_000_000, help="token rows to generate")
     parser.add_argument("--samples", type=int, default=DEFAULT_DUMP_SAMPLES, help="samples per dumped step")
     parser.add_argument("--mean-len", type=int, default=1000, help="mean response length in tokens")
-    parser.add_argument("--repeat", type=int, default=5, help="timings are the best of this many runs")
+    parser.add_argument("--repeat", type=int, default=repeat, help=repeat_help)
     parser.add_argument("--dir", type=Path, default=None, help="reuse/keep the generated run here")
-    args = parser.parse_args(argv)
+    return parser
 
-    tmp = None
-    run_dir = args.dir
-    if run_dir is None:
-        tmp = tempfile.mkdtemp(prefix="bench_runs_")
-        run_dir = Path(tmp) / "run"
+
+@contextlib.contextmanager
+def bench_store(args: argparse.Namespace, prefix: str) -> Iterator[Path]:
+    """The run directory to measure: `--dir` (kept) or a temporary one, generated first when it holds no dumps."""
+    tmp = None if args.dir is not None else tempfile.mkdtemp(prefix=prefix)
+    run_dir = args.dir if tmp is None else Path(tmp) / "run"
     try:
         if not token_files(run_dir):
             start = time.perf_counter()
@@ -237,6 +240,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"generated {gen['rows']:,} token rows in {gen['steps']} step files "
                   f"({time.perf_counter() - start:.1f} s; TokenDumpWriter.write_step: "
                   f"{gen['write_s'] / gen['steps'] * 1e3:.1f} ms/step, {gen['rows'] / gen['write_s']:,.0f} rows/s)")
+        yield run_dir
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = store_arguments(__doc__.split("\n\n")[0], 5, "timings are the best of this many runs").parse_args(argv)
+    with bench_store(args, "bench_runs_") as run_dir:
         files = [p for paths in token_files(run_dir).values() for p in paths]
         total_bytes = sum(p.stat().st_size for p in files)
         rows = ds.dataset([os.fspath(p) for p in files], format="parquet").count_rows()
@@ -280,9 +292,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{qname:<{width}} {n:>9,}  " + "  ".join(f"{c:>22}" for c in cells))
         for e in engines:
             print(f"  {e}: median {statistics.median(table[e]) * 1e3:.1f} ms, max {table[e].max() * 1e3:.1f} ms")
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
