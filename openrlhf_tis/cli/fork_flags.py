@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from openrlhf_tis.rollout.precision import PRECISIONS
+from openrlhf_tis.rollout.quantize import ACTIVATION_MODES, SCALE_MODES, WEIGHT_BITS_CHOICES
 from openrlhf_tis.runs.tokens import DEFAULT_DUMP_EVERY, DEFAULT_DUMP_SAMPLES
 
 
@@ -77,7 +79,7 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
         "--vllm.rollout_precision",
         type=str,
         default="bf16",
-        choices=["bf16", "fp32", "int8", "fp8"],
+        choices=list(PRECISIONS),
         help="Precision of the vLLM rollout engines. int8: W8A8 compressed-tensors (per-channel int8 weights, "
         "dynamic per-token or static calibrated int8 activations; embeddings and lm_head unquantized), written "
         "under the run dir before the engines start and re-quantized at every weight sync (FlashRL-style "
@@ -88,7 +90,7 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
         "--vllm.int8_scales",
         type=str,
         default="recompute",
-        choices=["recompute", "frozen"],
+        choices=list(SCALE_MODES),
         help="Per-channel int8 weight scales at each sync: recomputed from the new weights (exact, never "
         "saturates) or frozen at their initial values (saturation counted in "
         "<run_dir>/rollout_model/sync_stats.jsonl).",
@@ -105,7 +107,7 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
         "--vllm.int8_activations",
         type=str,
         default="dynamic",
-        choices=["dynamic", "static"],
+        choices=list(ACTIVATION_MODES),
         help="INT8 activation quantization: per token at run time (dynamic), or one static per-tensor scale per "
         "projection calibrated once on prompts (static; needs --vllm.int8_calibration made with "
         "--static_activations) and passed unchanged to the engines at every weight sync; projections the "
@@ -115,7 +117,7 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
         "--vllm.int8_weight_bits",
         type=str,
         default="auto",
-        choices=["auto", "8", "7"],
+        choices=list(WEIGHT_BITS_CHOICES),
         help="Grid of the int8 weights: 8 bits, or 7 (values in [-64, 63], int8 storage) for x86 CPUs without "
         "VNNI, where vLLM-CPU's oneDNN int8 GEMM saturates 16-bit pair sums of full-range weights (measured: 15%% "
         "max error per GEMM). auto picks 7 exactly there.",
