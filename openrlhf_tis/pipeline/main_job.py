@@ -55,7 +55,8 @@ def cpu_profile() -> CpuProfile:
     # Measured on a 2-core AVX2 EPYC: a step (16 INT8 rollouts of <= 32 tokens, fp32 trainer) takes ~60 s and
     # scoring 64 x 4 held-out samples ~5 min, so this profile samples each held-out question once, for fewer steps.
     return CpuProfile("fp32", "this CPU emulates bf16 (no AVX-512 BF16/AMX): trainer in fp32 (several times faster "
-                      "here), by default 12 steps and held-out x1 sample", {"train_dtype": "fp32", "steps": 12, "eval_samples": 1})
+                      "here), by default 12 steps and held-out x1 sample",
+                      {"train_dtype": "fp32", "steps": 12, "eval_samples": 1})
 
 
 def run_main_job(params: dict[str, Any], out_dir: Path) -> dict[str, Any]:
