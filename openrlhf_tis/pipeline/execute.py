@@ -15,6 +15,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
 KERNEL = "python3"  # ipykernel's own spec: the interpreter that runs papermill, i.e. the project's venv
+# The kernel listens on loopback TCP and warns about it at every start, on the console of whoever runs a notebook
+# (the main job's, among others); errors still show.
+KERNEL_ARGS = ["--IPKernelApp.log_level=ERROR"]
 
 
 def notebook_path(name: str) -> Path:
@@ -37,7 +40,7 @@ def execute(name: str, output: str | os.PathLike, parameters: Mapping[str, Any],
     output.parent.mkdir(parents=True, exist_ok=True)
     papermill.execute_notebook(os.fspath(notebook_path(name)), os.fspath(output), parameters=dict(parameters),
                                kernel_name=KERNEL, cwd=os.fspath(cwd or output.parent), progress_bar=progress,
-                               log_output=False)
+                               log_output=False, extra_arguments=KERNEL_ARGS)
     return output
 
 
