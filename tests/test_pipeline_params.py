@@ -11,7 +11,7 @@ from openrlhf_tis.pipeline.execute import NOTEBOOKS
 from openrlhf_tis.pipeline.notebooks import NOTEBOOK_SOURCES
 from openrlhf_tis.pipeline.params import Param, ParameterError, check_params, notebook_params, positive
 from openrlhf_tis.pipeline.sweep import Cell, load_grid
-from openrlhf_tis.pipeline.train import TRAIN_PARAMS, build_argv, cause
+from openrlhf_tis.pipeline.train import TRAIN_PARAMS, build_argv, cause, resolve_prompts
 
 SPEC = {"steps": Param(2, "steps", (int,), check=positive), "mode": Param("a", "mode", (str,), ("a", "b"))}
 
@@ -105,13 +105,25 @@ def test_training_command_follows_the_parameters(tmp_path):
     def flag(name):  # the last value given wins, as argparse does
         return argv[len(argv) - 1 - argv[::-1].index(name) + 1]
 
-    assert flag("--data.max_samples") == "15"  # 5 steps x 3 prompts: one rollout batch per step
+    assert "--data.max_samples" not in argv  # upstream clips the held-out set with it too; see resolve_prompts
     assert flag("--rollout.batch_size") == "3" and flag("--train.batch_size") == "12"
     assert flag("--train.micro_batch_size") == "6" == flag("--rollout.micro_batch_size")  # divides 12, <= 8
     assert flag("--rollout.n_samples_per_prompt") == "4" and flag("--algo.advantage.estimator") == "group_norm"
     assert flag("--algo.correction.preset") == "mis_full"
     assert flag("--algo.correction.upper") == "4"  # extra_args come last and win over correction_options
     assert argv.index("--algo.correction.upper") < len(argv) - 2
+
+
+def test_the_prompt_file_holds_one_rollout_batch_per_step(tmp_path):
+    given = tmp_path / "given.jsonl"
+    given.write_text("".join(f'{{"input": "q{i}", "label": "{i}"}}\n' for i in range(40)) + "\n")
+    run_dir = tmp_path / "runs" / "a"
+    written = resolve_prompts(str(given), run_dir, 5 * 3)  # 5 steps x 3 prompts
+    assert written.parent == run_dir.parent
+    assert written.read_text().splitlines() == given.read_text().splitlines()[:15]
+    short = resolve_prompts(str(given), run_dir, 100)  # a shorter file ends the run early, as upstream does
+    assert len(short.read_text().splitlines()) == 40
+    assert len(resolve_prompts("", run_dir, 6).read_text().splitlines()) == 6  # demo prompts
 
 
 def test_the_failure_cause_is_the_last_line_naming_an_error():

@@ -103,12 +103,20 @@ def resolve_model(model: str, cache: Path) -> Path:
 
 
 def resolve_prompts(prompts: str, run_dir: Path, count: int) -> Path:
-    """The prompt file: the given one, or `count` demo prompts written beside the run directory."""
-    if prompts:
-        return Path(prompts).expanduser().resolve()
-    from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
+    """A prompt file beside the run directory holding the `count` prompts the run trains on.
 
-    return write_arithmetic_prompts(run_dir.parent / f"{run_dir.name}.prompts.jsonl", count)
+    The first `count` prompts of the given file, or `count` demo prompts. The run is bounded by this
+    file, not by `--data.max_samples`, because upstream clips the held-out set with that flag too.
+    """
+    out = run_dir.parent / f"{run_dir.name}.prompts.jsonl"
+    if not prompts:
+        from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
+
+        return write_arithmetic_prompts(out, count)
+    with open(Path(prompts).expanduser(), encoding="utf-8") as src:
+        lines = [line for line in src if line.strip()][:count]
+    out.write_text("".join(line if line.endswith("\n") else line + "\n" for line in lines), encoding="utf-8")
+    return out
 
 
 def micro_batch(batch: int, largest: int = 8) -> int:
@@ -127,7 +135,6 @@ def build_argv(params: dict[str, Any], model_dir: Path, prompts: Path, run_dir: 
         "--reward.remote_url", str(Path(params["reward"]).expanduser().resolve() if params["reward"] else DEMO_REWARD),
         "--data.prompt_dataset", str(prompts), "--data.input_key", "input", "--data.label_key", "label",
         "--data.apply_chat_template", "--data.max_len", str(128 + params["max_new_tokens"]),
-        "--data.max_samples", str(n * params["steps"]),
         "--vllm.num_engines", "1", "--vllm.rollout_precision", params["rollout_precision"],
         "--algo.advantage.estimator", "group_norm" if group > 1 else "reinforce", "--algo.kl.init_coef", "0",
         "--rollout.n_samples_per_prompt", str(group), "--rollout.batch_size", str(n),

@@ -10,8 +10,9 @@ step therefore carries `global_steps + 1` of `ppo_train`, the same number as its
 
 Held-out evaluation (`--eval.dataset`, every `--eval.steps`): upstream evaluates after a step's metrics
 were logged and sends the result to wandb/TensorBoard only, and never evaluates the untrained policy.
-Here a fresh run is also evaluated before its first step (`eval_start/*` on step 1's line) and the line
-of an evaluated step is written once its evaluation is in (`eval/*`: upstream's `eval_*` keys).
+Here a fresh run is also evaluated before its first step (`eval_start/*` on step 1's line), the line
+of an evaluated step is written once its evaluation is in (`eval/*`: upstream's `eval_*` keys), and
+the whole held-out set goes to the engines in one dispatch (trainer/eval_samples.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from openrlhf_tis.runs.layout import ROLLOUT_MODEL_DIR
 from openrlhf_tis.runs.store import RunWriter
 from openrlhf_tis.runs.tokens import select_samples, should_dump
 from openrlhf_tis.trainer.bypass import install_bypass_experience_maker
+from openrlhf_tis.trainer.eval_samples import whole_set_eval
 from openrlhf_tis.trainer.rewards import RewardPolicy, screen_rewards
 from openrlhf_tis.trainer.sync_check import SyncChecker
 from openrlhf_tis.trainer.token_dumps import TokenDumpPlan
@@ -79,6 +81,7 @@ class _TisPPOTrainer(_UpstreamPPOTrainer):
                  reference_model_group, vllm_engines, **generate_kwargs):
         super().__init__(pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
                          reference_model_group, vllm_engines, **generate_kwargs)
+        self.samples_generator = whole_set_eval(self.samples_generator)
         vllm = self.args.vllm
         # A sleeping engine has no KV cache right after a sync, so it cannot score the probe then.
         self._sync_every = vllm.sync_check_steps if vllm_engines and not vllm.enable_sleep else 0

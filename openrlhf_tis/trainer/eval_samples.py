@@ -1,0 +1,33 @@
+"""Held-out evaluation in one engine call instead of one call per rollout batch.
+
+Upstream's `SamplesGenerator.generate_eval_samples` walks the held-out set `--rollout.batch_size`
+prompts at a time and waits for each chunk before sending the next. vLLM batches whatever it is
+given, so a chunk of 4 prompts costs almost as much wall time as one of 64 where decoding is
+overhead-bound (vLLM-CPU: docs/measurements.md); the chunks only serialize the work. Here the whole
+held-out set is dispatched at once, spread over every engine by upstream's own dispatch.
+"""
+
+from __future__ import annotations
+
+from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
+
+
+class WholeSetEvalSamplesGenerator(SamplesGenerator):
+    """Upstream's sample generator whose evaluation sends every held-out prompt in one dispatch."""
+
+    def generate_eval_samples(self, **generate_kwargs):
+        prompts = len(self.eval_dataloader.dataset) if self.eval_dataloader is not None else 0
+        rollout = self.args.rollout
+        chunk = rollout.batch_size
+        rollout.batch_size = max(prompts, chunk)  # the only knob upstream's loop reads for its chunk size
+        try:
+            return super().generate_eval_samples(**generate_kwargs)
+        finally:
+            rollout.batch_size = chunk
+
+
+def whole_set_eval(generator: SamplesGenerator) -> WholeSetEvalSamplesGenerator:
+    """A generator sharing `generator`'s datasets, tokenizer and engines, evaluating in one dispatch."""
+    return WholeSetEvalSamplesGenerator(strategy=generator.strategy, prompts_dataloader=generator.prompts_dataloader,
+                                        eval_dataloader=generator.eval_dataloader, tokenizer=generator.tokenizer,
+                                        vllm_engines=generator.vllm_engines)
