@@ -76,7 +76,7 @@ CALIBRATION_PROMPTS = [  # short arithmetic and chat prompts, phrased unlike the
 
 
 def _sync(worker, named):
-    from openrlhf_tis.patches.cpu_weight_sync import reload_into_engine
+    from openrlhf_tis.rollout.cpu_worker_extension import reload_into_engine
 
     t0 = time.perf_counter()
     reload_into_engine(worker.model_runner, named)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import ray
@@ -21,6 +22,13 @@ def refused(argv: list[str], capsys) -> str:
     assert exit_info.value.code == 2
     assert not ray.is_initialized()
     return capsys.readouterr().err
+
+
+def free_port() -> int:
+    """A local TCP port nobody listens on right now (for a weight-sync group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start_engine(model_dir, dtype: str = "bfloat16", **kwargs):

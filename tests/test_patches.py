@@ -113,70 +113,16 @@ def test_unpad_then_pad_matches_a_loop_reference(batch):
     assert torch.equal(x.grad, mask[..., None].expand_as(x).double())
 
 
-class _FilledGroup:
-    """Stands in for the gloo group: the 'broadcast' delivers what the trainer sent."""
+def test_cpu_weight_sync_leaves_upstreams_worker_wrap_alone():
+    """The engine's end of the sync is the fork's worker extension (a seam), so no patch touches WorkerWrap."""
+    from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
-    def __init__(self, sent: torch.Tensor):
-        self.sent = sent
+    from openrlhf_tis.patches import cpu_weight_sync
 
-    def broadcast(self, tensor, src=0, stream=None):
-        tensor.copy_(self.sent.reshape(tensor.shape))
-
-
-def _worker(engine_dtype, sent, model_dir):
-    model = torch.nn.Module()  # the sync walks the model's modules (cached fp32 heads)
-    model.config = types.SimpleNamespace(tie_word_embeddings=False)
-    runner = types.SimpleNamespace(
-        model_config=types.SimpleNamespace(model=str(model_dir), quantization=None, dtype=engine_dtype),
-        model=model, reloaded=[], reload_default_dtypes=[],
-    )
-
-    def reload_weights(weights_iterator):
-        runner.reload_default_dtypes.append(torch.get_default_dtype())  # vLLM's loaders read it (static int8)
-        runner.reloaded.extend(weights_iterator)
-
-    runner.reload_weights = reload_weights
-    return types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=engine_dtype), _model_update_with_ray=False,
-                                 _model_update_group=_FilledGroup(sent), model_runner=runner)
-
-
-def test_cpu_weight_sync_buffers_until_the_last_tensor_and_upcasts_for_fp32_engines(tmp_path):
-    from openrlhf_tis.patches.cpu_weight_sync import cpu_update_weight
-
-    sent = torch.randn(4, 3).to(torch.bfloat16)
-    worker = _worker(torch.float32, sent, tmp_path)
-    cpu_update_weight(worker, "a.weight", torch.bfloat16, (4, 3))
-    assert worker.model_runner.reloaded == []  # nothing reaches the engine before the sync's last tensor
-    cpu_update_weight(worker, "b.weight", torch.bfloat16, (4, 3), empty_cache=True)
-    names = [name for name, _ in worker.model_runner.reloaded]
-    assert names == ["a.weight", "b.weight"]
-    for _, weight in worker.model_runner.reloaded:
-        assert weight.dtype == torch.float32 and torch.equal(weight, sent.float())  # bf16 -> fp32 is exact
-    assert worker.model_runner.reload_default_dtypes == [torch.float32]
-
-    fp32_sent = torch.randn(4, 3, dtype=torch.float64).float()
-    bf16_engine = _worker(torch.bfloat16, fp32_sent, tmp_path)  # an fp32 trainer (--ds.param_dtype fp32)
-    cpu_update_weight(bf16_engine, "a.weight", torch.float32, (4, 3), empty_cache=True)
-    ((_, weight),) = bf16_engine.model_runner.reloaded
-    assert weight.dtype == torch.bfloat16 and torch.equal(weight, fp32_sent.to(torch.bfloat16))  # round to nearest
-
-    int_engine = _worker(torch.bfloat16, torch.zeros(4, 3, dtype=torch.int32), tmp_path)
-    with pytest.raises(TypeError, match="--ds.param_dtype"):
-        cpu_update_weight(int_engine, "a.weight", torch.int32, (4, 3))
-
-
-def test_bucketed_receive_splits_one_broadcast_into_the_named_tensors(tmp_path):
-    from openrlhf_tis.patches.cpu_weight_sync import cpu_update_weights_bucket
-
-    a, b = torch.randn(4, 3).to(torch.bfloat16), torch.randn(5).to(torch.bfloat16)
-    worker = _worker(torch.bfloat16, torch.cat([a.reshape(-1), b]), tmp_path)
-    cpu_update_weights_bucket(worker, [("a.weight", (4, 3)), ("b.bias", (5,))], torch.bfloat16, last=True)
-    (name_a, got_a), (name_b, got_b) = worker.model_runner.reloaded
-    assert (name_a, name_b) == ("a.weight", "b.bias")
-    assert torch.equal(got_a, a) and torch.equal(got_b, b)
-    # the reload runs under the engine dtype, as vLLM's own load does; the caller's default comes back
-    assert worker.model_runner.reload_default_dtypes == [torch.bfloat16]
-    assert torch.get_default_dtype() == torch.float32
+    assert cpu_weight_sync.apply()
+    assert "__openrlhf_tis_originals__" not in WorkerWrap.__dict__
+    assert not hasattr(WorkerWrap, "update_weights_bucket")
+    assert WorkerWrap.update_weight.__module__ == "openrlhf.trainer.ray.vllm_worker_wrap"
 
 
 @given(st.lists(st.tuples(st.sampled_from([torch.bfloat16, torch.float32]), st.integers(1, 300)), max_size=30),

@@ -28,8 +28,8 @@ from _support import (
     write_calibration,
 )
 
-from openrlhf_tis.patches.cpu_weight_sync import reload_into_engine
 from openrlhf_tis.rollout.checkpoint import load_int8_plan, write_rollout_model
+from openrlhf_tis.rollout.cpu_worker_extension import reload_into_engine
 from openrlhf_tis.rollout.quantize import int8_weight_bits, quantize_named_weights
 
 # Mean |log-prob gap| to the fp32 reference on the tiny model that a correct INT8 engine stays under.

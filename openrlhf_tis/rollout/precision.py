@@ -146,7 +146,7 @@ def check_cli_precision(args) -> None:
     if precision != "bf16" and cuda:
         # On CUDA upstream's WorkerWrap.update_weight loads tensor by tensor and asserts the trainer's dtype:
         # bf16 weights would be cast into int8 / fp8 parameters unscaled (docs/design.md §5, trap 3), and an fp32
-        # engine refuses them. The CPU weight sync (patches/cpu_weight_sync.py) handles all four.
+        # engine refuses them. The CPU weight sync (rollout/cpu_worker_extension.py) handles all four.
         raise UsageError(FLAG, f"{precision} rollouts are wired for the CPU weight sync only; on CUDA use bf16")
     check_rollout_precision(precision, getattr(args, "actor.model_name_or_path"), cuda=cuda,
                             calibration=getattr(args, "vllm.int8_calibration"),

@@ -1,0 +1,187 @@
+"""The fork's vLLM worker extension (the engine's end of the CPU weight sync), without a vLLM engine.
+
+vLLM mixes the class named by `worker_extension_cls` into its worker (vllm/v1/worker/worker_base.py);
+upstream's engine factory names its CUDA `WorkerWrap`, and the fork's engine actor must name the fork's
+subclass instead on CPU. tests/test_weight_sync_vllm.py drives the same class inside a real engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import types
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from _support import free_port
+
+from openrlhf_tis.rollout import engine_actor
+from openrlhf_tis.rollout.cpu_worker_extension import CPUWorkerExtension, GlooBroadcastGroup
+from openrlhf_tis.rollout.engine_actor import (
+    CPU_WORKER_EXTENSION,
+    UPSTREAM_WORKER_EXTENSION,
+    PrecisionRolloutRayActor,
+    worker_extension_override,
+)
+
+
+def test_the_extension_resolves_as_vllm_does_and_extends_upstreams_worker_wrap():
+    from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    assert resolve_obj_by_qualname(CPU_WORKER_EXTENSION) is CPUWorkerExtension
+    assert resolve_obj_by_qualname(UPSTREAM_WORKER_EXTENSION) is WorkerWrap
+    assert issubclass(CPUWorkerExtension, WorkerWrap)
+    # vLLM refuses an extension whose names the worker class already has (assert in WorkerWrapperBase).
+    names = [a for a in dir(CPUWorkerExtension) if not a.startswith("__")]
+    assert {"init_process_group", "update_weight", "update_weights_bucket", "update_weight_cuda_ipc"} <= set(names)
+    assert not [a for a in names if hasattr(CPUWorker, a)]
+    # Mixed in as vLLM does (appended to the worker's bases), the fork's methods win over upstream's.
+    worker_class = type("Worker", (CPUWorker,), {})
+    worker_class.__bases__ = worker_class.__bases__ + (CPUWorkerExtension,)
+    assert worker_class.update_weight is CPUWorkerExtension.update_weight
+    assert worker_class.init_process_group is CPUWorkerExtension.init_process_group
+    assert worker_class.update_weight_cuda_ipc is WorkerWrap.update_weight_cuda_ipc  # upstream's other methods stay
+
+
+def test_override_names_the_fork_extension_on_cpu_only():
+    assert worker_extension_override(UPSTREAM_WORKER_EXTENSION, cuda=False) == {
+        "worker_extension_cls": "openrlhf_tis.rollout.cpu_worker_extension.CPUWorkerExtension"}
+    assert worker_extension_override(None, cuda=False) == {"worker_extension_cls": CPU_WORKER_EXTENSION}
+    assert worker_extension_override(UPSTREAM_WORKER_EXTENSION, cuda=True) == {}  # upstream's class on CUDA
+    with pytest.raises(RuntimeError, match="upstream now starts vLLM with worker_extension_cls='other.Ext'"):
+        worker_extension_override("other.Ext", cuda=False)
+
+
+def test_cpu_engine_kwargs_carry_the_fork_extension(monkeypatch, tiny_model_dir):
+    """Upstream's factory passes its WorkerWrap; the fork's actor hands vLLM its own class, nothing else changed."""
+    import openrlhf.trainer.ray.vllm_engine as upstream_engine
+
+    built = []
+
+    class RecordingActor:
+        @staticmethod
+        def options(**_):
+            return types.SimpleNamespace(remote=lambda **kwargs: built.append(kwargs))
+
+    monkeypatch.setattr(upstream_engine, "RolloutRayActor", RecordingActor)
+    upstream_engine.create_vllm_engines(1, 1, str(tiny_model_dir), 0, False, False, True, 128, shared_pg=object())
+    (upstream_kwargs,) = built
+    assert upstream_kwargs["worker_extension_cls"] == UPSTREAM_WORKER_EXTENSION
+
+    received = []
+
+    async def upstream_init(self, *args, **kwargs):
+        received.append(kwargs)
+        self.executor = object()  # a user's own agent executor: left alone
+
+    monkeypatch.setattr(engine_actor._UpstreamRolloutRayActor, "__init__", upstream_init)
+    actor = PrecisionRolloutRayActor.__new__(PrecisionRolloutRayActor)
+    asyncio.run(actor.__init__(**upstream_kwargs))
+    (engine_kwargs,) = received
+    assert engine_kwargs["worker_extension_cls"] == CPU_WORKER_EXTENSION
+    assert {k: v for k, v in engine_kwargs.items() if k != "worker_extension_cls"} == {
+        k: v for k, v in upstream_kwargs.items() if k != "worker_extension_cls"}
+
+
+class _FilledGroup:
+    """Stands in for the gloo group: the 'broadcast' delivers what the trainer sent."""
+
+    def __init__(self, sent: torch.Tensor):
+        self.sent = sent
+
+    def broadcast(self, tensor, src=0, stream=None):
+        tensor.copy_(self.sent.reshape(tensor.shape))
+
+
+def _runner(engine_dtype, model_dir):
+    """The slice of vLLM's model runner the reload touches, recording what it is given."""
+    model = torch.nn.Module()  # the sync walks the model's modules (cached fp32 heads)
+    model.config = types.SimpleNamespace(tie_word_embeddings=False)
+    runner = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(model=str(model_dir), quantization=None, dtype=engine_dtype),
+        model=model, reloaded=[], reload_default_dtypes=[],
+    )
+
+    def reload_weights(weights_iterator):
+        runner.reload_default_dtypes.append(torch.get_default_dtype())  # vLLM's loaders read it (static int8)
+        runner.reloaded.extend(weights_iterator)
+
+    runner.reload_weights = reload_weights
+    return runner
+
+
+def _worker(engine_dtype, sent, model_dir) -> CPUWorkerExtension:
+    """The extension as vLLM's worker holds it: model config, runner and the joined sync group."""
+    worker = CPUWorkerExtension()
+    worker.model_config = types.SimpleNamespace(dtype=engine_dtype)
+    worker.model_runner = _runner(engine_dtype, model_dir)
+    worker._model_update_with_ray = False
+    worker._model_update_group = _FilledGroup(sent)
+    return worker
+
+
+def test_cpu_weight_sync_buffers_until_the_last_tensor_and_upcasts_for_fp32_engines(tmp_path):
+    sent = torch.randn(4, 3).to(torch.bfloat16)
+    worker = _worker(torch.float32, sent, tmp_path)
+    worker.update_weight("a.weight", torch.bfloat16, (4, 3))
+    assert worker.model_runner.reloaded == []  # nothing reaches the engine before the sync's last tensor
+    worker.update_weight("b.weight", torch.bfloat16, (4, 3), empty_cache=True)
+    names = [name for name, _ in worker.model_runner.reloaded]
+    assert names == ["a.weight", "b.weight"]
+    for _, weight in worker.model_runner.reloaded:
+        assert weight.dtype == torch.float32 and torch.equal(weight, sent.float())  # bf16 -> fp32 is exact
+    assert worker.model_runner.reload_default_dtypes == [torch.float32]
+
+    fp32_sent = torch.randn(4, 3, dtype=torch.float64).float()
+    bf16_engine = _worker(torch.bfloat16, fp32_sent, tmp_path)  # an fp32 trainer (--ds.param_dtype fp32)
+    bf16_engine.update_weight("a.weight", torch.float32, (4, 3), empty_cache=True)
+    ((_, weight),) = bf16_engine.model_runner.reloaded
+    assert weight.dtype == torch.bfloat16 and torch.equal(weight, fp32_sent.to(torch.bfloat16))  # round to nearest
+
+    int_engine = _worker(torch.bfloat16, torch.zeros(4, 3, dtype=torch.int32), tmp_path)
+    with pytest.raises(TypeError, match="--ds.param_dtype"):
+        int_engine.update_weight("a.weight", torch.int32, (4, 3))
+
+
+def test_bucketed_receive_splits_one_broadcast_into_the_named_tensors(tmp_path):
+    a, b = torch.randn(4, 3).to(torch.bfloat16), torch.randn(5).to(torch.bfloat16)
+    worker = _worker(torch.bfloat16, torch.cat([a.reshape(-1), b]), tmp_path)
+    worker.update_weights_bucket([("a.weight", (4, 3)), ("b.bias", (5,))], torch.bfloat16, last=True)
+    (name_a, got_a), (name_b, got_b) = worker.model_runner.reloaded
+    assert (name_a, name_b) == ("a.weight", "b.bias")
+    assert torch.equal(got_a, a) and torch.equal(got_b, b)
+    # the reload runs under the engine dtype, as vLLM's own load does; the caller's default comes back
+    assert worker.model_runner.reload_default_dtypes == [torch.bfloat16]
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_sync_with_ray_is_refused_at_the_receive(tmp_path):
+    worker = _worker(torch.bfloat16, torch.zeros(3), tmp_path)
+    worker._model_update_with_ray = True
+    with pytest.raises(RuntimeError, match="--vllm.sync_with_ray is not supported on CPU"):
+        worker.update_weights_bucket([("a.weight", (3,))], torch.bfloat16, last=True)
+
+
+def test_trainer_and_extension_meet_in_one_gloo_group(monkeypatch, tmp_path):
+    """Both ends over a real gloo group: the trainer's (the cpu_weight_sync patch) and the extension's."""
+    from openrlhf_tis.patches.cpu_weight_sync import gloo_stateless_init_process_group
+
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 0)  # the engine's own (world of 1) rank
+    worker = CPUWorkerExtension()  # no group yet: init_process_group joins one
+    worker.model_config = types.SimpleNamespace(dtype=torch.bfloat16)
+    worker.model_runner = _runner(torch.bfloat16, tmp_path)
+    port = free_port()
+    a, b = torch.randn(2, 3).to(torch.bfloat16), torch.randn(4).to(torch.bfloat16)
+    with ThreadPoolExecutor(1) as trainer:
+        group = trainer.submit(gloo_stateless_init_process_group, "127.0.0.1", port, 0, 2)
+        worker.init_process_group("127.0.0.1", port, 1, 2, "openrlhf_tis_test", "gloo", False)
+        assert isinstance(group.result(timeout=60), GlooBroadcastGroup)
+        assert isinstance(worker._model_update_group, GlooBroadcastGroup) and not worker._model_update_with_ray
+        assert worker._model_update_group.rank == 1
+        sent = trainer.submit(group.result().broadcast, torch.cat([a.reshape(-1), b]), 0)
+        worker.update_weights_bucket([("a.weight", (2, 3)), ("b.bias", (4,))], torch.bfloat16, last=True)
+        sent.result(timeout=60)
+    (_, got_a), (_, got_b) = worker.model_runner.reloaded
+    assert torch.equal(got_a, a) and torch.equal(got_b, b)
