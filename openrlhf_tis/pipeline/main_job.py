@@ -31,14 +31,16 @@ from openrlhf_tis.viz.curves import held_out
 TASK_REWARD = REPO / "openrlhf_tis" / "demo" / "task_reward.py"
 # train.ipynb parameters of the main job on any CPU. The sync check compares the INT8 engine with the trainer
 # on sampled tokens: that gap is the INT8 mismatch itself (0.1-0.5 mean |dlog p| here), so the default
-# tolerance (0.5) would stop a healthy run, while broken weights give several nats. A truncated answer earns 0
-# (upstream's stop_properly_penalty_coef): without it the policy drifted to rambling 32-token answers whose last
-# number was sometimes right, and held-out accuracy fell 0.29 -> 0.10; with it (and lr 2e-5) it rose 0.23 -> 0.50.
+# tolerance (0.5) would stop a healthy run, while broken weights give several nats; it runs at every 4th sync
+# (about 3.5 s each on a 2-core CPU). A truncated answer earns 0 (upstream's stop_properly_penalty_coef):
+# without it the policy drifted to rambling 32-token answers whose last number was sometimes right, and
+# held-out accuracy fell 0.29 -> 0.10; with it (and lr 2e-5) it rose 0.23 -> 0.50.
 MAIN_JOB_PARAMS: dict[str, Any] = {
     "model": "default", "rollout_precision": "int8", "correction": "tis",
     "steps": 24, "prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 32, "lr": 2e-5,
     "token_dump_every": 4,
-    "extra_args": ["--vllm.sync_check_tolerance", "1.0", "--reward.stop_properly_penalty_coef", "0"],
+    "extra_args": ["--vllm.sync_check_tolerance", "1.0", "--vllm.sync_check_steps", "4",
+                   "--reward.stop_properly_penalty_coef", "0"],
 }
 
 
@@ -55,11 +57,23 @@ def cpu_profile() -> CpuProfile:
         where = "CUDA" if not native_bf16() else "this CPU computes bf16 in hardware (AVX-512 BF16/AMX)"
         return CpuProfile("bf16", f"{where}: trainer in bf16, by default 24 steps and held-out x4 samples",
                           {"train_dtype": "bf16", "eval_samples": 4})
-    # Measured on a 2-core AVX2 EPYC: a step (16 INT8 rollouts of <= 32 tokens, fp32 trainer) takes ~60 s and
-    # scoring 64 x 4 held-out samples ~5 min, so this profile samples each held-out question once, for fewer steps.
+    # Measured on a 2-core AVX2 EPYC: a step of 16 INT8 rollouts of <= 32 tokens with the fp32 trainer took ~60 s,
+    # half of it training, so this profile takes half the prompts per step and fewer steps.
     return CpuProfile("fp32", "this CPU emulates bf16 (no AVX-512 BF16/AMX): trainer in fp32 (several times faster "
-                      "here), by default 12 steps and held-out x1 sample",
-                      {"train_dtype": "fp32", "steps": 12, "eval_samples": 1})
+                      "here), by default 10 steps of 2 prompts x 4 samples",
+                      {"train_dtype": "fp32", "steps": 10, "prompts_per_step": 2})
+
+
+def job_params(out: Path, model: str = "default") -> dict[str, Any]:
+    """The main job's train.ipynb parameters on this CPU, with the demo task's files written under `out`.
+
+    The mismatch study (pipeline/study.py) runs this same recipe in every cell, so its int8 + tis cells
+    are the main job under other seeds.
+    """
+    train, held_out_file = write_task(out)
+    profile = cpu_profile()
+    return {**MAIN_JOB_PARAMS, **profile.params, "model": model, "prompts": str(train),
+            "eval_prompts": str(held_out_file), "reward": str(TASK_REWARD)}
 
 
 def run_main_job(params: dict[str, Any], out_dir: Path) -> dict[str, Any]:
@@ -127,9 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[main job] trainer {profile.name}: {profile.why}", file=sys.stderr)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     overrides = dict(_literal(item) for item in args.set)
-    train, held_out_file = write_task(out)
-    base = {**MAIN_JOB_PARAMS, **profile.params, "model": args.model, "prompts": str(train),
-            "eval_prompts": str(held_out_file), "reward": str(TASK_REWARD), "run_dir": str(out / "runs" / stamp)}
+    base = {**job_params(out, args.model), "run_dir": str(out / "runs" / stamp)}
     try:
         params = check_params({**base, **overrides, "extra_args": [*base["extra_args"], *extra]},
                               TRAIN_PARAMS, where="main job")
