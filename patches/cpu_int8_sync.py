@@ -5,7 +5,7 @@ layer's `weight_scale` tensor and keeps only its raw data pointer. During `reloa
 is re-materialised: the handler is rebuilt from a *temporary* scale tensor, then
 model_loader/reload/layerwise.py:_copy_and_restore_kernel_tensors copies its values into the old
 Parameter and drops the temporary one. The handler then reads freed memory: NaN or wrong log-probs,
-no error (docs/design.md §5, trap 1). Keeping a reference to the exact tensor the handler was built with on
+no error (docs/design.md §5, trap 4). Keeping a reference to the exact tensor the handler was built with on
 the kernel object makes the pointer valid for the handler's lifetime (both are replaced together at
 the next reload). Proven by tests/test_rollout_int8_sync.py (synced engine == fresh engine, bitwise).
 """

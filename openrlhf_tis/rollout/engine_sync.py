@@ -6,7 +6,7 @@ int8 tensors plus scales instead would mean rewriting that loop, which has no se
 therefore quantizes the buffered bf16 tensors with the same pure-torch functions that wrote the
 initial INT8 checkpoint (openrlhf_tis.rollout.quantize), using the calibration stored in the rollout
 model directory. The arithmetic is the same whichever process runs it; what matters (docs/design.md §5,
-trap 3) is that float weights are never cast unscaled into the engine's int8 parameters.
+trap 5) is that float weights are never cast unscaled into the engine's int8 parameters.
 """
 
 from __future__ import annotations

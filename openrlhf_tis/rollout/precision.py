@@ -145,7 +145,7 @@ def check_cli_precision(args) -> None:
     cuda = torch.cuda.is_available()
     if precision != "bf16" and cuda:
         # On CUDA upstream's WorkerWrap.update_weight loads tensor by tensor and asserts the trainer's dtype:
-        # bf16 weights would be cast into int8 / fp8 parameters unscaled (docs/design.md §5, trap 3), and an fp32
+        # bf16 weights would be cast into int8 / fp8 parameters unscaled (docs/design.md §5, trap 5), and an fp32
         # engine refuses them. The CPU weight sync (rollout/cpu_worker_extension.py) handles all four.
         raise UsageError(FLAG, f"{precision} rollouts are wired for the CPU weight sync only; on CUDA use bf16")
     check_rollout_precision(precision, getattr(args, "actor.model_name_or_path"), cuda=cuda,
