@@ -70,6 +70,16 @@ def test_grid_is_the_cross_product_of_its_lists_over_the_base(tmp_path):
     assert len({c.slug for c in cells}) == 6
 
 
+def test_a_list_of_grids_runs_the_union_of_their_products_once_each(tmp_path):
+    grid = _grid(tmp_path, '[base]\nsteps = 3\n'
+                 '[[grid]]\nrollout_precision = ["fp32"]\ncorrection = ["off"]\nseed = [1, 2]\n'
+                 '[[grid]]\nrollout_precision = ["fp32", "int8"]\ncorrection = ["off", "tis"]\nseed = [1]\n')
+    cells = load_grid(grid)
+    assert [(c.params["rollout_precision"], c.params["correction"], c.params["seed"]) for c in cells] == [
+        ("fp32", "off", 1), ("fp32", "off", 2), ("fp32", "tis", 1), ("int8", "off", 1), ("int8", "tis", 1)]
+    assert all(c.params["steps"] == 3 for c in cells) and len({c.name for c in cells}) == 5
+
+
 def test_json_grids_work_too(tmp_path):
     grid = _grid(tmp_path, json.dumps({"grid": {"extra_args": [[], ["--x", "1"]]}}), ".json")
     assert [c.params["extra_args"] for c in load_grid(grid)] == [[], ["--x", "1"]]
@@ -83,6 +93,8 @@ def test_json_grids_work_too(tmp_path):
     ('[base]\nrun_dir = "x"\n', "which the sweep sets per cell"),
     ('[grid]\nseed = 1\n', "must be non-empty lists: ['seed']"),
     ('[grid\n', "cannot read it"),
+    ('grid = [1, 2]\n', "a table or a list of tables"),
+    ('[[grid]]\nseed = [1]\n[[grid]]\nseed = []\n', "must be non-empty lists: ['seed']"),
 ])
 def test_a_bad_grid_is_refused_naming_the_file_and_key(tmp_path, text, fault):
     grid = _grid(tmp_path, text)

@@ -3,6 +3,7 @@ averages each (precision, correction) over seeds."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from openrlhf_tis.pipeline import study
 from openrlhf_tis.pipeline.main_job import job_params
-from openrlhf_tis.pipeline.sweep import Cell, CellResult, SweepResult
+from openrlhf_tis.pipeline.sweep import Cell, CellResult, SweepResult, load_grid
 from openrlhf_tis.runs.store import RunWriter
 
 
@@ -18,11 +19,22 @@ def test_the_grid_is_the_main_jobs_recipe_over_the_studys_axes(tmp_path):
     grid = study.study_grid(tmp_path, "tiny", baselines=False, seeds=(1, 2), steps=None)
     main = job_params(tmp_path / "task", "tiny")
     assert grid["base"] == main  # the int8 + tis cells are the main job under other seeds
-    axes = grid["grid"]
-    assert axes["rollout_precision"] == [main["train_dtype"], "int8"]  # the reference has no mismatch by design
-    assert axes["correction"] == ["off", "tis", "token_mis"] and axes["seed"] == [1, 2]
-    wider = study.study_grid(tmp_path, "tiny", baselines=True, seeds=(3,), steps=5)
-    assert wider["grid"]["correction"][-2:] == ["ppo_is", "vanilla_is"] and wider["base"]["steps"] == 5
+    reference, int8 = grid["grid"]
+    assert reference == {"rollout_precision": [main["train_dtype"]], "correction": ["off"], "seed": [1, 2]}
+    assert int8 == {"rollout_precision": ["int8"], "correction": ["off", "tis", "token_mis"], "seed": [1, 2]}
+    wider = study.study_grid(tmp_path, "tiny", baselines=True, seeds=(3,), steps=5,
+                             reference_corrections=("off", "tis"))
+    assert wider["grid"][1]["correction"][-2:] == ["ppo_is", "vanilla_is"] and wider["base"]["steps"] == 5
+    assert wider["grid"][0]["correction"] == ["off", "tis"]
+
+
+def test_the_grid_file_the_study_writes_is_one_the_sweep_reads(tmp_path):
+    grid = tmp_path / "g.json"
+    grid.write_text(json.dumps(study.study_grid(tmp_path, "tiny", baselines=False, seeds=(1, 2), steps=3)))
+    cells = [(c.params["rollout_precision"], c.params["correction"], c.params["seed"]) for c in load_grid(grid)]
+    reference = job_params(tmp_path / "task", "tiny")["train_dtype"]
+    assert cells == [(reference, "off", 1), (reference, "off", 2), *[("int8", c, s) for c in
+                     ("off", "tis", "token_mis") for s in (1, 2)]]
 
 
 def _run(path: Path, rewards: list[float], held: tuple[float, float], k3: float) -> Path:

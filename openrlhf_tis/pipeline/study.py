@@ -1,12 +1,13 @@
 """`python -m openrlhf_tis.pipeline.study`: the rollout-training mismatch study, one command (scripts/study.sh).
 
-The TIS talk's claims, tested on the demo task with the main job's recipe (pipeline/main_job.py):
-rollout precision {the trainer's own dtype, int8} x correction {off, tis, token_mis} x seeds, plus the
-talk's unstable baselines ppo_is and vanilla_is with `--baselines`. Every cell is train.ipynb run by the
-sweep (pipeline/sweep.py: cells checked first, a re-run skips finished cells, a failing cell is reported
-and the study goes on); the sweep's comparison report holds the curves, held-out scores, k3 KL, max |Δp|,
-entropy and mismatch by token probability. The study then averages the cells over seeds into one table
-(`study_table.md`, printed at the end): the table the README quotes.
+The TIS talk's claims, tested on the demo task with the main job's recipe (pipeline/main_job.py): int8
+rollouts x correction {off, tis, token_mis} x seeds, beside the reference: rollouts in the trainer's own
+dtype, uncorrected (`--reference_corrections` adds corrections there; with no mismatch they should change
+nothing), plus the talk's unstable baselines ppo_is and vanilla_is with `--baselines`. Every cell is
+train.ipynb run by the sweep (pipeline/sweep.py: cells checked first, a re-run skips finished cells, a
+failing cell is reported and the study goes on); the sweep's comparison report holds the curves, held-out
+scores, k3 KL, max |Δp|, entropy and mismatch by token probability. The study then averages the cells over
+seeds into one table (`study_table.md`, printed at the end): the table the README quotes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import pandas as pd
 
+from openrlhf_tis.correction.config import PRESETS
 from openrlhf_tis.pipeline.main_job import job_params
 from openrlhf_tis.pipeline.params import ParameterError
 from openrlhf_tis.pipeline.sweep import SweepResult, results_table, run_sweep
@@ -35,15 +37,19 @@ TABLE_COLUMNS = {  # final_table column -> the study table's heading
 }
 
 
-def study_grid(out: Path, model: str, *, baselines: bool, seeds: tuple[int, ...], steps: int | None) -> dict:
-    """The sweep grid: the main job's parameters as the base, precision x correction x seed as the axes."""
+def study_grid(out: Path, model: str, *, baselines: bool, seeds: tuple[int, ...], steps: int | None,
+               reference_corrections: tuple[str, ...] = ("off",)) -> dict:
+    """The sweep grid: the main job's parameters as the base; int8 x corrections and reference x
+    `reference_corrections`, each x seeds (two grid tables: the sweep runs their union)."""
     base = job_params(out / "task", model)
     reference = "bf16" if base["train_dtype"] == "bf16" else "fp32"  # the trainer's own dtype: no mismatch by design
     if steps is not None:
         base["steps"] = steps
-    return {"base": base, "grid": {"rollout_precision": [reference, "int8"],
-                                   "correction": list(CORRECTIONS + (BASELINES if baselines else ())),
-                                   "seed": list(seeds)}}
+    corrections = list(CORRECTIONS + (BASELINES if baselines else ()))
+    return {"base": base, "grid": [
+        {"rollout_precision": [reference], "correction": list(reference_corrections), "seed": list(seeds)},
+        {"rollout_precision": ["int8"], "correction": corrections, "seed": list(seeds)},
+    ]}
 
 
 def cell_key(params: dict[str, Any]) -> tuple[str, str]:
@@ -87,15 +93,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baselines", action="store_true", help=f"add the corrections {', '.join(BASELINES)}")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="training seeds (default 1 2)")
     parser.add_argument("--steps", type=int, default=None, help="steps per cell (default: the main job's)")
+    parser.add_argument("--reference_corrections", nargs="+", default=["off"], choices=list(PRESETS),
+                        help="corrections run with the reference precision too (default: off)")
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     out = Path(args.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
-    grid = study_grid(out, args.model, baselines=args.baselines, seeds=tuple(args.seeds), steps=args.steps)
+    grid = study_grid(out, args.model, baselines=args.baselines, seeds=tuple(args.seeds), steps=args.steps,
+                      reference_corrections=tuple(args.reference_corrections))
     grid_file = out / "study_grid.json"
     grid_file.write_text(json.dumps(grid, indent=1))
-    cells = len(grid["grid"]["rollout_precision"]) * len(grid["grid"]["correction"]) * len(args.seeds)
+    cells = sum(len(g["rollout_precision"]) * len(g["correction"]) * len(g["seed"]) for g in grid["grid"])
     print(f"[study] {cells} cells of {grid['base']['steps']} steps, trainer {grid['base']['train_dtype']}; "
           f"grid {grid_file}", file=sys.stderr)
     try:

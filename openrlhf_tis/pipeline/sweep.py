@@ -10,6 +10,9 @@ A grid file (TOML or JSON) has two tables, both of train.ipynb parameters:
     rollout_precision = ["bf16", "int8"]
     seed = [1, 2]
 
+`[[grid]]` (a list of grid tables) takes the union of their cross products, in order, a cell named
+twice running once: e.g. a reference precision under one correction beside int8 under several.
+
 Every cell is checked before any cell runs (unknown keys, bad values). Each cell keeps its executed
 notebook and run directory under OUT/cells/<cell>/ and a status.json written last: a re-run skips
 cells whose status says complete with the same parameters, and retries the others. A failing cell
@@ -96,22 +99,25 @@ def load_grid(path: str | Path) -> list[Cell]:
     if not isinstance(data, dict) or set(data) - set(GRID_TABLES):
         raise ParameterError(f"{where}: unknown top-level keys {sorted(set(data) - set(GRID_TABLES))}; "
                              f"expected the tables {list(GRID_TABLES)}")
-    base, axes = data.get("base", {}), data.get("grid", {})
-    for table, keys in (("base", base), ("grid", axes)):
-        fixed = [k for k in keys if k in _PER_CELL]
-        if fixed:
-            raise ParameterError(f"{where}: [{table}] sets {fixed}, which the sweep sets per cell")
-    bad_axes = [k for k, v in axes.items() if not isinstance(v, list) or not v]
-    if bad_axes:
-        raise ParameterError(f"{where}: [grid] values must be non-empty lists: {bad_axes}")
-    cells = []
-    for values in itertools.product(*axes.values()):
-        chosen = dict(zip(axes, values, strict=True))
-        params = {**base, **chosen}
-        name = ",".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in chosen.items()) or "base"
-        check_params(params, TRAIN_PARAMS, where=f"{where}, cell {name}")
-        cells.append(Cell(name, params))
-    return cells
+    base, grids = data.get("base", {}), data.get("grid", {})
+    grids = grids if isinstance(grids, list) else [grids]
+    if not isinstance(base, dict) or not all(isinstance(g, dict) for g in grids):
+        raise ParameterError(f"{where}: [base] must be a table and [grid] a table or a list of tables")
+    fixed = [k for table in (base, *grids) for k in table if k in _PER_CELL]
+    if fixed:
+        raise ParameterError(f"{where}: sets {fixed}, which the sweep sets per cell")
+    cells: dict[str, Cell] = {}
+    for axes in grids:
+        bad_axes = [k for k, v in axes.items() if not isinstance(v, list) or not v]
+        if bad_axes:
+            raise ParameterError(f"{where}: [grid] values must be non-empty lists: {bad_axes}")
+        for values in itertools.product(*axes.values()):
+            chosen = dict(zip(axes, values, strict=True))
+            params = {**base, **chosen}
+            name = ",".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in chosen.items()) or "base"
+            check_params(params, TRAIN_PARAMS, where=f"{where}, cell {name}")
+            cells.setdefault(name, Cell(name, params))
+    return list(cells.values())
 
 
 def _status(cell_dir: Path) -> dict[str, Any] | None:

@@ -109,6 +109,7 @@ def resolve_prompts(prompts: str, run_dir: Path, count: int) -> Path:
     file, not by `--data.max_samples`, because upstream clips the held-out set with that flag too.
     """
     out = run_dir.parent / f"{run_dir.name}.prompts.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
     if not prompts:
         from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
 
