@@ -3,7 +3,8 @@
 Part 1, on a B×T batch (default 256×1024): the policy loss (forward + backward w.r.t. π_θ) with
     - upstream OpenRLHF 0.11.2 PolicyLoss, correction off            (the baseline, ratio 1.00)
     - upstream PolicyLoss with its own correction (token ICEPOP mask)
-    - the fork, correction off (metrics only) and the full MIS preset with every metric, eager and compiled
+    - the fork, correction off (metrics only), token TIS and the full MIS preset with every metric, eager
+      and compiled; the last line gives the eager TIS and MIS ratios to upstream (target: at most 3)
 and the bare core (weights + masks, no metrics) against one fused elementwise pass over the same
 tensors (`where(mask, min(exp(old − rollout), U), 0)` compiled into one kernel).
 
@@ -66,7 +67,7 @@ def make_batch(B: int, T: int, device: str, seed: int = 0):
 def part1(args, upstream_policy_loss) -> None:
     lp0, old, roll, adv, am = make_batch(args.batch, args.seq, args.device)
     counts = {"batch_num_tokens": am.sum(), "global_batch_size": float(args.batch), "dp_size": 1}
-    mis = preset("mis_full")
+    tis, mis = preset("tis"), preset("mis_full")
 
     def loss_step(loss_fn):
         def run():
@@ -84,6 +85,8 @@ def part1(args, upstream_policy_loss) -> None:
             lambda lp: icepop(lp, old, adv, am, roll, **counts)[0])
     fns["fork, correction off + all metrics"] = loss_step(
         lambda lp: policy_loss(lp, old, adv, am, roll, preset("off"), **counts).loss)
+    fns["fork, token TIS (tis) + all metrics, eager"] = loss_step(
+        lambda lp: policy_loss(lp, old, adv, am, roll, tis, **counts).loss)
     fns["fork, full MIS (mis_full) + all metrics, eager"] = loss_step(
         lambda lp: policy_loss(lp, old, adv, am, roll, mis, **counts).loss)
     fns["fork, full MIS, no metrics, eager"] = loss_step(
@@ -93,11 +96,13 @@ def part1(args, upstream_policy_loss) -> None:
         fns["fork, full MIS + all metrics, compiled"] = loss_step(
             lambda lp: policy_loss(lp, old, adv, am, roll, mis_c, **counts).loss)
     times = time_all(fns, args.repeats, args.device)
-    base = next(iter(times.values()))
+    base_name, base = next(iter(times.items()))
     print(f"\n== policy loss forward+backward on {args.batch}x{args.seq} tokens ({args.device}) ==")
-    print(f"{'configuration':58s} {'ms':>9s} {'ratio':>7s}")
+    print(f"{'configuration':58s} {'ms':>9s} {'ratio':>7s}   (ratio: x the first row)")
     for name, t in times.items():
         print(f"{name:58s} {t * 1e3:9.2f} {t / base:7.2f}")
+    ratios = [times[f"fork, {row} + all metrics, eager"] / base for row in ("token TIS (tis)", "full MIS (mis_full)")]
+    print(f"eager tis / mis_full with all metrics: {ratios[0]:.2f}x / {ratios[1]:.2f}x {base_name} (target <= 3x)")
 
     # ── the bare core against one fused elementwise pass over the same tensors ──
     U = mis.upper

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_correction_reference import reference, reference_metrics
+from test_correction_reference import reference, reference_metrics, reference_weight_metrics
 
 from openrlhf_tis.correction import (
     PRESETS,
@@ -120,6 +120,25 @@ def test_metrics_match_reference(batch):
     out = compute_correction(_tensor(old), _tensor(roll), torch.tensor(am), CorrectionConfig())
     for key, want in reference_metrics(old, roll, am).items():
         assert math.isclose(out.metrics[key], want, rel_tol=1e-7, abs_tol=1e-9), key
+
+
+@SETTINGS
+@given(batches(), configs())
+def test_weight_metrics_match_reference(batch, cfg):
+    old, roll, am = batch
+    lp = [[o - 0.1 * (j % 3) for j, o in enumerate(row)] for row in old]
+    entropy = [[0.5 + 0.1 * j for j in range(len(row))] for row in old]
+    out = compute_correction(_tensor(old), _tensor(roll), torch.tensor(am), cfg, log_probs=_tensor(lp),
+                             entropy=_tensor(entropy))
+    want = reference_weight_metrics(old, roll, am, cfg)
+    valid = [(b, t) for b, row in enumerate(am) for t, a in enumerate(row) if a]
+    if valid:
+        want["mismatch/entropy"] = sum(entropy[b][t] for b, t in valid) / len(valid)
+        want["mismatch/entropy_sampled"] = -sum(lp[b][t] for b, t in valid) / len(valid)
+    for key, value in want.items():
+        # a one-pass variance is exact to ~1e-16·E[(x − c)²], so a std to ~1e-8 of the largest weight
+        scale = max(1.0, want[key.replace("_std", "_max")]) if key.endswith("_std") else 0.0
+        assert math.isclose(out.metrics[key], value, rel_tol=1e-9, abs_tol=1e-12 + 1e-7 * scale), key
 
 
 # ── hypothesis properties ──
@@ -282,6 +301,7 @@ def test_all_masked_batch_gives_zero_weights_and_finite_metrics():
     out = compute_correction(old, old, torch.zeros(2, 5, dtype=torch.long), preset("mis_full"))
     assert out.mask.sum() == 0 and (out.weights == 0).all()
     assert all(math.isfinite(v) for v in out.metrics.values())
+    assert all(v == 0 for k, v in out.metrics.items() if "frac" in k), "no token, no share of tokens"
     rejected = compute_correction(old, old + 3.0, torch.ones(2, 5, dtype=torch.long),
                                   CorrectionConfig(mode="mask", upper=2.0, batch_normalize=True))
     assert rejected.mask.sum() == 0 and (rejected.weights == 0).all()
@@ -344,6 +364,16 @@ def test_metrics_on_hand_computed_case():
     assert m["mismatch/abs_dp_max"] == pytest.approx(math.exp(-2))
     assert m["mismatch/frac_p0.1-0.5"] == pytest.approx(1.0)  # μ = e^-2 ≈ 0.135
     assert m["mismatch/abs_dlogp_p0.1-0.5"] == pytest.approx(ln2 / 2)
+
+
+def test_probability_buckets_include_their_lower_edge():
+    # μ = 0.5 and 0.9 survive log and exp exactly: each belongs to the bucket above its edge, as in the explorer.
+    roll = _tensor([[math.log(0.5), math.log(0.9), math.log(0.7)]])
+    out = compute_correction(roll + _tensor([[0.1, 0.2, 0.4]]), roll, torch.ones(1, 3), CorrectionConfig())
+    m = out.metrics
+    assert m["mismatch/frac_p0.5-0.9"] == pytest.approx(2 / 3) and m["mismatch/frac_p0.9-1"] == pytest.approx(1 / 3)
+    assert m["mismatch/abs_dlogp_p0.5-0.9"] == pytest.approx(0.25)  # (0.1 + 0.4) / 2
+    assert m["mismatch/abs_dlogp_p0.9-1"] == pytest.approx(0.2)
 
 
 def test_global_self_normalization_through_allreduce_hook():

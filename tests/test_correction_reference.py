@@ -6,6 +6,7 @@ It shares no code with openrlhf_tis.correction: every quantity is recomputed per
 
 from __future__ import annotations
 
+import itertools
 import math
 
 EPS = 1e-6
@@ -145,12 +146,83 @@ def reference_metrics(old, roll, am):
     cov = sum((a - mo) * (c - mr) for a, c in zip(po, pr, strict=True))
     var = math.sqrt(sum((a - mo) ** 2 for a in po) * sum((c - mr) ** 2 for c in pr))
     dp = [abs(a - c) for a, c in zip(po, pr, strict=True)]
-    return {
+    rho = [math.exp(sum(o - r for o, r in s)) for s in seqs]
+    ppl_ratios = [math.exp(sum(r - o for o, r in s) / len(s)) for s in seqs]  # ppl under π_old / under μ
+    gaps = [abs(o - r) for o, r in toks]
+    out = {
         "mismatch/k1_kl": k1, "mismatch/k3_kl": k3, "mismatch/chi2_token": chi2, "mismatch/chi2_seq": chi2_seq,
         "mismatch/rollout_ppl": rollout_ppl, "mismatch/training_ppl": training_ppl, "mismatch/ess_token": ess,
         "mismatch/pearson_p": cov / var if var > 0 else 0.0, "mismatch/abs_dp_max": max(dp),
         "mismatch/abs_dp_mean": sum(dp) / n,
+        "mismatch/k2_kl": sum(0.5 * (o - r) ** 2 for o, r in toks) / n,
+        "mismatch/ppl_ratio": sum(ppl_ratios) / len(seqs),
+        "mismatch/log_ppl_diff": sum(math.log(x) for x in ppl_ratios) / len(seqs),
+        "mismatch/ess_seq": sum(rho) ** 2 / (len(rho) * sum(x * x for x in rho)),
+        "mismatch/abs_dlogp_mean": sum(gaps) / n, "mismatch/abs_dlogp_max": max(gaps),
     }
+    # μ(a_t) buckets, lower edge inclusive: mean |log r| and share of the valid tokens in each
+    names = ("0-0.001", "0.001-0.01", "0.01-0.1", "0.1-0.5", "0.5-0.9", "0.9-1")
+    for (lo, hi), name in zip(itertools.pairwise((0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, math.inf)), names, strict=True):
+        inside = [abs(o - r) for o, r in toks if lo <= math.exp(r) < hi]
+        out[f"mismatch/abs_dlogp_p{name}"] = sum(inside) / len(inside) if inside else 0.0
+        out[f"mismatch/frac_p{name}"] = len(inside) / n
+    return out
+
+
+def _summary(xs):
+    """mean, population std, min, max and normalized ESS (Σx)²/(n Σx²); zeros and ESS 1 when empty."""
+    if not xs:
+        return 0.0, 0.0, 0.0, 0.0, 1.0
+    n, mean = len(xs), sum(xs) / len(xs)
+    squares = sum(x * x for x in xs)
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / n)
+    return mean, std, min(xs), max(xs), (sum(xs) ** 2 / (n * squares) if squares > 0 else 0.0)
+
+
+def reference_weight_metrics(old, roll, am, cfg):
+    """The `correction/*` weight statistics and token fractions (float64) on batches with finite log-probs:
+    the raw weight before the bounds (clamped at e^±20 in log space) and the final (self-normalized)
+    weight, per valid / kept token or, at the sequence levels, per sequence; and the shares of action
+    tokens where the bounds bind or drop, and that are kept."""
+    W, M = reference(old, roll, am, cfg)
+    U = cfg.upper
+    L = (1.0 / U) if cfg.lower is None else cfg.lower
+    raw, weights, flagged = [], [], {"truncated": 0, "clipped_low": 0, "clipped_high": 0, "bounds_masked": 0}
+    n_act = sum(sum(1 for a in row if a) for row in am)
+    for b in range(len(old)):
+        V = [t for t in range(len(old[b])) if am[b][t]]
+        if not V:
+            continue
+        lrs = {t: old[b][t] - roll[b][t] for t in V}
+        if cfg.level == "token":
+            logs = lrs
+        else:
+            total = sum(lrs.values()) if cfg.level == "sequence" else sum(lrs.values()) / len(V)
+            logs = {t: total for t in V}
+        units = V if cfg.level == "token" else V[:1]  # a sequence counts once for the statistics
+        raw += [math.exp(max(min(logs[t], cfg.log_ratio_clamp), -cfg.log_ratio_clamp)) for t in units]
+        kept = [t for t in V if M[b][t]]
+        weights += [W[b][t] for t in (kept if cfg.level == "token" else kept[:1])]
+        for t in V:  # the bounds' flags count tokens, also at the sequence levels
+            r = math.exp(logs[t])
+            if cfg.mode == "truncate":
+                flagged["truncated"] += r > U
+            elif cfg.mode == "clip":
+                flagged["clipped_low"] += r < L
+                flagged["clipped_high"] += r > U
+            elif cfg.mode == "mask":
+                flagged["bounds_masked"] += not L <= r <= U
+    out = {}
+    for prefix, xs in (("weight_raw", raw), ("weight", weights)):
+        for stat, value in zip(("mean", "std", "min", "max"), _summary(xs)[:4], strict=True):
+            out[f"correction/{prefix}_{stat}"] = value
+    out["correction/ess"] = _summary(weights)[4]
+    for name, count in flagged.items():
+        out[f"correction/{name}_frac"] = count / max(n_act, 1)
+    n_kept = sum(sum(row) for row in M)
+    out["correction/kept_frac"] = n_kept / max(n_act, 1)
+    out["correction/masked_frac"] = (n_act - n_kept) / max(n_act, 1)
+    return out
 
 
 # ── the reference itself, against numbers worked out by hand ──

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import CorrectionConfig
+from .ops import finite
 from .weights import AllReduce, CorrectionOutput, compute_correction
 
 LOG_RATIO_CLAMP = 20.0  # OpenRLHF clamps log(π_θ/π_old) to ±20 before exp
@@ -44,12 +45,19 @@ def aggregate_loss(
     otherwise:   Σ_s (Σ_t m ℓ / Σ_t m) / S · dp_size over sequences with a token, S the global count.
     """
     keep = mask.bool()
-    terms = torch.where(keep, loss, 0.0)
+    return _aggregate_terms(torch.where(keep, loss, 0.0), keep, token_level=token_level, dp_size=dp_size,
+                            batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)
+
+
+def _aggregate_terms(terms: torch.Tensor, mask: torch.Tensor, *, token_level: bool, dp_size: int,
+                     batch_num_tokens: float | torch.Tensor | None,
+                     global_batch_size: float | torch.Tensor | None) -> torch.Tensor:
+    """`aggregate_loss` of terms already 0 off the mask (0/1 of any dtype), which then only counts."""
     if token_level:
         if batch_num_tokens is None:
-            return terms.sum() / keep.sum().clamp(min=1)
+            return terms.sum() / torch.count_nonzero(mask).clamp(min=1)
         return terms.sum() / batch_num_tokens * dp_size
-    counts = keep.sum(-1)
+    counts = torch.count_nonzero(mask, dim=-1)
     seq_loss = terms.sum(-1) / counts.clamp(min=1)
     seq_keep = counts > 0
     seq_terms = torch.where(seq_keep, seq_loss, 0.0)
@@ -119,39 +127,39 @@ def policy_loss(
 
     if cfg.loss == "decoupled":
         corr = compute_correction(old_log_probs, rollout_log_probs, am, cfg, **kwargs)
-        token_loss, clipped = ppo_clip_loss(log_probs - old_log_probs, advantages, clip_eps_low, clip_eps_high,
-                                            dual_clip)
         ref = old_log_probs
     else:
         # π_old := μ. The correction reads π_θ (detached) against μ, as verl's bypass mode does.
         corr = compute_correction(lp_detached, rollout_log_probs, am, cfg, **kwargs)
         ref = torch.where(torch.isfinite(rollout_log_probs), rollout_log_probs, lp_detached)
-        if cfg.loss == "bypass_ppo":
-            token_loss, clipped = ppo_clip_loss(log_probs - ref, advantages, clip_eps_low, clip_eps_high, dual_clip)
-        else:
-            token_loss = -advantages * log_probs  # REINFORCE; w = sg(·) multiplies below
-            clipped = torch.zeros_like(am, dtype=torch.bool)
+    log_ratio = log_probs - ref  # log(π_θ/π_old), π_old := μ in the bypass losses; ppo_kl reads it too
+    if cfg.loss == "bypass_reinforce":
+        token_loss = -advantages * log_probs  # REINFORCE; w = sg(·) multiplies below
+        clipped = torch.zeros_like(am, dtype=torch.bool)
+    else:
+        token_loss, clipped = ppo_clip_loss(log_ratio, advantages, clip_eps_low, clip_eps_high, dual_clip)
 
     if cfg.enabled:
         keep = corr.mask.bool()
-        weights = corr.weights if cfg.loss != "bypass_ppo" else torch.ones_like(corr.weights)
-        token_loss = torch.where(keep, token_loss * weights.to(token_loss.dtype), 0.0)
-        loss_mask = keep if cfg.denominator == "kept" else am.bool()
+        token_loss = torch.where(keep, token_loss, 0.0)
+        if cfg.loss != "bypass_ppo":  # bypass PPO: the clipped ratio π_θ/μ already is the IS weight
+            token_loss = token_loss.mul_(corr.weights.to(token_loss.dtype))  # in place: where's own output
+        loss_mask = keep if cfg.denominator == "kept" else am
     else:
         # Correction off: the loss is exactly upstream's; the correction only produced metrics.
-        loss_mask = am.bool()
-        token_loss = torch.where(loss_mask, token_loss, 0.0)
+        loss_mask = am
+        token_loss = torch.where(am.bool(), token_loss, 0.0)
 
+    # token_loss is 0 off loss_mask: the aggregation only counts the mask (aggregate_loss would mask again)
     if cfg.enabled and cfg.denominator == "kept":
         loss = _kept_mean(token_loss, loss_mask, token_level_loss, dp_size, allreduce)
     else:
-        loss = aggregate_loss(token_loss, loss_mask, token_level=token_level_loss, dp_size=dp_size,
-                              batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)
+        loss = _aggregate_terms(token_loss, loss_mask, token_level=token_level_loss, dp_size=dp_size,
+                                batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)
 
-    amb = am.bool()
-    n_act = amb.sum().clamp(min=1)
-    clip_ratio = (clipped & amb).sum() / n_act
-    ppo_kl = torch.where(amb & torch.isfinite(ref), ref.detach() - lp_detached, 0.0).sum() / n_act
+    n_act = torch.count_nonzero(am).clamp(min=1)
+    clip_ratio = torch.count_nonzero(clipped.logical_and_(am)) / n_act
+    ppo_kl = -torch.where(finite(ref, torch.bool).logical_and_(am), log_ratio.detach(), 0.0).sum() / n_act
     return PolicyLossOutput(loss=loss, clip_ratio=clip_ratio.detach(), ppo_kl=ppo_kl.detach(), correction=corr)
 
 

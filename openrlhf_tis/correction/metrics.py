@@ -1,8 +1,7 @@
 """Mismatch diagnostics (`mismatch/*`: μ vs π_old) and what the correction did (`correction/*`).
 
 All statistics run over valid tokens V (action tokens with finite log-probs); r_t = π_old/μ,
-ρ_s = Π_{t∈V_s} r_t the sequence ratio. Every scalar is computed as a tensor and the lot is moved to
-the host in one transfer, so logging costs one synchronization per micro-batch.
+ρ_s = Π_{t∈V_s} r_t the sequence ratio.
 
     mismatch/k1_kl        (1/N) Σ log(μ/π_old)                  KL(μ‖π_old), k1 (Schulman 2020)
     mismatch/k2_kl        (1/N) Σ ½ (log r)²                     k2
@@ -22,6 +21,11 @@ the host in one transfer, so logging costs one synchronization per micro-batch.
 
 r and ρ are clamped to e^±log_ratio_clamp (20) inside χ² and ESS, so one absurd token cannot overflow a
 float32 sum; KL estimators and |log r| use the exact log-ratio.
+
+Logging costs one synchronization per micro-batch and few passes over the tokens: `metric_sums` reduces
+the core's per-token tensors, on the device, to one short vector of sums, counts and extremes (each
+per-token quantity made once and shared, products summed by dot products); `metrics_to_dict` moves it
+to the host in one transfer, where `metrics_from_sums` derives every logged value in float64.
 """
 
 from __future__ import annotations
@@ -31,9 +35,14 @@ import math
 import torch
 
 from .config import CorrectionConfig
+from .ops import dot
 
 PROB_BUCKET_EDGES = (1e-3, 1e-2, 0.1, 0.5, 0.9)
 """Edges of the rollout-probability buckets; docs/measurements.md: the gap is 4–5× larger below 0.01."""
+
+_ABOVE_ANY_WEIGHT = 1e30  # added off a mask before a min; weights and ratios are clamped at e^20
+Sums = dict[str, list[float]]
+"""`metric_sums` on the host: each named group of reductions as floats."""
 
 
 def _fmt(x: float) -> str:
@@ -45,178 +54,190 @@ def bucket_names(edges: tuple[float, ...] = PROB_BUCKET_EDGES) -> list[str]:
     return [f"p{_fmt(lo)}-{_fmt(hi)}" for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def _ess(w: torch.Tensor, keep_f: torch.Tensor) -> torch.Tensor:
-    """Normalized effective sample size (Σw)²/(n Σw²) of finite weights w (clamped at e^±20 upstream)."""
-    n = keep_f.sum()
-    wk = w * keep_f
-    value = wk.sum() ** 2 / (n * (wk * w).sum()).clamp(min=1e-30)
-    return torch.where(n > 0, value, torch.ones_like(value))
+# ── on the device: reductions only ───────────────────────────────────────────────────────────────────
+# Temporaries are reused in place (`_` ops, out=): on CPU a fresh full-size tensor costs page faults worth
+# several elementwise passes, so the count of fresh tensors, not of ops, sets the eager cost.
+
+def _moments(x_masked: torch.Tensor, mask: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """[n, Σx, Σx², Σy, Σy², min, max] of weights x ≥ 0 over a 0/1 mask holding n ones, from
+    x_masked = x·mask, with y = x − 1 on the mask (read by `_summary` and `_chi2`)."""
+    buffer = (1.0 - mask).mul_(_ABOVE_ANY_WEIGHT).add_(x_masked)  # off the mask: above every weight
+    lowest = buffer.amin()
+    y = torch.sub(x_masked, mask, out=buffer)
+    return torch.stack([n, x_masked.sum(), dot(x_masked, x_masked), y.sum(), dot(y, y), lowest,
+                        x_masked.amax()])  # x ≥ 0: the zeros off the mask never win
 
 
-def _stats(x: torch.Tensor, keep_f: torch.Tensor) -> list[torch.Tensor]:
-    """mean, std (population), min, max of x >= 0 over keep; zeros when keep is empty. One pass."""
-    n = keep_f.sum()
-    xk = x * keep_f
-    mean = xk.sum() / n.clamp(min=1)
-    var = ((xk * x).sum() / n.clamp(min=1) - mean * mean).clamp(min=0)
-    mx = xk.amax()  # x >= 0, so the zeros off keep never win
-    mn = (xk + (1 - keep_f) * 1e30).amin()
-    return [mean, var.sqrt(), torch.where(n > 0, mn, torch.zeros_like(mn)), mx]
-
-
-def metric_pairs(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor | None,
-                 cfg: CorrectionConfig) -> list[tuple[str, torch.Tensor]]:
-    """Every metric as (name, 0-d tensor), in logging order, from the core's intermediates (weights
-    before self-normalization). Names and values are made together here, so they cannot drift apart:
-    `metric_vector` stacks the values (inside the compiled graph) and `weights.metric_names` reads the
-    names off a run on a 1×1 dummy batch.
-    """
-    weights = c["weights"]
-    vf, lr, old, roll, nf = c["valid_f"], c["lr"], c["old"], c["roll"], c["nf"]
-    dt = lr.dtype
-    n_act = torch.count_nonzero(c["action"]).to(dt).clamp(min=1)
-    n = vf.sum().clamp(min=1)
-    seq_vf = (c["n_seq_tok"].squeeze(-1) > 0).to(dt)
-    n_seq = seq_vf.sum().clamp(min=1)
-    clamp = cfg.log_ratio_clamp
-    out: list[tuple[str, torch.Tensor]] = []
-
-    def put(name: str, value: torch.Tensor) -> None:
-        out.append((name, value))
-
-    # ── KL estimators and χ² (lr = 0 off V, so every summand below vanishes there) ──
-    r = c["r_tok"].clamp(math.exp(-clamp), math.exp(clamp))  # = exp(clamp(log r))
-    put("mismatch/k1_kl", -lr.sum() / n)
-    put("mismatch/k2_kl", (0.5 * lr * lr).sum() / n)
-    put("mismatch/k3_kl", (r - 1.0 - lr).sum() / n)
-    put("mismatch/chi2_token", (r * r - 1.0).sum() / n)
-    seq_log = lr.sum(-1)  # log ρ_s
-    rho = torch.exp(seq_log.clamp(-clamp, clamp))
-    put("mismatch/chi2_seq", ((rho * rho - 1.0) * seq_vf).sum() / n_seq)
-
-    # ── perplexities ──
-    mean_roll = roll.sum(-1) / nf.squeeze(-1)
-    mean_old = old.sum(-1) / nf.squeeze(-1)
-    put("mismatch/rollout_ppl", (torch.exp(-mean_roll) * seq_vf).sum() / n_seq)
-    put("mismatch/training_ppl", (torch.exp(-mean_old) * seq_vf).sum() / n_seq)
-    put("mismatch/ppl_ratio", (torch.exp(mean_roll - mean_old) * seq_vf).sum() / n_seq)  # ppl_train / ppl_rollout
-    put("mismatch/log_ppl_diff", ((mean_roll - mean_old) * seq_vf).sum() / n_seq)  # log ppl_train − log ppl_rollout
-
-    # ── effective sample size of the raw weights ──
-    put("mismatch/ess_token", _ess(r, vf))
-    put("mismatch/ess_seq", _ess(rho, seq_vf))
-
-    # ── probability gaps and their correlation (off V both probabilities are exp(0) = 1) ──
-    p_old, p_roll = torch.exp(old), torch.exp(roll)
-    dp = (p_old - p_roll).abs()
-    put("mismatch/abs_dp_max", dp.amax() if dp.numel() else torch.zeros((), dtype=dt))
-    put("mismatch/abs_dp_mean", dp.sum() / n)
-    adl = lr.abs()
-    put("mismatch/abs_dlogp_mean", adl.sum() / n)
-    put("mismatch/abs_dlogp_max", adl.amax() if adl.numel() else torch.zeros((), dtype=dt))
-    po, pr = p_old * vf, p_roll * vf  # one pass: cov = E[xy] − E[x]E[y] (probabilities are O(1))
-    mo, mr = po.sum() / n, pr.sum() / n
-    cov = (po * p_roll).sum() / n - mo * mr
-    vo = ((po * p_old).sum() / n - mo * mo).clamp(min=0)
-    vr = ((pr * p_roll).sum() / n - mr * mr).clamp(min=0)
-    den = (vo * vr).sqrt()
-    put("mismatch/pearson_p", torch.where(den > 0, cov / den.clamp(min=1e-30), torch.zeros_like(den)))
-
-    # ── mismatch by rollout-probability bucket: tokens at or above each edge, then differences ──
-    at_or_above = [torch.stack([n, adl.sum()])]  # edge 0: every valid token (adl = 0 off V)
+def _bucket_sums(p: torch.Tensor, abs_lr: torch.Tensor, n_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Valid tokens at or above each bucket edge (edge 0: all), exact counts, and Σ|log r| per bucket, for p
+    the rollout probability on V and 0 off it (lower edges inclusive). Each bucket's Σ|log r| is summed on
+    its own, so a small bucket stays exact in float32, through two 0/1 buffers reused in place."""
+    in_bucket, above = torch.ones_like(p), torch.empty_like(p)
+    at_or_above, gaps = [n_valid], []
     for edge in PROB_BUCKET_EDGES:
-        ge = (p_roll >= edge).to(dt) * vf
-        at_or_above.append(torch.stack([ge.sum(), (ge * adl).sum()]))
-    at_or_above.append(torch.zeros(2, dtype=dt, device=lr.device))
-    cum = torch.stack(at_or_above)  # (E + 2, 2): counts and gap sums at or above each edge
-    per_bucket = cum[:-1] - cum[1:]  # (E + 1, 2)
-    gap = per_bucket[:, 1] / per_bucket[:, 0].clamp(min=1)
-    frac = per_bucket[:, 0] / n
-    for b, bucket in enumerate(bucket_names()):
-        put(f"mismatch/abs_dlogp_{bucket}", gap[b])
-        put(f"mismatch/frac_{bucket}", frac[b])
+        torch.ge(p, edge, out=above)  # off V, p = 0 lies below every edge
+        at_or_above.append(above.sum())
+        gaps.append(dot(in_bucket.sub_(above), abs_lr))  # the bucket below this edge
+        in_bucket, above = above, in_bucket  # the next bucket starts at this edge
+    gaps.append(dot(in_bucket, abs_lr))  # the last bucket: at or above the last edge
+    return torch.stack(at_or_above), torch.stack(gaps)
 
+
+def _count(flag: torch.Tensor, valid: torch.Tensor, n_seq_tok: torch.Tensor) -> torch.Tensor:
+    """Valid tokens flagged by a 0/1 flag: (B, T) per token, or (B, 1) per sequence (all its valid tokens)."""
+    return dot(flag, n_seq_tok) if flag.shape[-1] == 1 else dot(flag, valid)
+
+
+def metric_sums(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor | None,
+                cfg: CorrectionConfig) -> dict[str, torch.Tensor]:
+    """Every reduction the metrics need, as named 1-d tensors, from the core's intermediates (weights
+    before self-normalization). Runs inside the compiled graph; `metrics_from_sums` reads the names.
+    Takes over the core's raw weights and zeroed log-probs, which it overwrites in place."""
+    valid, lr, old, roll, n_seq_tok = c["valid"], c["lr"], c["old"], c["roll"], c["n_seq_tok"]
+    dt = lr.dtype
+    clamp = cfg.log_ratio_clamp
+    nf = c["nf"].squeeze(-1)
+    n_valid, n_kept = n_seq_tok.sum(), c["n_kept_tok"].sum()
+    seq_valid = (n_seq_tok.squeeze(-1) > 0).to(dt)
+    # exp(clamp(log r)) on V, 0 off V; at token level the core's raw weight is exactly exp(clamp(log r))
+    r = c["raw"] if cfg.level == "token" else c["r_tok"].clamp(math.exp(-clamp), math.exp(clamp))
+    r = r.mul_(valid)
+    lr_sum = c["lr_sum"].squeeze(-1)  # log ρ_s
+    rho = torch.exp(lr_sum.clamp(-clamp, clamp))
+    abs_lr = lr.abs()  # 0 off V
+    mean_roll, mean_old = roll.sum(-1) / nf, old.sum(-1) / nf
+    p_old, p_roll = old.exp_().mul_(valid), roll.exp_().mul_(valid)  # probabilities on V, 0 off V
+    pearson = torch.stack([p_old.sum(), p_roll.sum(), dot(p_old, p_old), dot(p_roll, p_roll), dot(p_old, p_roll)])
+    abs_dp = p_old.sub_(p_roll).abs_()  # p_old is not needed any more
+    per_seq = torch.stack([torch.exp(-mean_roll), torch.exp(-mean_old), torch.exp(mean_roll - mean_old),
+                           mean_roll - mean_old])
+
+    sums = {
+        "kl": torch.stack([lr_sum.sum(), dot(lr, lr)]),
+        "ratio_token": _moments(r, valid, n_valid),
+        "ratio_seq": _moments(rho * seq_valid, seq_valid, seq_valid.sum()),
+        "ppl": per_seq @ seq_valid,
+        "gaps": torch.stack([abs_dp.sum(), abs_dp.amax(), abs_lr.sum(), abs_lr.amax()]),
+        "pearson": pearson,
+    }
+    sums["bucket_at_or_above"], sums["bucket_gaps"] = _bucket_sums(p_roll, abs_lr, n_valid)
     if entropy is not None:
-        put("mismatch/entropy", (torch.nan_to_num(entropy.detach().to(dt)) * vf).sum() / n)
+        sums["entropy"] = dot(torch.nan_to_num(entropy.detach().to(dt)), valid).reshape(1)
     if log_probs is not None:
-        put("mismatch/entropy_sampled", -(torch.nan_to_num(log_probs.detach().to(dt)) * vf).sum() / n)
+        sums["entropy_sampled"] = dot(torch.nan_to_num(log_probs.detach().to(dt)), valid).reshape(1)
 
-    # ── weights before and after bounds, at the configured level ──
-    kf = c["keep_f"]
-    if cfg.level == "token":
-        raw_stats, weight_stats, ess = _stats(c["raw"], vf), _stats(weights, kf), _ess(weights, kf)
-    else:
-        kept_seq = (kf.sum(-1) > 0).to(dt)
-        seq_w = (weights * kf).amax(-1)  # the sequence's weight, constant on its kept tokens
-        raw_stats, weight_stats = _stats(c["raw"].squeeze(-1), seq_vf), _stats(seq_w, kept_seq)
-        ess = _ess(seq_w, kept_seq)
-    for stat, value in zip(("mean", "std", "min", "max"), raw_stats, strict=True):
-        put(f"correction/weight_raw_{stat}", value)
-    for stat, value in zip(("mean", "std", "min", "max"), weight_stats, strict=True):
-        put(f"correction/weight_{stat}", value)
-    put("correction/ess", ess)
+    if cfg.level == "token":  # the raw weight is r itself: its moments are ratio_token's
+        sums["weight"] = _moments(c["weights"], c["keep"], n_kept)  # weights are 0 off keep
+    else:  # one weight per sequence, constant on its kept tokens
+        sums["raw"] = _moments(c["raw"].squeeze(-1) * seq_valid, seq_valid, seq_valid.sum())
+        kept_seq = (c["n_kept_tok"].squeeze(-1) > 0).to(dt)
+        sums["weight"] = _moments(c["weights"].amax(-1), kept_seq, kept_seq.sum())
 
-    # ── what the correction did, as fractions of action tokens ──
-    valid, n_seq_tok = c["valid"], c["n_seq_tok"].squeeze(-1)
-    zero = torch.zeros((), dtype=dt, device=lr.device)
+    n_act_tok = c["n_act_tok"]
+    sums["tokens"] = torch.stack([n_act_tok.sum(), n_valid, n_kept, c["n_nonfinite"].sum()])
+    for name, flag in c["flags"].items():
+        sums[name] = _count(flag, valid, n_seq_tok).reshape(1)
+    if "vetoed" in c["flags"]:
+        sums["vetoed_seqs"] = torch.stack([c["flags"]["vetoed"].sum(), (n_act_tok > 0).sum().to(dt)])
+    return sums
 
-    def count(m: torch.Tensor) -> torch.Tensor:
-        """Valid tokens flagged by m; a (B, 1) sequence-level flag counts its sequence's valid tokens."""
-        if m.shape[-1] == 1:
-            return (m.squeeze(-1).to(dt) * n_seq_tok).sum()
-        return torch.count_nonzero(m & valid).to(dt)
 
-    truncating, clipping = cfg.mode == "truncate", cfg.mode == "clip"
-    put("correction/truncated_frac", count(c["over"]) / n_act if truncating else zero)
-    put("correction/clipped_low_frac", count(c["under"]) / n_act if clipping else zero)
-    put("correction/clipped_high_frac", count(c["over"]) / n_act if clipping else zero)
-    put("correction/bounds_masked_frac", count(c["bounds_out"]) / n_act if cfg.mode == "mask" else zero)
-    if cfg.rejection:
-        rs_any = c["rs_fail"][0]
-        for f in c["rs_fail"][1:]:
-            rs_any = rs_any | f
-        put("correction/rejected_frac", count(rs_any) / n_act)
-        for crit, f in zip(cfg.rejection, c["rs_fail"], strict=True):
-            put(f"correction/rs_{crit.name}_frac", count(f) / n_act)
-    else:
-        put("correction/rejected_frac", zero)
-    if cfg.veto_threshold is not None or cfg.veto_min_prob is not None:
-        veto_seq = c["veto_seq"].squeeze(-1).to(dt)
-        put("correction/vetoed_frac", (veto_seq * n_seq_tok).sum() / n_act)
-        put("correction/vetoed_seq_frac", veto_seq.sum() / torch.count_nonzero(c["action"].any(-1)).clamp(min=1).to(dt))
-    else:
-        put("correction/vetoed_frac", zero)
-        put("correction/vetoed_seq_frac", zero)
-    put("correction/opsm_frac", count(c["opsm"]) / n_act if cfg.opsm_delta is not None else zero)
-    n_act_raw = torch.count_nonzero(c["action"]).to(dt)
-    n_valid_raw = vf.sum()
-    n_kept = kf.sum()
-    put("correction/nonfinite_frac", (n_act_raw - n_valid_raw) / n_act)  # lost to non-finite log-probs
-    put("correction/nonfinite_count", torch.count_nonzero(c["nonfinite"]).to(dt))
-    put("correction/masked_frac", (n_act_raw - n_kept) / n_act)
-    put("correction/kept_frac", n_kept / n_act)
-    put("correction/norm_factor", torch.ones((), dtype=dt, device=lr.device))  # filled in by metrics_to_dict
+# ── on the host: every logged value from the sums ────────────────────────────────────────────────────
+
+def _summary(moments: list[float]) -> tuple[list[float], float]:
+    """(mean, std, min, max) and the normalized ESS (Σx)²/(n Σx²) from `_moments`; zeros and ESS 1 if empty.
+
+    A one-pass variance about c loses ~eps·E[(x − c)²]: taken about 1 when the mean is near the on-policy 1,
+    about 0 for small weights (a sequence ratio often is), it stays close to the exact two-pass value.
+    """
+    n, sx, sxx, sy, syy, lowest, highest = moments
+    if n <= 0:
+        return [0.0, 0.0, 0.0, 0.0], 1.0
+    mean = sx / n
+    var = syy / n - (sy / n) ** 2 if mean > 0.5 else sxx / n - mean * mean
+    return [mean, math.sqrt(max(var, 0.0)), lowest, highest], (sx * sx / (n * sxx) if sxx > 0 else 0.0)
+
+
+def _chi2(moments: list[float]) -> float:
+    """E[x²] − 1 = E[(x − 1)²] + 2 E[x − 1] from `_moments`, free of cancellation near x = 1; 0 if empty."""
+    n, sy, syy = moments[0], moments[3], moments[4]
+    return (syy + 2.0 * sy) / max(n, 1.0)
+
+
+def metrics_from_sums(s: Sums, cfg: CorrectionConfig) -> dict[str, float]:
+    """Every metric, in logging order, from `metric_sums` (host floats). The names are made here only, so
+    `weights.metric_names` reads them off a run on a 1×1 dummy batch."""
+    n_act_tokens, n_valid, n_kept, n_nonfinite = s["tokens"]
+    n_act, n = max(n_act_tokens, 1.0), max(n_valid, 1.0)
+    n_seq = max(s["ratio_seq"][0], 1.0)
+    sum_lr, sum_lr2 = s["kl"]
+    out = {
+        "mismatch/k1_kl": -sum_lr / n,
+        "mismatch/k2_kl": 0.5 * sum_lr2 / n,
+        "mismatch/k3_kl": (s["ratio_token"][3] - sum_lr) / n,  # Σ (r − 1) − Σ log r
+        "mismatch/chi2_token": _chi2(s["ratio_token"]),
+        "mismatch/chi2_seq": _chi2(s["ratio_seq"]),
+    }
+    for name, total in zip(("rollout_ppl", "training_ppl", "ppl_ratio", "log_ppl_diff"), s["ppl"], strict=True):
+        out[f"mismatch/{name}"] = total / n_seq  # ppl_ratio: ppl_train / ppl_rollout; log_ppl_diff: their logs
+    out["mismatch/ess_token"] = _summary(s["ratio_token"])[1]
+    out["mismatch/ess_seq"] = _summary(s["ratio_seq"])[1]
+
+    sum_dp, max_dp, sum_dl, max_dl = s["gaps"]
+    out.update({"mismatch/abs_dp_max": max_dp, "mismatch/abs_dp_mean": sum_dp / n,
+                "mismatch/abs_dlogp_mean": sum_dl / n, "mismatch/abs_dlogp_max": max_dl})
+    so, sr, soo, srr, sor = (v / n for v in s["pearson"])  # one pass: cov = E[xy] − E[x]E[y] (probabilities are O(1))
+    var_o, var_r = max(soo - so * so, 0.0), max(srr - sr * sr, 0.0)
+    den = math.sqrt(var_o * var_r)
+    out["mismatch/pearson_p"] = (sor - so * sr) / den if den > 0 else 0.0
+
+    at_or_above = [*s["bucket_at_or_above"], 0.0]
+    for b, (bucket, gap) in enumerate(zip(bucket_names(), s["bucket_gaps"], strict=True)):
+        count = at_or_above[b] - at_or_above[b + 1]  # differences of exact token counts
+        out[f"mismatch/abs_dlogp_{bucket}"] = gap / max(count, 1.0)
+        out[f"mismatch/frac_{bucket}"] = count / n
+    for key in ("entropy", "entropy_sampled"):
+        if key in s:
+            out[f"mismatch/{key}"] = (s[key][0] if key == "entropy" else -s[key][0]) / n
+
+    raw_stats, _ = _summary(s["ratio_token"] if cfg.level == "token" else s["raw"])
+    weight_stats, ess = _summary(s["weight"])
+    for prefix, stats in (("weight_raw", raw_stats), ("weight", weight_stats)):
+        for stat, value in zip(("mean", "std", "min", "max"), stats, strict=True):
+            out[f"correction/{prefix}_{stat}"] = value
+    out["correction/ess"] = ess
+
+    # what the correction did, as fractions of action tokens (0 for what this configuration never does)
+    names = ["truncated", "clipped_low", "clipped_high", "bounds_masked", "rejected",
+             *(f"rs_{crit.name}" for crit in cfg.rejection), "vetoed"]
+    for name in names:
+        out[f"correction/{name}_frac"] = s[name][0] / n_act if name in s else 0.0
+    vetoed_seqs, action_seqs = s.get("vetoed_seqs", (0.0, 1.0))
+    out["correction/vetoed_seq_frac"] = vetoed_seqs / max(action_seqs, 1.0)
+    out["correction/opsm_frac"] = s["opsm"][0] / n_act if "opsm" in s else 0.0
+    out["correction/nonfinite_frac"] = (n_act_tokens - n_valid) / n_act  # lost to non-finite log-probs
+    out["correction/nonfinite_count"] = n_nonfinite
+    out["correction/masked_frac"] = (n_act_tokens - n_kept) / n_act
+    out["correction/kept_frac"] = n_kept / n_act
+    out["correction/norm_factor"] = 1.0  # replaced by metrics_to_dict under self-normalization
     return out
-
-
-def metric_vector(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor | None,
-                  cfg: CorrectionConfig) -> torch.Tensor:
-    """All metric values as one vector (`metric_pairs` order), moved to the host in one transfer."""
-    dt = c["lr"].dtype
-    return torch.stack([value.to(dt).reshape(()) for _, value in metric_pairs(c, log_probs, entropy, cfg)])
 
 
 _SCALED_BY_FACTOR = ("correction/weight_mean", "correction/weight_std", "correction/weight_min",
                      "correction/weight_max")
 
 
-def metrics_to_dict(vector: torch.Tensor, factor: torch.Tensor | None, names: list[str]) -> dict[str, float]:
-    """Name the metric vector (`names`: its `metric_pairs` names; one host transfer) and apply the
-    self-normalization factor."""
+def metrics_to_dict(vector: torch.Tensor, factor: torch.Tensor | None,
+                    layout: tuple[tuple[str, int], ...], cfg: CorrectionConfig) -> dict[str, float]:
+    """The metrics from `metric_sums` concatenated into `vector` (`layout`: its names and sizes), moved to
+    the host in one transfer together with the self-normalization factor, which then scales the weights."""
     if factor is not None:
         vector = torch.cat([vector, factor.to(vector.dtype).reshape(1)])
     values = vector.tolist()
-    out = dict(zip(names, values[: len(names)], strict=True))
+    sums, start = {}, 0
+    for name, size in layout:
+        sums[name], start = values[start:start + size], start + size
+    out = metrics_from_sums(sums, cfg)
     if factor is not None:
         f = values[-1]
         out["correction/norm_factor"] = f

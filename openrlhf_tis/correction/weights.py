@@ -19,7 +19,8 @@ Notation (docs/correction.md §1): log r_t = log π_old(a_t) − log μ(a_t), ov
     normalize  w ← w / mean_kept(w)          (applied last)                 self-normalized IS
 
 Positions outside `action_mask` and tokens with a non-finite log-prob never influence any other value:
-every reduction runs over valid tokens only, through `torch.where` so a NaN cannot leak by 0·NaN.
+every reduction runs over valid tokens only, and their values are zeroed before a mask multiplies them,
+so a NaN cannot leak by 0·NaN.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import CorrectionConfig, RejectionCriterion
-from .metrics import metric_pairs, metric_vector, metrics_to_dict
+from .metrics import metric_sums, metrics_from_sums, metrics_to_dict
+from .ops import finite, indicator
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a tensor over the data-parallel ranks and returns the sum (e.g. wraps dist.all_reduce)."""
@@ -66,7 +68,7 @@ def _token_statistic(stat: str, lr: torch.Tensor, r_tok: torch.Tensor, old: torc
     if stat == "k2":
         return 0.5 * lr * lr  # ½ (log r)²
     if stat == "k3":
-        return r_tok - 1.0 - lr  # r − 1 − log r  (Schulman's k3); inf where r overflows, which rejects
+        return (r_tok - 1.0).sub_(lr)  # r − 1 − log r  (Schulman's k3); inf where r overflows, which rejects
     p = torch.exp(roll).clamp(PROB_EPS, 1 - PROB_EPS)  # μ(a_t)
     q = torch.exp(old).clamp(PROB_EPS, 1 - PROB_EPS)  # π_old(a_t)
     if stat == "tv":
@@ -89,11 +91,12 @@ def _aggregate(s: torch.Tensor, nf: torch.Tensor, agg: str) -> torch.Tensor:
 
 
 def _in_bounds(x: torch.Tensor, lower: float | None, upper: float | None) -> torch.Tensor:
+    """1.0 where lower ≤ x ≤ upper (None: unbounded), else 0.0."""
     if lower is None:
-        return x <= upper
+        return indicator(torch.le, x, upper)
     if upper is None:
-        return x >= lower
-    return (x >= lower) & (x <= upper)
+        return indicator(torch.ge, x, lower)
+    return indicator(torch.ge, x, lower).mul_(indicator(torch.le, x, upper))
 
 
 def _criterion_keep(crit: RejectionCriterion, lr, r_tok, nf, old, roll) -> torch.Tensor:
@@ -109,117 +112,133 @@ def _needs_log_probs(cfg: CorrectionConfig) -> bool:
             or any(c.statistic in ("binary_kl", "binary_kl_sym", "tv") for c in cfg.rejection))
 
 
+def _bounded(r: torch.Tensor, raw: torch.Tensor, cfg: CorrectionConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The weight after the mode's bounds (a tensor of its own), and 0/1 flags named for their metrics:
+    where the bounds bind (truncate, clip), or `bounds_masked` where mode mask drops the token (the caller
+    drops it)."""
+    U, L = cfg.upper, cfg.lower_bound
+    if cfg.mode == "truncate":
+        return r.clamp(max=U), {"truncated": indicator(torch.gt, r, U)}  # TIS: min(r, U)
+    if cfg.mode == "clip":
+        flags = {"clipped_low": indicator(torch.lt, r, L), "clipped_high": indicator(torch.gt, r, U)}
+        return r.clamp(min=L, max=U), flags  # clamp(r, L, U)
+    if cfg.mode == "mask":  # IcePop / MIS: keep iff L <= r <= U; r.clamp(max=U) = r wherever kept
+        outside = indicator(torch.lt, r, L).add_(r > U)  # disjoint: validate() keeps L <= U
+        return r.clamp(max=U), {"bounds_masked": outside}
+    return (raw.clone() if cfg.mode == "raw" else torch.ones_like(r)), {}  # vanilla IS | none
+
+
+def _veto(r_tok: torch.Tensor, old: torch.Tensor, roll: torch.Tensor, valid: torch.Tensor,
+          cfg: CorrectionConfig) -> torch.Tensor:
+    """(B, 1) 1.0 for a sequence holding a catastrophic valid token (ratio or probability veto)."""
+    tests = []  # (compare, tensor, threshold): a valid token failing any one vetoes its sequence
+    if cfg.veto_threshold is not None:
+        tests.append((torch.lt, r_tok, cfg.veto_threshold))
+        if cfg.veto_sides == "both":
+            tests.append((torch.gt, r_tok, 1.0 / cfg.veto_threshold))
+    if cfg.veto_min_prob is not None:
+        log_p = math.log(cfg.veto_min_prob)  # near-impossible under μ or under π_old
+        tests += [(torch.lt, roll, log_p), (torch.lt, old, log_p)]
+    failed = torch.empty_like(valid)  # one 0/1 buffer for every test
+    hits = sum(compare(x, threshold, out=failed).mul_(valid).sum(-1, keepdim=True) for compare, x, threshold in tests)
+    return (hits > 0).to(valid.dtype)
+
+
 def _core(old: torch.Tensor, roll: torch.Tensor, action_mask: torch.Tensor, log_probs: torch.Tensor | None,
           advantages: torch.Tensor | None, cfg: CorrectionConfig, fused: bool = False,
-          keep_inputs: bool = True) -> dict[str, torch.Tensor]:
+          keep_inputs: bool = True) -> dict:
     """Everything elementwise or per-row; no host synchronization, so torch.compile can fuse it.
 
-    Off V every value is replaced by 0 before use, so no NaN/inf ever meets a mask: by torch.where in
-    a compiled graph (a blend), by nan_to_num times a 0/1 mask in eager mode (~20x faster on CPU).
+    Masks are 0/1 floats of the working dtype (ops.py says why) and the core's own temporaries are
+    updated in place (metrics.py says why). Off V every value is replaced by 0 before use, so no NaN/inf
+    ever meets a mask: by torch.where in a compiled graph (a blend), by nan_to_num times the 0/1 mask in
+    eager mode (~20x faster on CPU).
     """
     dt = old.dtype
-    am = action_mask != 0
-    lr_raw = old - roll  # finite iff both log-probs are finite (log-probs cannot overflow a difference)
-    nonfinite = am & ~torch.isfinite(lr_raw)
-    valid = am & ~nonfinite
+    action = indicator(torch.ne, action_mask, 0, dt)
+    lr = old - roll  # finite iff both log-probs are finite (log-probs cannot overflow a difference)
+    valid = finite(lr).mul_(action)
+    n_act_tok = action.sum(-1, keepdim=True)
+    n_nonfinite = n_act_tok - valid.sum(-1, keepdim=True)  # per sequence
     if cfg.nonfinite == "sequence":
-        valid = valid & (nonfinite.to(dt).sum(-1, keepdim=True) == 0)
-    vf = valid.to(dt)
+        valid.mul_((n_nonfinite == 0).to(dt))
 
-    def zero_off(x: torch.Tensor) -> torch.Tensor:
+    def zero_off(x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+        """x with 0 off V; a `scratch` x is the core's own and is overwritten in eager mode."""
         if fused:
-            return torch.where(valid, x, 0.0)
-        return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) * vf
+            return torch.where(valid > 0, x, 0.0)
+        x = x.nan_to_num_(0.0, 0.0, 0.0) if scratch else torch.nan_to_num(x, 0.0, 0.0, 0.0)
+        return x.mul_(valid)
 
-    lr = zero_off(lr_raw)  # log r_t, 0 off V
+    lr = zero_off(lr, scratch=True)  # log r_t, 0 off V
     if keep_inputs or _needs_log_probs(cfg):
         old, roll = zero_off(old), zero_off(roll)
     else:
         old = roll = None  # the bare TIS/MIS weights need only log r
-    n_seq_tok = vf.sum(-1, keepdim=True)
+    n_seq_tok = valid.sum(-1, keepdim=True)
     nf = n_seq_tok.clamp(min=1.0)  # |V| per sequence
     lr_sum = lr.sum(-1, keepdim=True)
     r_tok = torch.exp(lr)  # r_t, exact (inf/0 at the extremes, which every comparison handles); 1 off V
 
-    # ── IS weight at the chosen level (before bounds) ──
+    # ── IS weight at the chosen level, then its bounds ──
     if cfg.level == "token":
-        lw, r = lr, r_tok
-    elif cfg.level == "sequence":
-        lw = lr_sum  # log Π r
-        r = torch.exp(lw)
+        r = r_tok
     else:
-        lw = lr_sum / nf  # mean log r
-        r = torch.exp(lw)
+        r = torch.exp(lr_sum if cfg.level == "sequence" else lr_sum / nf)  # Π r, or exp(mean log r)
     raw = r.clamp(math.exp(-cfg.log_ratio_clamp), math.exp(cfg.log_ratio_clamp))  # = exp(clamp(log w))
+    # Flags are 0/1 per token (B, T) or per sequence (B, 1), named for their metrics; they count on V only.
+    w, flags = _bounded(r, raw, cfg)
 
-    U, L = cfg.upper, cfg.lower_bound
-    is_keep = None
-    over = under = None
-    if cfg.mode == "truncate":
-        w = r.clamp(max=U)  # TIS: min(r, U)
-        over = r > U
-    elif cfg.mode == "clip":
-        w = r.clamp(min=L, max=U)  # clamp(r, L, U)
-        over, under = r > U, r < L
-    elif cfg.mode == "mask":
-        over, under = r > U, r < L
-        is_keep = ~(over | under)  # IcePop / MIS: L <= r <= U
-        w = r.clamp(max=U)  # = r wherever kept; finite elsewhere, where the mask zeroes it
-    elif cfg.mode == "raw":
-        w = raw  # vanilla IS
-    else:
-        w = torch.ones_like(r)
+    keep = valid  # the survivors; each filter below drops its flagged tokens
+
+    def drop(flag: torch.Tensor) -> None:
+        """keep ← keep·(1 − flag): into a new tensor the first time (valid stays as it is), then in place."""
+        nonlocal keep
+        keep = torch.addcmul(keep, keep, flag, value=-1.0) if keep is valid else keep.addcmul_(keep, flag, value=-1.0)
+
+    if "bounds_masked" in flags:
+        drop(flags["bounds_masked"])
 
     # ── rejection sampling, chained with AND ──
-    keep = valid if is_keep is None else valid & is_keep
-    rs_fail = []
     for crit in cfg.rejection:
-        keep_c = _criterion_keep(crit, lr, r_tok, nf, old, roll)
-        rs_fail.append(valid & ~keep_c)
-        keep = keep & keep_c
+        flags[f"rs_{crit.name}"] = 1.0 - _criterion_keep(crit, lr, r_tok, nf, old, roll)
+        drop(flags[f"rs_{crit.name}"])
+    if cfg.rejection:
+        fails = [flags[f"rs_{crit.name}"] for crit in cfg.rejection]
+        flags["rejected"] = functools.reduce(torch.maximum, fails)  # OR of 0/1 floats
 
     # ── veto: one catastrophic token drops its whole sequence ──
-    vetoed = veto_seq = None
     if cfg.veto_threshold is not None or cfg.veto_min_prob is not None:
-        bad = torch.zeros_like(valid)
-        if cfg.veto_threshold is not None:
-            bad = r_tok < cfg.veto_threshold
-            if cfg.veto_sides == "both":
-                bad = bad | (r_tok > 1.0 / cfg.veto_threshold)
-        if cfg.veto_min_prob is not None:
-            log_p = math.log(cfg.veto_min_prob)
-            bad = bad | (roll < log_p) | (old < log_p)  # near-impossible under μ or under π_old
-        veto_seq = (valid & bad).to(dt).sum(-1, keepdim=True) > 0
-        vetoed = valid & veto_seq
-        keep = keep & ~vetoed
+        flags["vetoed"] = _veto(r_tok, old, roll, valid, cfg)
+        drop(flags["vetoed"])
 
     # ── OPSM: negative-advantage sequences that drifted too far from μ ──
-    opsm = None
     if cfg.opsm_delta is not None:
         lp = zero_off(log_probs.detach().to(dt))
         drift = (roll - lp).sum(-1, keepdim=True) / nf  # (1/|V|) Σ log(μ/π_θ)
-        opsm = valid & (advantages.detach() < 0) & (drift > cfg.opsm_delta)
-        keep = keep & ~opsm
+        flags["opsm"] = indicator(torch.lt, advantages.detach(), 0, dt).mul_((drift > cfg.opsm_delta).to(dt))
+        drop(flags["opsm"])
 
-    kf = keep.to(dt)
-    weights = w * kf
+    weights = w * keep if cfg.sequence_level else w.mul_(keep)  # w: (B, 1) per sequence, else (B, T)
 
     # Sums for self-normalization: per kept token, or per kept sequence (one weight per sequence).
+    n_kept_tok = keep.sum(-1, keepdim=True)
     if cfg.level == "token":
-        norm = torch.stack([weights.sum(), kf.sum()])
+        norm = torch.stack([weights.sum(), n_kept_tok.sum()])
     else:
-        kept_seq = (kf.sum(-1, keepdim=True) > 0).to(dt)
+        kept_seq = (n_kept_tok > 0).to(dt)
         norm = torch.stack([(w * kept_seq).sum(), kept_seq.sum()])
 
-    none = torch.zeros_like(valid)
     return {
-        "weights": weights, "keep": keep, "keep_f": kf, "valid": valid, "valid_f": vf, "action": am,
-        "nonfinite": nonfinite, "lr": lr, "r_tok": r_tok, "nf": nf, "n_seq_tok": n_seq_tok, "old": old, "roll": roll,
-        "raw": raw, "over": none if over is None else over, "under": none if under is None else under,
-        "bounds_out": none if is_keep is None else valid & ~is_keep, "rs_fail": rs_fail,
-        "vetoed": none if vetoed is None else vetoed, "veto_seq": veto_seq,
-        "opsm": none if opsm is None else opsm, "norm": norm,
+        "weights": weights, "keep": keep, "valid": valid, "action": action, "lr": lr, "lr_sum": lr_sum,
+        "r_tok": r_tok, "nf": nf, "n_seq_tok": n_seq_tok, "n_act_tok": n_act_tok, "n_kept_tok": n_kept_tok,
+        "n_nonfinite": n_nonfinite, "old": old, "roll": roll, "raw": raw, "flags": flags, "norm": norm,
     }
+
+
+def _reason(flag: torch.Tensor | None, valid: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: valid tokens a 0/1 flag (per token, or (B, 1) per sequence) dropped; None: none."""
+    return torch.zeros(valid.shape, dtype=torch.bool, device=valid.device) if flag is None else flag * valid > 0
 
 
 def _correct(old: torch.Tensor, roll: torch.Tensor, action_mask: torch.Tensor, log_probs: torch.Tensor | None,
@@ -232,15 +251,14 @@ def _correct(old: torch.Tensor, roll: torch.Tensor, action_mask: torch.Tensor, l
     """
     c = _core(old, roll, action_mask, log_probs, advantages, cfg, fused=compiled, keep_inputs=metrics)
     # The mask leaves in action_mask's dtype: a float mask is written far faster than a bool one.
-    out = {"weights": c["weights"], "mask": c["keep_f"].to(action_mask.dtype), "norm": c["norm"]}
+    out = {"weights": c["weights"], "mask": c["keep"].to(action_mask.dtype), "norm": c["norm"]}
+    if details:  # before the metrics, which reuse some of the core's tensors
+        flags, valid = c["flags"], c["valid"]
+        out.update(raw=c["raw"] * valid, nan=c["action"] > valid, bounds=_reason(flags.get("bounds_masked"), valid),
+                   rejection=_reason(flags.get("rejected"), valid), veto=_reason(flags.get("vetoed"), valid),
+                   opsm=_reason(flags.get("opsm"), valid))
     if metrics:
-        out["metrics"] = metric_vector(c, log_probs, entropy, cfg)
-    if details:
-        rejected = torch.zeros_like(c["valid"])
-        for f in c["rs_fail"]:
-            rejected = rejected | f
-        out.update(raw=c["raw"] * c["valid_f"], nan=c["action"] & ~c["valid"], bounds=c["bounds_out"],
-                   rejection=rejected, veto=c["vetoed"], opsm=c["opsm"])
+        out["metrics"] = torch.cat(list(metric_sums(c, log_probs, entropy, cfg).values()))
     return out
 
 
@@ -256,20 +274,22 @@ def _compiled(cfg: CorrectionConfig, metrics: bool, details: bool):
 def metric_names(cfg: CorrectionConfig, *, has_entropy: bool = False, has_log_probs: bool = False) -> list[str]:
     """The metric keys `compute_correction` returns for this configuration, in order.
 
-    Read off `metrics.metric_pairs` (where each value is built under its name) on a 1×1 dummy batch, so
-    names and values cannot drift apart; cached per configuration.
+    Read off `metrics.metrics_from_sums` (where each value is built under its name) on a 1×1 dummy batch,
+    so names and values cannot drift apart; cached per configuration.
     """
-    return list(_metric_names(cfg, has_entropy, has_log_probs))
+    return list(_metric_layout(cfg, has_entropy, has_log_probs)[1])
 
 
 @functools.lru_cache(maxsize=64)
-def _metric_names(cfg: CorrectionConfig, has_entropy: bool, has_log_probs: bool) -> tuple[str, ...]:
+def _metric_layout(cfg: CorrectionConfig, has_entropy: bool,
+                   has_log_probs: bool) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...]]:
+    """(name, size) of each group in the metric vector, and the metric names, from a 1×1 dummy batch."""
     x = torch.zeros(1, 1)
     c = _core(x, x, torch.ones(1, 1), x, x, cfg)
-    names = tuple(name for name, _ in metric_pairs(c, x if has_log_probs else None, x if has_entropy else None, cfg))
-    if len(set(names)) != len(names):
-        raise AssertionError(f"metric_pairs repeats a name: {names}")
-    return names
+    sums = metric_sums(c, x if has_log_probs else None, x if has_entropy else None, cfg)
+    layout = tuple((name, value.numel()) for name, value in sums.items())
+    names = tuple(metrics_from_sums({name: value.tolist() for name, value in sums.items()}, cfg))
+    return layout, names
 
 
 def kept_weight_totals(weights: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
@@ -342,12 +362,12 @@ def compute_correction(
                 norm = allreduce(norm.clone())
             total, count = norm[0], norm[1]
             factor = torch.where((count > 0) & (total > 0), total / count.clamp(min=1), torch.ones_like(total))
-        weights = weights / factor
+        weights = weights.div_(factor)  # the core's own tensor
 
     metrics: dict[str, float] = {}
     if with_metrics:
-        metrics = metrics_to_dict(c["metrics"], factor, metric_names(cfg, has_entropy=entropy is not None,
-                                                                      has_log_probs=log_probs is not None))
+        layout = _metric_layout(cfg, entropy is not None, log_probs is not None)[0]
+        metrics = metrics_to_dict(c["metrics"], factor, layout, cfg)
     out = CorrectionOutput(weights=weights.detach(), mask=c["mask"], metrics=metrics)
     if details:
         out.raw_weights = c["raw"]
