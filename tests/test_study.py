@@ -66,6 +66,7 @@ def test_the_table_averages_seeds_and_leaves_failed_cells_out(tmp_path):
     assert int8["k3 KL(μ‖π_old)"] == pytest.approx(0.05) and int8["max |Δp|"] == pytest.approx(0.5)
     assert table.loc[("fp32", "tis"), "seeds"] == 1
     text = study.markdown(table)
+    assert text.splitlines()[0].count(" | ") == len(table.columns) + 1  # "max |Δp|" is escaped, not a column
     assert text.splitlines()[2].startswith("| int8 | tis | 2 | ")
     assert "0.5" in text.splitlines()[2] and not math.isnan(int8["held-out after"])
     assert study.markdown(study.seed_table(SweepResult([]))) == "(no cell completed)"

@@ -78,7 +78,7 @@ def markdown(table: pd.DataFrame) -> str:
     """The table as GitHub markdown, numbers to three significant figures."""
     if table.empty:
         return "(no cell completed)"
-    header = ["precision", "correction", *table.columns]
+    header = [h.replace("|", "\\|") for h in ("precision", "correction", *table.columns)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for (precision, correction), row in table.iterrows():
         cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in row]
