@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -13,7 +14,7 @@ from openrlhf_tis.pipeline.live import LiveCurves, step_line
 from openrlhf_tis.pipeline.report import show_comparison
 from openrlhf_tis.runs import RunWriter
 from openrlhf_tis.viz.compare import config_diff, final_table, resolve_runs, run_labels
-from openrlhf_tis.viz.curves import PANELS, bucket_table, panel_keys, plot_buckets, plot_curves
+from openrlhf_tis.viz.curves import PANELS, bucket_table, panel_keys, plot_buckets, plot_curves, run_styles
 
 B0, B1 = bucket_names()[0], bucket_names()[-1]
 
@@ -65,6 +66,32 @@ def test_overlaid_runs_get_one_line_each():
     assert len(plot_buckets({"a": bucket_table(_records(2))}).axes[0].texts) == 1  # "no bucket metrics logged"
 
 
+def test_run_labels_drop_the_sweeps_digest_and_fall_back_to_parent_and_name():
+    cells = [Path("sweep/cells/correction=tis_seed=1-0123abcd/run"),
+             Path("sweep/cells/correction=tis_seed=2-89abcdef/run")]
+    assert run_labels(cells) == ["correction=tis_seed=1", "correction=tis_seed=2"]
+    stamped = [Path("x/runs/20261125-0101"), Path("y/runs/20261125-0202")]
+    assert run_labels(stamped) == ["20261125-0101", "20261125-0202"]
+    twins = [Path("a/c-0123abcd/run"), Path("b/c-89abcdef/run")]  # the same cell name under two sweeps
+    assert run_labels(twins) == ["c-0123abcd/run", "c-89abcdef/run"]
+    assert run_labels([Path("a/c/run"), Path("b/c/run")]) == ["a/c/run", "b/c/run"]
+
+
+def test_many_runs_share_one_legend_and_seeds_of_a_setting_share_a_colour():
+    names = ["int8_tis_seed=1", "int8_tis_seed=2", "int8_off_seed=1", "seed=2", "seed=3"]
+    styles = run_styles(names)
+    assert styles[names[0]]["color"] == styles[names[1]]["color"] != styles[names[2]]["color"]
+    assert styles[names[0]]["linestyle"] != styles[names[1]]["linestyle"]
+    assert styles["seed=2"]["color"] == styles["seed=3"]["color"] != styles[names[0]]["color"]
+    assert len({tuple(style["color"]) for style in run_styles([f"c{i}" for i in range(14)]).values()}) == 14
+    fig = plot_curves({name: _records(3) for name in names})
+    assert not any(ax.get_legend() for ax in fig.axes)  # per-panel legends of many runs hid the curves
+    (legend,) = fig.legends
+    assert [text.get_text() for text in legend.get_texts()] == names
+    reward = next(ax for ax in fig.axes if ax.get_title() == "reward")
+    assert [line.get_color() for line in reward.lines] == [styles[name]["color"] for name in names]
+
+
 def test_final_table_against_hand_computed_values():
     records = _records(10, **{"correction/masked_frac": lambda s: 0.1 * (s % 2), "mismatch/abs_dp_max":
                               lambda s: s / 100, "eval/default_pass1": lambda s: 0.8 if s == 10 else np.nan,
@@ -82,13 +109,12 @@ def test_comparison_shows_only_the_flags_that_differ(tmp_path):
     a = _write_run(tmp_path / "a" / "run", _records(3), {"lr": 1e-3, "seed": 1, "logger.run_dir": "x", "same": [1]})
     b = _write_run(tmp_path / "b" / "run", _records(2), {"lr": 1e-3, "seed": 2, "logger.run_dir": "y", "same": [1],
                                                          "new": True})
-    assert run_labels([a, b]) == ["a/run", "b/run"]
+    assert run_labels([a, b]) == ["a", "b"]
     diff = config_diff([a, b])
-    assert diff.to_dict(orient="index") == {"new": {"a/run": "(absent)", "b/run": True},
-                                            "seed": {"a/run": 1, "b/run": 2}}
+    assert diff.to_dict(orient="index") == {"new": {"a": "(absent)", "b": True}, "seed": {"a": 1, "b": 2}}
     shown = []
     result = show_comparison([str(tmp_path / "*" / "run")], {"c": "cell 3: ValueError: x"}, display=shown.append)
-    assert result["runs"] == [a, b] and list(result["table"].index) == ["a/run", "b/run"]
+    assert result["runs"] == [a, b] and list(result["table"].index) == ["a", "b"]
     assert shown[0].to_dict() == {"error": {"c": "cell 3: ValueError: x"}}  # failures come first
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,12 +44,17 @@ def resolve_runs(runs: str | os.PathLike | Iterable[str | os.PathLike]) -> list[
     return found
 
 
+_SLUG_DIGEST = re.compile(r"-[0-9a-f]{8}$")  # the hash pipeline.sweep appends to a cell's directory name
+
+
 def run_labels(paths: Sequence[Path]) -> list[str]:
-    """Short unique names: the directory name, or parent/name where names collide (sweep cells all hold `run`)."""
-    names = [p.name for p in paths]
-    if len(set(names)) == len(names):
-        return names
-    return [f"{p.parent.name}/{p.name}" for p in paths]
+    """Short unique names: the directory name; where those collide (sweep cells all hold `run`), the parent's
+    less the sweep's digest (`correction=tis_seed=1`); parent/name as the last resort."""
+    for labels in ([p.name for p in paths], [_SLUG_DIGEST.sub("", p.parent.name) for p in paths],
+                   [f"{p.parent.name}/{p.name}" for p in paths]):
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(p) for p in paths]
 
 
 def _comparable(value: Any) -> str:

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import io
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import matplotlib
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
 from openrlhf_tis.correction.metrics import bucket_names
 
@@ -85,10 +88,36 @@ def held_out(frame: pd.DataFrame, key: str) -> tuple[np.ndarray, np.ndarray]:
     return steps, values
 
 
-def _draw(ax, steps: np.ndarray, values: np.ndarray, label: str, log: bool) -> None:
+_SEED = re.compile(r"(?:^|[_,/ ])seed=\d+")
+_LINESTYLES = ("-", "--", ":", "-.")
+
+
+def run_styles(names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """A colour and line style per run name. Runs whose names differ only by `seed=N` share a colour and
+    differ by line style, so a study's settings read at a glance however many seeds it has."""
+    settings = list(dict.fromkeys(_SEED.sub("", name) for name in names))
+    palette = matplotlib.colormaps["tab10" if len(settings) <= 10 else "tab20"]
+    styles: dict[str, dict[str, Any]] = {}
+    seen: dict[str, int] = {}
+    for name in names:
+        setting = _SEED.sub("", name)
+        styles[name] = {"color": palette(settings.index(setting) % palette.N),
+                        "linestyle": _LINESTYLES[seen.get(setting, 0) % len(_LINESTYLES)]}
+        seen[setting] = seen.get(setting, 0) + 1
+    return styles
+
+
+def _draw(ax, steps: np.ndarray, values: np.ndarray, label: str, log: bool, **style: Any) -> None:
     values = pd.to_numeric(pd.Series(values), errors="coerce").to_numpy(dtype=float)
     ok = np.isfinite(values) & ((values > 0) if log else True)
-    ax.plot(steps[ok], values[ok], marker="o" if ok.sum() < 30 else None, markersize=3, label=label)
+    ax.plot(steps[ok], values[ok], marker="o" if ok.sum() < 30 else None, markersize=3, label=label, **style)
+
+
+def _runs_legend(fig: Figure, styles: Mapping[str, Mapping[str, Any]]) -> None:
+    """One legend for the whole figure, below it: per-panel legends of many runs hide the curves."""
+    handles = [Line2D([], [], marker="o", markersize=3, **style) for style in styles.values()]
+    fig.legend(handles, list(styles), loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=8,
+               ncol=min(len(styles), 3), frameon=False)
 
 
 def plot_curves(runs: pd.DataFrame | list[dict] | Mapping[str, pd.DataFrame | list[dict]],
@@ -96,6 +125,7 @@ def plot_curves(runs: pd.DataFrame | list[dict] | Mapping[str, pd.DataFrame | li
     """A grid of panels: one run (every present key of a panel) or several runs overlaid (one line each)."""
     many = isinstance(runs, Mapping)
     frames = {name: as_frame(m) for name, m in runs.items()} if many else {"": as_frame(runs)}
+    styles = run_styles(list(frames)) if many else {"": {}}
     nrows = -(-len(panels) // ncols)
     fig = Figure(figsize=(4.2 * ncols, 3.0 * nrows))
     axes = fig.subplots(nrows, ncols, squeeze=False)
@@ -106,22 +136,24 @@ def plot_curves(runs: pd.DataFrame | list[dict] | Mapping[str, pd.DataFrame | li
             for key in keys[:1] if many else keys:
                 steps, values = held_out(frame, key) if key.startswith("eval/") else \
                     (frame["step"].to_numpy(), frame[key].to_numpy())
-                _draw(ax, steps, values, name if many else key, panel.log)
+                _draw(ax, steps, values, name if many else key, panel.log, **styles[name])
                 drawn += 1
         ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=8)
         if panel.log and drawn:
             ax.set_yscale("log")
-        if drawn:
+        if drawn and not many:
             ax.legend(fontsize=7)
-        else:
+        elif not drawn:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    if many:
+        _runs_legend(fig, styles)
     return fig
 
 
@@ -151,6 +183,7 @@ def plot_buckets(tables: pd.DataFrame | Mapping[str, pd.DataFrame], title: str =
                  ) -> Figure:
     """Mean |Δlog p| per rollout-probability bucket (log scale), one line per run: does the gap grow as p → 0?"""
     tables = tables if isinstance(tables, Mapping) else {"": tables}
+    styles = run_styles(list(tables))
     fig = Figure(figsize=(7, 3.6))
     ax = fig.subplots()
     drawn = 0
@@ -158,13 +191,14 @@ def plot_buckets(tables: pd.DataFrame | Mapping[str, pd.DataFrame], title: str =
         gap = pd.to_numeric(table["mean_abs_dlogp"], errors="coerce")
         ok = table[np.isfinite(gap) & (gap > 0)]
         if len(ok):
-            ax.plot(ok["bucket"], ok["mean_abs_dlogp"], marker="o", label=name or "mean |Δlog p|")
+            ax.plot(ok["bucket"], ok["mean_abs_dlogp"], marker="o", label=name or "mean |Δlog p|", **styles[name])
             drawn += 1
     if drawn:
         ax.set_yscale("log")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     else:
         ax.text(0.5, 0.5, "no bucket metrics logged", ha="center", va="center", transform=ax.transAxes)
+    ax.tick_params(axis="x", labelsize=8, labelrotation=20)  # bucket names overlap when level
     ax.set_xlabel("rollout probability μ(token)")
     ax.set_ylabel("mean |log π − log μ|")
     ax.set_title(title)
