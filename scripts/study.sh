@@ -3,7 +3,8 @@
 # (demo task, embedded SmolLM2-135M-Instruct, CPU) under rollout precision {the trainer's dtype, int8} x correction
 # {off, tis, token_mis} x seeds {1, 2}, each cell train.ipynb under papermill, then one comparison report
 # (report.html) and the seed-averaged table (study_table.md) under $OPENRLHF_TIS_STUDY (default work/study).
-# A re-run skips finished cells. Extra arguments go to the study: --baselines (adds ppo_is and vanilla_is),
+# A re-run skips finished cells (so --seeds 1 2 3 after a two-seed study runs only seed 3). Extra arguments go to
+# the study: --baselines (adds ppo_is and vanilla_is),
 # --seeds 1 2 3, --steps N.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
