@@ -4,8 +4,7 @@
 # {off, tis, token_mis} x seeds {1, 2}, each cell train.ipynb under papermill, then one comparison report
 # (report.html) and the seed-averaged table (study_table.md) under $OPENRLHF_TIS_STUDY (default work/study).
 # A re-run skips finished cells (so --seeds 1 2 3 after a two-seed study runs only seed 3). Extra arguments go to
-# the study: --baselines (adds ppo_is and vanilla_is),
-# --seeds 1 2 3, --steps N.
+# the study: --baselines (adds ppo_is and vanilla_is), --seeds 1 2 3, --steps N.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$ROOT/scripts/setup_env.sh"
