@@ -13,6 +13,7 @@ from openrlhf_tis.correction.metrics import bucket_names
 from openrlhf_tis.pipeline.live import LiveCurves, step_line
 from openrlhf_tis.pipeline.report import show_comparison
 from openrlhf_tis.runs import RunWriter
+from openrlhf_tis.runs.layout import unique_dir_name
 from openrlhf_tis.viz.compare import config_diff, final_table, resolve_runs, run_labels
 from openrlhf_tis.viz.curves import PANELS, bucket_table, panel_keys, plot_buckets, plot_curves, run_styles
 
@@ -67,9 +68,8 @@ def test_overlaid_runs_get_one_line_each():
 
 
 def test_run_labels_drop_the_sweeps_digest_and_fall_back_to_parent_and_name():
-    cells = [Path("sweep/cells/correction=tis_seed=1-0123abcd/run"),
-             Path("sweep/cells/correction=tis_seed=2-89abcdef/run")]
-    assert run_labels(cells) == ["correction=tis_seed=1", "correction=tis_seed=2"]
+    cells = [Path("sweep/cells") / unique_dir_name(f"correction=tis,seed={seed}") / "run" for seed in (1, 2)]
+    assert run_labels(cells) == ["correction=tis_seed=1", "correction=tis_seed=2"]  # the sweep's own names
     stamped = [Path("x/runs/20261125-0101"), Path("y/runs/20261125-0202")]
     assert run_labels(stamped) == ["20261125-0101", "20261125-0202"]
     twins = [Path("a/c-0123abcd/run"), Path("b/c-89abcdef/run")]  # the same cell name under two sweeps

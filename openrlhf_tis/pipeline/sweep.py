@@ -23,10 +23,8 @@ is recorded with its papermill error (cell and exception) and the sweep goes on;
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import json
-import re
 import sys
 import tomllib
 from dataclasses import dataclass, field
@@ -38,7 +36,7 @@ from tqdm.auto import tqdm
 from openrlhf_tis.pipeline.execute import execute, export_html
 from openrlhf_tis.pipeline.params import Param, ParameterError, check_params
 from openrlhf_tis.pipeline.train import TRAIN_PARAMS
-from openrlhf_tis.runs.layout import atomic_write
+from openrlhf_tis.runs.layout import atomic_write, unique_dir_name
 
 GRID_TABLES = ("base", "grid")
 STATUS_FILE = "status.json"
@@ -62,9 +60,8 @@ class Cell:
 
     @property
     def slug(self) -> str:
-        """A directory name: readable, filesystem-safe, unique (a short hash guards truncation and collisions)."""
-        digest = hashlib.sha1(self.name.encode()).hexdigest()[:8]
-        return f"{re.sub(r'[^A-Za-z0-9_.=-]+', '_', self.name)[:80]}-{digest}"
+        """The cell's directory name (runs.layout.unique_dir_name)."""
+        return unique_dir_name(self.name)
 
 
 @dataclass

@@ -19,6 +19,7 @@ new one, never half of one. Temp names start with "." and do not match the patte
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import re
 import tempfile
@@ -33,6 +34,22 @@ TOKEN_FILE_PATTERN = "step_*.parquet"
 ROLLOUT_MODEL_DIR = "rollout_model"
 _TOKEN_FILE_RE = re.compile(r"^step_(\d+)(?:\.part(\d+))?\.parquet$")
 _TEMP_PREFIX = ".tmp-"
+
+
+_UNSAFE_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.=-]+")
+_DIGEST_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def unique_dir_name(name: str, max_chars: int = 80) -> str:
+    """A directory name for `name` (a sweep cell's): readable, filesystem-safe, unique (a short hash of the
+    whole name guards truncation and names that differ only in unsafe characters)."""
+    digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+    return f"{_UNSAFE_NAME_CHARS.sub('_', name)[:max_chars]}-{digest}"
+
+
+def readable_dir_name(dir_name: str) -> str:
+    """A `unique_dir_name` less its hash: what a legend shows."""
+    return _DIGEST_SUFFIX.sub("", dir_name)
 
 
 class RunStoreWarning(UserWarning):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from openrlhf_tis.runs.config import read_run_config
-from openrlhf_tis.runs.layout import is_run_dir
+from openrlhf_tis.runs.layout import is_run_dir, readable_dir_name
 from openrlhf_tis.runs.reader import find_runs, load_metrics
 from openrlhf_tis.runs.summary import MISMATCH_KEYS, REWARD_KEYS, pick_key
 from openrlhf_tis.viz.curves import held_out
@@ -44,13 +43,10 @@ def resolve_runs(runs: str | os.PathLike | Iterable[str | os.PathLike]) -> list[
     return found
 
 
-_SLUG_DIGEST = re.compile(r"-[0-9a-f]{8}$")  # the hash pipeline.sweep appends to a cell's directory name
-
-
 def run_labels(paths: Sequence[Path]) -> list[str]:
     """Short unique names: the directory name; where those collide (sweep cells all hold `run`), the parent's
-    less the sweep's digest (`correction=tis_seed=1`); parent/name as the last resort."""
-    for labels in ([p.name for p in paths], [_SLUG_DIGEST.sub("", p.parent.name) for p in paths],
+    less the sweep's hash (`correction=tis_seed=1`); parent/name as the last resort."""
+    for labels in ([p.name for p in paths], [readable_dir_name(p.parent.name) for p in paths],
                    [f"{p.parent.name}/{p.name}" for p in paths]):
         if len(set(labels)) == len(labels):
             return labels
