@@ -148,3 +148,9 @@ def test_live_curves_redraw_only_when_steps_land():
     live.close()
     assert len(shown) == 1 and handle.updates == 1 and live.drawn == 3
     assert step_line(records[1], 3).startswith("step 2/3  reward 0.200  k3 2.00e-03")
+
+
+def test_step_line_shows_the_lag_only_when_there_is_one():
+    record = {"step": 4, "rollout/reward_mean": 0.5, "timing/step_total": 3.0}
+    assert "lag" not in step_line({**record, "staleness/mean": 0.0, "staleness/max": 0.0}, 8)
+    assert "  lag 0.75  3.0 s" in step_line({**record, "staleness/mean": 0.75, "staleness/max": 2.0}, 8)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: `lag` (async training's staleness)
 
 # Code -> name. Stable: codes are stored on disk, so add new reasons at the end, never renumber.
 MASK_REASONS: dict[int, str] = {
@@ -48,14 +48,16 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "advantage": (pa.float32(), "advantage used in the loss"),
     "entropy": (pa.float32(), "training policy entropy at the token"),
     "reward": (pa.float32(), "the sample's reward, repeated on each of its tokens"),
+    "lag": (pa.int32(), "policy versions between the sample's rollout policy and π_old (0: on-policy; async)"),
 }
 SCHEMA = pa.schema(
     [pa.field(name, dtype) for name, (dtype, _) in COLUMNS.items()],
     metadata={b"openrlhf_tis.token_dump.schema_version": str(SCHEMA_VERSION).encode()},
 )
 # Columns a writer may leave out: `step` is the step written, `token_text` comes from the tokenizer
-# (else null), `old_logprob` is NaN (bypass mode has no π_old), `masked` is `mask_reason != 0`.
-OPTIONAL_COLUMNS = frozenset({"step", "token_text", "old_logprob", "masked"})
+# (else null), `old_logprob` is NaN (bypass mode has no π_old), `masked` is `mask_reason != 0`, `lag` is 0
+# (version-1 dumps predate async training: every run was synchronous).
+OPTIONAL_COLUMNS = frozenset({"step", "token_text", "old_logprob", "masked", "lag"})
 REQUIRED_COLUMNS = tuple(name for name in COLUMNS if name not in OPTIONAL_COLUMNS)
 
 
