@@ -67,7 +67,8 @@ def init_local_ray(**kwargs) -> None:
 
     On a loaded 2-core machine (a test suite, another run) the raylet can take longer than Ray allows
     (ray/_private/node.py, not configurable) and ray.init raises "node timed out during startup"; the
-    half-started cluster is shut down before the next try. Any other error is raised at once.
+    half-started cluster (its GCS and raylet, children of this process that Ray no longer tracks) is
+    killed before the next try. Any other error is raised at once.
     """
     for attempt in range(1, STARTUP_TRIES + 1):
         try:
@@ -79,3 +80,13 @@ def init_local_ray(**kwargs) -> None:
             print(f"[openrlhf_tis] Ray's node did not register in time (try {attempt} of {STARTUP_TRIES}); "
                   "starting it again", file=sys.stderr)
             ray.shutdown()
+            _kill_ray_children()
+
+
+def _kill_ray_children() -> None:
+    import psutil
+
+    ours = [p for p in psutil.Process().children(recursive=True) if "ray" in " ".join(p.cmdline()).lower()]
+    for proc in ours:
+        proc.kill()
+    psutil.wait_procs(ours, timeout=10)
