@@ -86,7 +86,12 @@ def init_local_ray(**kwargs) -> None:
 def _kill_ray_children() -> None:
     import psutil
 
-    ours = [p for p in psutil.Process().children(recursive=True) if "ray" in " ".join(p.cmdline()).lower()]
-    for proc in ours:
-        proc.kill()
+    ours = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if "ray" in " ".join(proc.cmdline()).lower():
+                proc.kill()
+                ours.append(proc)
+        except psutil.Error:  # already gone
+            pass
     psutil.wait_procs(ours, timeout=10)
