@@ -1,13 +1,16 @@
-"""Lag bookkeeping of async training (trainer/staleness.py) against hand-computed cases and properties."""
+"""Lag bookkeeping of async training (trainer/staleness.py) against hand-computed cases and properties, and
+async training's flags refused before Ray starts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from _support import refused
 from hypothesis import given
 from hypothesis import strategies as st
 from openrlhf.trainer.ppo_utils.experience import Experience
 
+from openrlhf_tis.cli.train_ppo_ray import check_steps_logged
 from openrlhf_tis.rollout.versions import VERSION_FIRST, VERSION_LAST
 from openrlhf_tis.trainer.rewards import RewardPolicy
 from openrlhf_tis.trainer.staleness import (
@@ -84,3 +87,26 @@ def test_drop_that_leaves_too_little_names_the_flag():
     with pytest.raises(StalenessError, match=MAX_LAG_FLAG.replace(".", r"\.")) as err:
         drop_stale(samples, sample_lags(samples, 3), 1, rules, step=4)
     assert "step 4: 4 of 4 samples" in str(err.value)
+
+
+# --- flags, checked before Ray starts -------------------------------------------------------------------
+
+@pytest.mark.parametrize(("extra", "flag", "expected"), [
+    (["--train.partial_rollout_enable"], "--train.partial_rollout_enable", "applies to async training only"),
+    (["--train.async_max_lag", "1"], "--train.async_max_lag", "applies to async training only"),
+    (["--train.async_queue_size", "2"], "--train.async_queue_size", "applies to async training only"),
+    (["--train.async_enable", "--train.async_max_lag", "-1"], "--train.async_max_lag", "must be >= 0"),
+    (["--train.async_enable", "--train.async_queue_size", "0"], "--train.async_queue_size", "must be >= 1"),
+])
+def test_async_flags_are_refused_where_they_cannot_apply(valid_argv, capsys, extra, flag, expected):
+    stderr = refused(valid_argv + extra, capsys)
+    line = stderr.strip().splitlines()[-1]
+    assert line.startswith(f"openrlhf_tis.cli.train_ppo_ray: error: {flag}: ") and expected in line, stderr
+
+
+def test_a_run_that_logged_no_step_exits_non_zero(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        check_steps_logged(str(tmp_path))
+    assert exit_info.value.code == 1 and "logged no training step" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "wall_time": 0}\n')
+    check_steps_logged(str(tmp_path))  # a logged step: no exit
