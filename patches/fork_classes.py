@@ -5,7 +5,8 @@ upstream's `openrlhf.cli.train_ppo_ray.train` picks its controller with
 seam, so the module attribute is pointed at the fork's subclass before `train()` runs. The subclass
 is a Ray actor class in an importable module, so Ray workers load it by reference.
 
-Async training's three classes (driver, trainer, sample generator) likewise, in ppo_trainer_async.
+Async training's driver class likewise (`ppo_trainer_async.PPOTrainerAsync`); it runs in a Ray worker of
+its own and wires the fork's trainer and generator there (patches/async_actors.py).
 
 The policy actor likewise: `openrlhf.cli.train_ppo_ray` binds `PolicyModelActor` with a module-level
 `from openrlhf.trainer.ray.ppo_actor import PolicyModelActor`; the fork runs that module (runpy) after
@@ -30,14 +31,12 @@ def apply() -> bool:
     replace(upstream, "PPOTrainer", TisPPOTrainer, patch=NAME)
 
     # Async training (--train.async_enable): `train()` imports PPOTrainerAsync from its module inside the
-    # function body, and PPOTrainerAsync builds its two actors from that module's globals.
+    # function body; the fork's builds its two actors from the fork's classes (patches/async_actors.py).
     import openrlhf.trainer.ppo_trainer_async as upstream_async
 
-    from openrlhf_tis.trainer.ppo_trainer import TisGenerateSamplesActor, TisPPOTrainerAsync, TisTrainingActor
+    from openrlhf_tis.trainer.ppo_trainer import TisPPOTrainerAsync
 
     replace(upstream_async, "PPOTrainerAsync", TisPPOTrainerAsync, patch=NAME)
-    replace(upstream_async, "TrainingActor", TisTrainingActor, patch=NAME)
-    replace(upstream_async, "GenerateSamplesActor", TisGenerateSamplesActor, patch=NAME)
 
     import openrlhf.trainer.ray.ppo_actor as upstream_actor
 

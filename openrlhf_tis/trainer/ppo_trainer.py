@@ -311,9 +311,12 @@ class _TisGenerateSamplesActor(_UpstreamGenerateSamplesActor):
 
 
 class _TisPPOTrainerAsync(_UpstreamPPOTrainerAsync):
-    """Upstream's async driver; its trainer (the fork's, via patches/fork_classes.py) gets the generate kwargs."""
+    """Upstream's async driver, building the fork's trainer and generator; the trainer gets the generate kwargs."""
 
     def __init__(self, *args, **generate_kwargs):
+        from openrlhf_tis.patches import async_actors  # in this actor's own process: see the patch's doc
+
+        async_actors.apply(TisTrainingActor, TisGenerateSamplesActor)
         super().__init__(*args, **generate_kwargs)
         ray.get(self.trainer_actor.set_generate_kwargs.remote(generate_kwargs))
 
