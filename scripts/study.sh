@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The mismatch study: set up .venv if needed, then `python -m openrlhf_tis.pipeline.study`: the main job's recipe
-# (demo task, embedded SmolLM2-135M-Instruct, CPU) under rollout precision {the trainer's dtype, int8} x correction
-# {off, tis, token_mis} x seeds {1, 2}, each cell train.ipynb under papermill, then one comparison report
-# (report.html) and the seed-averaged table (study_table.md) under $OPENRLHF_TIS_STUDY (default work/study).
-# A re-run skips finished cells (so --seeds 1 2 3 after a two-seed study runs only seed 3). Extra arguments go to
-# the study: --baselines (adds ppo_is and vanilla_is), --seeds 1 2 3, --steps N.
+# The off-policy dose-response study: set up .venv if needed, then `python -m openrlhf_tis.pipeline.study`: the main
+# job's recipe (demo task, embedded SmolLM2-135M-Instruct, CPU) under a dose axis of rollout precision
+# {none (trainer dtype), fp8 where it runs, int8, w6a8, w5a8, w4a8} x correction {off, tis, token_mis, seq_mis} x
+# seeds {1, 2, 3}, each cell train.ipynb under papermill, then one seed-aggregated report (report.html), the headline
+# table (dose_response.md), the seed-averaged table (study_table.md) and the compute time (study_time.json) under
+# $OPENRLHF_TIS_STUDY (default work/study). A re-run skips finished cells, so the study runs in several sittings.
+# Extra arguments go to the study: --quick (coarse curve, 2 seeds, ~1 h on 2 AVX2 cores), --doses ..., --corrections
+# ..., --seeds ..., --steps N, --baselines, --dry_run (print the grid and its time estimate).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$ROOT/scripts/setup_env.sh"

@@ -1,5 +1,5 @@
-"""The mismatch study: its grid is the main job's recipe over precision x correction x seed, and its table
-averages each (precision, correction) over seeds."""
+"""The dose-response study: its grid is the main job's recipe over dose x correction x seed, a bad dose is
+refused before anything runs, --quick fits its hour, and the tables and compute time come from the cells."""
 
 from __future__ import annotations
 
@@ -11,69 +11,134 @@ import pytest
 
 from openrlhf_tis.pipeline import study
 from openrlhf_tis.pipeline.main_job import job_params
+from openrlhf_tis.pipeline.params import ParameterError, check_params
 from openrlhf_tis.pipeline.sweep import Cell, CellResult, SweepResult, load_grid
+from openrlhf_tis.pipeline.train import TRAIN_PARAMS, build_argv
 from openrlhf_tis.runs.store import RunWriter
 
+ALL_BITS = ("auto", "8", "7", "6", "5", "4")
 
-def test_the_grid_is_the_main_jobs_recipe_over_the_studys_axes(tmp_path):
-    grid = study.study_grid(tmp_path, "tiny", baselines=False, seeds=(1, 2), steps=None)
+
+def test_the_grid_is_the_main_jobs_recipe_over_dose_correction_and_seed(tmp_path):
+    cells = {"none": ("off", "tis"), "int8": ("off",), "w4a8": ("off", "seq_mis")}
+    grid = study.study_grid(tmp_path, "tiny", cells=cells, seeds=(1, 2), steps=None)
     main = job_params(tmp_path / "task", "tiny")
     assert grid["base"] == main  # the int8 + tis cells are the main job under other seeds
-    reference, int8 = grid["grid"]
-    assert reference == {"rollout_precision": [main["train_dtype"]], "correction": ["off"], "seed": [1, 2]}
-    assert int8 == {"rollout_precision": ["int8"], "correction": ["off", "tis", "token_mis"], "seed": [1, 2]}
-    wider = study.study_grid(tmp_path, "tiny", baselines=True, seeds=(3,), steps=5,
-                             reference_corrections=("off", "tis"))
-    assert wider["grid"][1]["correction"][-2:] == ["ppo_is", "vanilla_is"] and wider["base"]["steps"] == 5
-    assert wider["grid"][0]["correction"] == ["off", "tis"]
+    trainer = main["train_dtype"]
+    assert grid["grid"] == [
+        {"rollout_precision": [trainer], "correction": ["off", "tis"], "seed": [1, 2]},
+        {"rollout_precision": ["int8"], "correction": ["off"], "seed": [1, 2]},
+        {"rollout_precision": ["int8"], "int8_weight_bits": ["4"], "correction": ["off", "seq_mis"], "seed": [1, 2]},
+    ]
+    assert study.cell_count(grid) == 10
+    assert study.study_grid(tmp_path, "tiny", cells=cells, seeds=(3,), steps=5)["base"]["steps"] == 5
 
 
-def test_the_grid_file_the_study_writes_is_one_the_sweep_reads(tmp_path):
+def test_the_grid_file_is_one_the_sweep_reads_and_each_cell_asks_for_its_weight_grid(tmp_path):
     grid = tmp_path / "g.json"
-    grid.write_text(json.dumps(study.study_grid(tmp_path, "tiny", baselines=False, seeds=(1, 2), steps=3)))
-    cells = [(c.params["rollout_precision"], c.params["correction"], c.params["seed"]) for c in load_grid(grid)]
-    reference = job_params(tmp_path / "task", "tiny")["train_dtype"]
-    assert cells == [(reference, "off", 1), (reference, "off", 2), *[("int8", c, s) for c in
-                     ("off", "tis", "token_mis") for s in (1, 2)]]
+    cells = {"none": ("off",), "w6a8": ("tis",)}
+    grid.write_text(json.dumps(study.study_grid(tmp_path, "tiny", cells=cells, seeds=(1, 2), steps=3)))
+    loaded = load_grid(grid)
+    trainer = job_params(tmp_path / "task", "tiny")["train_dtype"]
+    assert [(c.params["rollout_precision"], c.params.get("int8_weight_bits"), c.params["correction"], c.params["seed"])
+            for c in loaded] == [(trainer, None, "off", 1), (trainer, None, "off", 2), ("int8", "6", "tis", 1),
+                                 ("int8", "6", "tis", 2)]
+    # the earlier int8 study's cells keep their names, so a re-run reuses them
+    assert loaded[0].name == f"rollout_precision={trainer},correction=off,seed=1"
+    def argv(params):
+        return build_argv(check_params({**params, "run_dir": "r"}, TRAIN_PARAMS), Path("m"), Path("p"), Path("r"))
+
+    w6a8 = argv(loaded[2].params)
+    assert w6a8[w6a8.index("--vllm.int8_weight_bits") + 1] == "6"
+    assert "--vllm.int8_weight_bits" not in argv(loaded[0].params)  # auto: the CLI's own default
 
 
-def _run(path: Path, rewards: list[float], held: tuple[float, float], k3: float) -> Path:
-    writer = RunWriter(path)
-    for step, reward in enumerate(rewards, start=1):
-        line = {"reward": reward, "mismatch/k3_kl": k3, "mismatch/abs_dp_max": 10 * k3}
+def test_doses_are_checked_against_the_build_and_the_machine():
+    study.check_doses(list(study.DOSES), ALL_BITS, fp8_runs=True)
+    with pytest.raises(ParameterError, match=r"--doses: unknown dose level\(s\) \['w3a8'\]"):
+        study.check_doses(["none", "w3a8"], ALL_BITS, fp8_runs=True)
+    with pytest.raises(ParameterError, match=r"--doses w5a8: this build's --vllm.int8_weight_bits takes only"):
+        study.check_doses(["w5a8"], ("auto", "8", "7"), fp8_runs=True)
+    with pytest.raises(ParameterError, match="--doses fp8: no FP8 kernel"):
+        study.check_doses(["fp8"], ALL_BITS, fp8_runs=False)
+
+
+def test_an_unknown_dose_or_bad_step_count_is_refused_before_anything_runs(tmp_path, capsys):
+    for argv, flag in ((["--doses", "none", "w3a8"], "--doses"), (["--steps", "0"], "--steps"),
+                       (["--corrections", "nope"], "--corrections")):
+        with pytest.raises(SystemExit) as err:
+            study.main(["--out", str(tmp_path / "s"), *argv])
+        assert err.value.code == 2 and flag in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
+def test_quick_fits_an_hour_on_the_avx2_profile_and_the_dry_run_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("openrlhf_tis.rollout.quantize.WEIGHT_BITS_CHOICES", ALL_BITS)  # the W6A8..W4A8 build
+    monkeypatch.setattr(study, "job_params", lambda out, model: {**job_params(out, model), "train_dtype": "fp32",
+                                                                 "steps": 6})
+    study.main(["--out", str(tmp_path / "q"), "--model", "tiny", "--quick", "--dry_run"])
+    grid = json.loads((tmp_path / "q" / "study_grid.json").read_text())
+    assert grid["base"]["steps"] == study.QUICK_STEPS and study.cell_count(grid) == 6
+    assert study.estimate_seconds(grid) <= study.QUICK_BUDGET_S
+    # by hand: 6 cells x (110 + 4 x 60 + 20 + 4 x 50) s
+    assert study.estimate_seconds(grid) == 6 * (110 + 240 + 20 + 200)
+    assert "6 cells of 4 steps, trainer fp32, seeds [1, 2]" in capsys.readouterr().err
+    assert not (tmp_path / "q" / "cells").exists()  # a dry run runs nothing
+    study.main(["--out", str(tmp_path / "f"), "--model", "tiny", "--dry_run", "--doses", "none", "int8", "w4a8"])
+    full = json.loads((tmp_path / "f" / "study_grid.json").read_text())
+    assert study.cell_count(full) == 3 * len(study.CORRECTIONS) * len(study.SEEDS)
+
+
+def _run(path: Path, config: dict, held: tuple[float, float], k3: float) -> Path:
+    writer = RunWriter(path, config=config, origin={})
+    for step in range(1, 4):
+        line = {"reward": 0.1, "mismatch/k3_kl": k3, "mismatch/abs_dp_max": 10 * k3}
         if step == 1:
             line["eval_start/default_pass1"] = held[0]
-        if step == len(rewards):
+        if step == 3:
             line["eval/default_pass1"] = held[1]
         writer.append_metrics(step, line)
     return path
 
 
-def test_the_table_averages_seeds_and_leaves_failed_cells_out(tmp_path):
+def _results(tmp_path):
     results = []
-    for precision, seed, held, k3 in (("int8", 1, (0.2, 0.4), 0.04), ("int8", 2, (0.3, 0.6), 0.06),
-                                      ("fp32", 1, (0.25, 0.45), 1e-6)):
-        params = {"rollout_precision": precision, "correction": "tis", "seed": seed}
-        run = _run(tmp_path / f"{precision}{seed}", [0.1] * 10, held, k3)
-        results.append(CellResult(Cell(f"{precision},{seed}", params), "complete", run, run / "x.ipynb"))
+    for precision, bits, seed, held, k3, seconds in (("int8", "4", 1, (0.2, 0.4), 1.0, 500.0),
+                                                     ("int8", "4", 2, (0.3, 0.6), 1.2, None),
+                                                     ("fp32", None, 1, (0.25, 0.45), 1e-9, 400.0)):
+        params = {"rollout_precision": precision, "correction": "tis", "seed": seed,
+                  **({"int8_weight_bits": bits} if bits else {})}
+        config = {"vllm.rollout_precision": precision, "ds.param_dtype": "fp32", "algo.correction.preset": "tis",
+                  "vllm.int8_weight_bits": bits or "auto", "train.seed": seed}
+        run = _run(tmp_path / f"{precision}{seed}" / "run", config, held, k3)
+        results.append(CellResult(Cell(f"{precision},{seed}", params), "complete" if seconds else "skipped", run,
+                                  run / "x.ipynb", seconds=seconds))
     failed = {"rollout_precision": "int8", "correction": "off", "seed": 1}
-    results.append(CellResult(Cell("failed", failed), "failed", tmp_path / "none", tmp_path / "none.ipynb", "boom"))
-    table = study.seed_table(SweepResult(results))
-    assert list(table.index) == [("int8", "tis"), ("fp32", "tis")]
-    int8 = table.loc[("int8", "tis")]
+    results.append(CellResult(Cell("failed", failed), "failed", tmp_path / "none", tmp_path / "n.ipynb", "boom", 30.0))
+    return SweepResult(results)
+
+
+def test_the_table_averages_seeds_and_leaves_failed_cells_out(tmp_path):
+    result = _results(tmp_path)
+    table = study.seed_table(result)
+    assert list(table.index) == [("int8", "4", "tis"), ("fp32", "auto", "tis")]
+    int8 = table.loc[("int8", "4", "tis")]
     assert int8["seeds"] == 2
     assert int8["held-out before"] == pytest.approx(0.25) and int8["held-out after"] == pytest.approx(0.5)
-    assert int8["k3 KL(μ‖π_old)"] == pytest.approx(0.05) and int8["max |Δp|"] == pytest.approx(0.5)
-    assert table.loc[("fp32", "tis"), "seeds"] == 1
+    assert int8["k3 KL(μ‖π_old)"] == pytest.approx(1.1)
+    assert int8["max |Δp|"] == pytest.approx(11.0)  # the mean of each run's largest
     text = study.markdown(table)
-    assert text.splitlines()[0].count(" | ") == len(table.columns) + 1  # "max |Δp|" is escaped, not a column
-    assert text.splitlines()[2].startswith("| int8 | tis | 2 | ")
-    assert "0.5" in text.splitlines()[2] and not math.isnan(int8["held-out after"])
+    assert text.splitlines()[0].count(" | ") == len(table.columns) + 2  # "max |Δp|" is escaped, not a column
+    assert text.splitlines()[2].startswith("| int8 | 4 | tis | 2 | ") and not math.isnan(int8["held-out after"])
     assert study.markdown(study.seed_table(SweepResult([]))) == "(no cell completed)"
+    # the headline over completed cells: no kept-policy file in these runs, so the engine's score, labelled
+    headline = study.headline(result)
+    assert "held-out gain (rollout engine)" in headline.splitlines()[0]
+    assert "| w4a8 | tis | 2 | 1.1 | +0.250 |" in headline and "| none | tis | 1 | 1e-09 | +0.200 |" in headline
+    assert study.headline(SweepResult([])) == "(no cell completed)"
 
 
-def test_a_bad_step_count_is_refused_before_anything_runs(tmp_path, capsys):
-    with pytest.raises(SystemExit) as err:
-        study.main(["--out", str(tmp_path / "s"), "--steps", "0"])
-    assert err.value.code == 2 and "--steps" in capsys.readouterr().err
-    assert not (tmp_path / "s").exists()
+def test_compute_time_adds_every_timed_cell_over_all_sittings(tmp_path):
+    timing = study.compute_time(_results(tmp_path), wall_s=930.4)
+    assert timing == {"cells": 4, "ran_now": 3, "failed": 1, "cell_seconds_total": 930.0, "cells_timed": 3,
+                      "this_sitting_wall_s": 930}

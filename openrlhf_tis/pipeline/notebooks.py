@@ -60,8 +60,11 @@ NOTEBOOK_SOURCES = {
     "compare": lambda: _notebook(
         "compare",
         "# Compare runs\n"
-        "Overlaid curves, a final table, the flags that differ between the runs, and mismatch as a function\n"
-        "of the rollout probability (does the gap grow as p → 0?).",
+        "Runs that differ only by seed are one setting: the flags that differ between settings, one curve per\n"
+        "setting (mean over seeds, band: 95% t-interval), held-out gains with 95% intervals (the kept policy\n"
+        "first, the rollout engine's score second), the headline (gain against measured k3 KL, one line per\n"
+        "correction) and its markdown table, the seed-averaged final table; then the per-run detail: flags,\n"
+        "overlaid curves, final table, mismatch by rollout probability (does the gap grow as p → 0?).",
         [
             "from IPython.display import Markdown, display\n"
             "from openrlhf_tis.pipeline.report import show_comparison\n\n"

@@ -15,8 +15,26 @@ from matplotlib.figure import Figure
 
 from openrlhf_tis.pipeline.params import Param
 from openrlhf_tis.runs.reader import load_metrics
-from openrlhf_tis.viz.compare import config_diff, final_table, load_runs, resolve_runs, run_labels
-from openrlhf_tis.viz.curves import bucket_table, plot_buckets, plot_curves, png
+from openrlhf_tis.viz.compare import (
+    config_diff,
+    final_table,
+    load_runs,
+    resolve_runs,
+    run_facts,
+    run_labels,
+    setting_diff,
+)
+from openrlhf_tis.viz.curves import bucket_table, plot_buckets, plot_curves, plot_setting_curves, png
+from openrlhf_tis.viz.gain_plots import plot_dose_response, plot_gains
+from openrlhf_tis.viz.gains import (
+    SOURCES,
+    dose_response,
+    headline_markdown,
+    headline_source,
+    reference_setting,
+    run_gains,
+    setting_gains,
+)
 
 
 def _runs_value(value: Any) -> str | None:
@@ -69,9 +87,26 @@ def show_run(run_dir: str | Path, display: Callable[..., Any] | None = None) -> 
     return {"metrics": metrics, "buckets": buckets, "table": table}
 
 
+def _heading(text: str) -> Any:
+    from IPython.display import Markdown
+
+    return Markdown(text)
+
+
+def _seed_means(table: pd.DataFrame, facts: pd.DataFrame) -> pd.DataFrame:
+    """The per-run final table averaged over each setting's seeds (numbers only), with the seed count first."""
+    numeric = table.select_dtypes("number").join(facts["setting"])
+    grouped = numeric.groupby("setting", sort=False)
+    means = grouped.mean()
+    means.insert(0, "seeds", grouped.size())
+    return means
+
+
 def show_comparison(runs: Any, failures: Mapping[str, str] | None = None,
                     display: Callable[..., Any] | None = None) -> dict[str, Any]:
-    """Failures first, then the configuration differences, overlaid curves, the final table, mismatch by bucket."""
+    """Failures first; then by setting (runs that differ only by seed are one setting): the flags that differ,
+    curves as mean ± band, held-out gains with intervals, the headline (gain against k3 KL) and its table, the
+    seed-averaged final table; then the per-run detail (flags, overlaid curves, final table, mismatch by bucket)."""
     display = display or ipython_display()
     failed = pd.DataFrame({"error": dict(failures or {})}).rename_axis("cell")
     if len(failed):
@@ -79,11 +114,38 @@ def show_comparison(runs: Any, failures: Mapping[str, str] | None = None,
     paths = resolve_runs(runs)
     labels = run_labels(paths)
     metrics = load_runs(paths)
+    facts = run_facts(paths, labels, metrics)
+    setting_of = facts["setting"].to_dict()
+    display(_heading("### Settings (runs that differ only by seed are one setting)"))
+    display(facts.groupby("setting", sort=False).agg(
+        runs=("seed", "size"), seeds=("seed", lambda s: ", ".join(str(v) for v in s)), dose=("dose", "first"),
+        correction=("correction", "first"), k3_mean=("k3_mean", "mean")))
+    by_setting = setting_diff(paths, facts)
+    display(by_setting if len(by_setting) else pd.DataFrame({"note": ["the settings share every flag"]}))
+    display(plot_setting_curves(metrics, setting_of))
+    gains = run_gains(facts)
+    per_source = {source: setting_gains(gains, source) for source in SOURCES}
+    display(_heading("### Held-out gain by setting: the kept policy (trainer weights, trainer dtype) first, "
+                     "the rollout engine's score second; 95% intervals, `shown` only when every interval excludes 0"))
+    display(plot_gains(per_source))
+    for source, table in per_source.items():
+        display(table if len(table) else pd.DataFrame({"note": [f"no run has a {source} score before and after"]}))
+    source = headline_source(gains)
+    reference = reference_setting(facts)
+    points = dose_response(facts, gains, source)
+    display(_heading(f"### Headline: held-out gain ({source}) against measured mismatch"))
+    display(plot_dose_response(points, source, reference))
+    headline = headline_markdown(points, source)
+    display(_heading(headline))
+    table = final_table(metrics)
+    display(_seed_means(table, facts) if len(table) else table)
+    display(_heading("### Per-run detail"))
     diff = config_diff(paths, labels)
     display(diff if len(diff) else pd.DataFrame({"note": ["the runs share every flag"]}))
     display(plot_curves(metrics))
-    table = final_table(metrics)
     display(table)
     buckets = {name: bucket_table(frame) for name, frame in metrics.items()}
     display(plot_buckets(buckets))
-    return {"failures": failed, "config_diff": diff, "table": table, "buckets": buckets, "runs": paths}
+    return {"failures": failed, "facts": facts, "setting_diff": by_setting, "config_diff": diff, "gains": gains,
+            "setting_gains": per_source, "source": source, "dose_response": points, "headline": headline,
+            "table": table, "buckets": buckets, "runs": paths}

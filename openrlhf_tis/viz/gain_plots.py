@@ -1,0 +1,89 @@
+"""The study's two gain figures: held-out gain per setting (bars with intervals) and the headline, gain against
+measured mismatch (mean k3 KL, log scale) with one line per correction.
+
+Error bars are the 95% t-interval over seeds (viz/stats.py); a setting whose interval excludes 0 is drawn
+solid, one that does not is hatched ("not shown"), so a reader cannot mistake noise for a result.
+"""
+
+from __future__ import annotations
+
+import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+
+def _yerr(table: pd.DataFrame, low: str = "t_low", high: str = "t_high") -> np.ndarray:
+    """Asymmetric error bars from interval columns (0 where undefined: one seed)."""
+    below = (table["gain"] - table[low]).to_numpy(dtype=float)
+    above = (table[high] - table["gain"]).to_numpy(dtype=float)
+    return np.nan_to_num(np.vstack([below, above]), nan=0.0)
+
+
+def plot_gains(tables: dict[str, pd.DataFrame], title: str = "held-out gain (after − before), mean over seeds"
+               ) -> Figure:
+    """One bar per setting and source (viz.gains.setting_gains tables keyed by source, the kept policy first),
+    error bar = 95% t-interval over seeds; hatched where the interval includes 0."""
+    tables = {source: t for source, t in tables.items() if len(t)}
+    settings = list(dict.fromkeys(s for t in tables.values() for s in t.index))
+    fig = Figure(figsize=(max(6.0, 0.9 * len(settings) * max(1, len(tables)) + 2), 4.2))
+    ax = fig.subplots()
+    if not settings:
+        ax.text(0.5, 0.5, "no run has a held-out score before and after training", ha="center", va="center",
+                transform=ax.transAxes)
+        return fig
+    width = 0.8 / len(tables)
+    colours = ("tab:blue", "tab:grey")
+    for i, (source, table) in enumerate(tables.items()):
+        table = table.reindex(settings)
+        x = np.arange(len(settings)) + (i - (len(tables) - 1) / 2) * width
+        bars = ax.bar(x, table["gain"].to_numpy(dtype=float), width, yerr=_yerr(table), capsize=3,
+                      color=colours[i % len(colours)], alpha=0.85 if i == 0 else 0.5, label=source)
+        for bar, is_shown in zip(bars, table["shown"].fillna(False), strict=True):
+            if not is_shown:
+                bar.set_hatch("//")
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.set_xticks(np.arange(len(settings)), settings, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("held-out pass@1 gain")
+    ax.set_title(title + "\nbars: 95% t-interval over seeds; hatched: interval includes 0 (not shown)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_dose_response(points: pd.DataFrame, source: str, reference: str | None = None) -> Figure:
+    """The headline: held-out gain (y, 95% t-interval over seeds) against mean k3 KL(μ‖π_old) (x, log), one line
+    per correction through its doses; the reference setting's gain as a dashed line with its interval shaded.
+    Open markers: the interval includes 0. `points` is viz.gains.dose_response's table."""
+    fig = Figure(figsize=(7.5, 4.6))
+    ax = fig.subplots()
+    usable = points[np.isfinite(points["k3_mean"]) & (points["k3_mean"] > 0) & np.isfinite(points["gain"])] \
+        if len(points) else points
+    if not len(usable):
+        ax.text(0.5, 0.5, "no setting with both a k3 KL and a held-out gain", ha="center", va="center",
+                transform=ax.transAxes)
+        return fig
+    palette = matplotlib.colormaps["tab10"]
+    for i, (correction, group) in enumerate(usable.sort_values("k3_mean").groupby("correction", sort=False)):
+        colour = palette(i % palette.N)
+        ax.errorbar(group["k3_mean"], group["gain"], yerr=_yerr(group), color=colour, capsize=3, marker="o",
+                    markerfacecolor="none", label=correction)
+        solid = group[group["shown"].astype(bool)]
+        ax.plot(solid["k3_mean"], solid["gain"], "o", color=colour)
+        for _, row in group.iterrows():
+            ax.annotate(str(row["dose"]), (row["k3_mean"], row["gain"]), textcoords="offset points", xytext=(4, 4),
+                        fontsize=7, color=colour)
+    if reference is not None and reference in points.index:
+        ref = points.loc[reference]
+        ax.axhline(ref["gain"], color="black", linestyle="--", linewidth=0.8, label=f"reference ({reference})")
+        if np.isfinite(ref["t_low"]):
+            ax.axhspan(ref["t_low"], ref["t_high"], color="black", alpha=0.07)
+    ax.axhline(0.0, color="grey", linewidth=0.6)
+    ax.set_xscale("log")
+    ax.set_xlabel("measured mismatch: mean k3 KL(μ ‖ π_old) over the run's steps")
+    ax.set_ylabel(f"held-out gain ({source})")
+    ax.set_title("When does correction pay? Gain against mismatch, 95% t-intervals over seeds\n"
+                 "filled marker: interval excludes 0", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    return fig

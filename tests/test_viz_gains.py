@@ -1,0 +1,189 @@
+"""Seed-aggregated comparison: settings from configs, held-out gains from heldout_kept.json (or the engine's
+metrics, labelled), intervals against hand-computed values, and the report built from fixture runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+from openrlhf_tis.pipeline.report import show_comparison
+from openrlhf_tis.runs import RunStoreWarning, RunWriter
+from openrlhf_tis.runs.heldout import KEPT_FILE, read_kept_heldout
+from openrlhf_tis.runs.layout import unique_dir_name
+from openrlhf_tis.viz.compare import dose_of, run_facts, setting_diff
+from openrlhf_tis.viz.gain_plots import plot_dose_response, plot_gains
+from openrlhf_tis.viz.gains import (
+    ENGINE,
+    KEPT,
+    dose_response,
+    headline_markdown,
+    headline_source,
+    reference_setting,
+    run_gains,
+    setting_gains,
+    versus_reference,
+)
+
+T2 = 0.95 * math.sqrt(2.0 / (1.0 - 0.95**2))  # t(0.975, 2), from the df = 2 CDF
+T1 = math.tan(0.475 * math.pi)  # t(0.975, 1)
+
+
+def _kept(run, before, after, q_before=None, q_after=None, seed=1):
+    part = lambda p, q: {"model": "m", "pass1": p, "passk": min(1.0, 2 * p), **({"per_question": q} if q else {})}  # noqa: E731
+    (run / KEPT_FILE).write_text(json.dumps({"schema": 1, "policy": "trainer weights", "dtype": "fp32", "n_samples": 4,
+                                             "seed": seed, "before": part(before, q_before),
+                                             "after": part(after, q_after)}))
+
+
+def _cell(root, precision, correction, seed, *, bits="auto", k3=0.05, engine=(0.2, 0.3), kept=None):
+    """A sweep cell's run: config, metrics with engine held-out, and optionally heldout_kept.json."""
+    name = f"rollout_precision={precision},correction={correction},seed={seed}"
+    if bits != "auto":
+        name = name.replace(",correction", f",int8_weight_bits={bits},correction")
+    run = root / "cells" / unique_dir_name(name) / "run"
+    config = {"vllm.rollout_precision": precision, "ds.param_dtype": "fp32", "vllm.int8_weight_bits": bits,
+              "algo.correction.preset": correction, "train.seed": seed, "logger.run_dir": str(run), "lr": 2e-5}
+    writer = RunWriter(run, config=config, origin={})
+    for step in (1, 2, 3):
+        line = {"rollout/reward_mean": 0.1 * step + 0.01 * seed, "mismatch/k3_kl": k3 * step / 2}
+        if step == 1:
+            line["eval_start/default_pass1"] = engine[0]
+        if step == 3:
+            line["eval/default_pass1"] = engine[1]
+        writer.append_metrics(step, line)
+    if kept is not None:
+        _kept(run, *kept, seed=seed)
+    return run
+
+
+def test_the_kept_policy_file_is_read_and_a_damaged_one_is_ignored_by_name(tmp_path):
+    _kept(tmp_path, 0.25, 0.5, [0.0, 0.5], [0.5, 0.5], seed=7)
+    kept = read_kept_heldout(tmp_path)
+    assert (kept.before.pass1, kept.after.pass1, kept.seed, kept.dtype, kept.n_samples) == (0.25, 0.5, 7, "fp32", 4)
+    np.testing.assert_array_equal(kept.after.per_question - kept.before.per_question, [0.5, 0.0])
+    assert read_kept_heldout(tmp_path / "nowhere") is None  # absent: the engine's score is used instead
+    for bad in ({"schema": 2}, {"schema": 1, "before": {"pass1": 0.1}, "after": {"pass1": "x"}},
+                {"schema": 1, "before": {"pass1": 0.1, "per_question": [0.1]}, "after": {"pass1": 0.2}}):
+        (tmp_path / KEPT_FILE).write_text(json.dumps(bad))
+        with pytest.warns(RunStoreWarning, match=KEPT_FILE):
+            assert read_kept_heldout(tmp_path) is None
+
+
+def test_dose_levels_from_the_resolved_flags():
+    assert dose_of({"vllm.rollout_precision": "fp32", "ds.param_dtype": "fp32"}) == "none"
+    assert dose_of({"vllm.rollout_precision": "bf16", "ds.param_dtype": "fp32"}) == "bf16"
+    assert dose_of({"vllm.rollout_precision": "int8", "vllm.int8_weight_bits": "auto"}) == "int8"
+    assert dose_of({"vllm.rollout_precision": "int8", "vllm.int8_weight_bits": "4"}) == "w4a8"
+    assert dose_of({}) == "?"
+
+
+def _study(tmp_path, kept=True):
+    """Reference fp32/off and W4A8 x {off, tis}, seeds 1-3 (tis: seeds 1-2), kept-policy scores over 2 questions."""
+    ref_gain, off_gain, tis_gain = (0.30, 0.20, 0.25), (0.10, 0.00, 0.20), (0.05, 0.15)
+    runs = []
+    for seed in (1, 2, 3):
+        q = [0.25, 0.25]
+        runs.append(_cell(tmp_path, "fp32", "off", seed, k3=2e-9, kept=(0.25, 0.25 + ref_gain[seed - 1], q,
+                          [0.25 + ref_gain[seed - 1]] * 2) if kept else None))
+        runs.append(_cell(tmp_path, "int8", "off", seed, bits="4", k3=1.0, kept=(0.25, 0.25 + off_gain[seed - 1], q,
+                          [0.25, 0.25 + 2 * off_gain[seed - 1]]) if kept else None))
+        if seed < 3:
+            runs.append(_cell(tmp_path, "int8", "tis", seed, bits="4", k3=0.8,
+                              kept=(0.25, 0.25 + tis_gain[seed - 1]) if kept else None))
+    return runs
+
+
+def test_runs_that_differ_only_by_seed_are_one_setting(tmp_path):
+    runs = _study(tmp_path)
+    facts = run_facts(runs)
+    assert list(dict.fromkeys(facts["setting"])) == [
+        "rollout_precision=fp32_correction=off", "rollout_precision=int8_int8_weight_bits=4_correction=off",
+        "rollout_precision=int8_int8_weight_bits=4_correction=tis"]
+    assert facts.groupby("setting", sort=False)["seed"].apply(list).tolist() == [[1, 2, 3], [1, 2, 3], [1, 2]]
+    assert list(dict.fromkeys(facts["dose"])) == ["none", "w4a8"]
+    # each run's k3 is the mean over its steps: k3 * (1 + 2 + 3) / 6
+    assert facts["k3_mean"].iloc[1] == pytest.approx(1.0)
+    flags = setting_diff(runs, facts)
+    assert flags.shape[1] == 3 and "train.seed" not in flags.index and "logger.run_dir" not in flags.index
+    assert flags.loc["algo.correction.preset"].tolist() == ["off", "off", "tis"]
+
+
+def test_setting_gains_and_the_reference_comparison_against_hand_computed_intervals(tmp_path):
+    facts = run_facts(_study(tmp_path))
+    gains = run_gains(facts)
+    assert set(gains["source"]) == {KEPT, ENGINE} and headline_source(gains) == KEPT
+    table = setting_gains(gains, KEPT)
+    ref, off, tis = table.index
+    # reference gains 0.30, 0.20, 0.25: mean 0.25, s = 0.05
+    assert table.loc[ref, "gain"] == pytest.approx(0.25)
+    assert table.loc[ref, "t_low"] == pytest.approx(0.25 - T2 * 0.05 / math.sqrt(3))
+    assert table.loc[ref, "shown"]  # [0.126, 0.374] and the bootstrap both exclude 0
+    # W4A8 off gains 0.10, 0.00, 0.20: mean 0.1, s = 0.1, interval [-0.148, 0.348] includes 0
+    assert table.loc[off, "gain"] == pytest.approx(0.1) and not table.loc[off, "shown"]
+    assert table.loc[off, "t_high"] == pytest.approx(0.1 + T2 * 0.1 / math.sqrt(3))
+    # tis has no per-question scores: no bootstrap interval; 2 seeds: t(0.975, 1) * s / sqrt(2)
+    assert math.isnan(table.loc[tis, "boot_low"])
+    assert table.loc[tis, "t_high"] - table.loc[tis, "gain"] == pytest.approx(T1 * (0.1 / math.sqrt(2)) / math.sqrt(2))
+    assert reference_setting(facts) == ref
+    versus = versus_reference(gains, KEPT, ref)
+    # paired by seed: off − ref = -0.2, -0.2, -0.05 -> mean -0.15, s = 0.0866
+    diffs = np.array([-0.2, -0.2, -0.05])
+    assert versus.loc[off, "difference"] == pytest.approx(diffs.mean())
+    assert versus.loc[off, "t_high"] == pytest.approx(diffs.mean() + T2 * diffs.std(ddof=1) / math.sqrt(3))
+    assert versus.loc[off, "seeds"] == 3 and versus.loc[tis, "seeds"] == 2  # tis ran seeds 1, 2 only
+    engine = setting_gains(gains, ENGINE)
+    assert engine["gain"].tolist() == pytest.approx([0.1, 0.1, 0.1])  # the fixtures' engine score: 0.2 -> 0.3
+
+
+def test_without_kept_scores_the_engine_is_the_headline_and_says_so(tmp_path):
+    facts = run_facts(_study(tmp_path, kept=False))
+    gains = run_gains(facts)
+    assert set(gains["source"]) == {ENGINE} and headline_source(gains) == ENGINE
+    text = headline_markdown(dose_response(facts, gains, ENGINE), ENGINE)
+    assert "held-out gain (rollout engine)" in text.splitlines()[0]
+    _kept(facts["path"].iloc[0], 0.2, 0.4)  # one run with a kept score: the others would mix sources
+    with pytest.warns(UserWarning, match="only 1 of 8 runs"):
+        assert headline_source(run_gains(facts)) == ENGINE
+
+
+def test_the_headline_table_and_figure(tmp_path):
+    facts = run_facts(_study(tmp_path))
+    gains = run_gains(facts)
+    points = dose_response(facts, gains, KEPT)
+    assert points["k3_mean"].tolist() == pytest.approx([2e-9, 1.0, 0.8])
+    text = headline_markdown(points, KEPT)
+    rows = text.splitlines()[2:]
+    assert len(rows) == 3 and rows[0].startswith("| none | off | 3 | 2e-09 | +0.250 | [+0.126, +0.374]")
+    assert rows[0].split(" | ")[8] == "n/a"  # the reference has no difference from itself
+    assert rows[1].split(" | ")[8] == "-0.150"
+    assert rows[2].startswith("| w4a8 | tis | 2 | 0.8 | +0.100 |")
+    fig = plot_dose_response(points, KEPT, reference_setting(facts))
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "log" and {t.get_text() for t in ax.get_legend().get_texts()} >= {"off", "tis"}
+    off_line = next(c for c in ax.containers if c.get_label() == "off").lines[0]
+    np.testing.assert_allclose(off_line.get_xydata(), [[2e-9, 0.25], [1.0, 0.1]])  # sorted by k3
+    bars = plot_gains({KEPT: setting_gains(gains, KEPT), ENGINE: setting_gains(gains, ENGINE)}).axes[0]
+    hatched = [p.get_hatch() for p in bars.patches[:3]]
+    assert hatched == [None, "//", "//"]  # only the reference's gain is shown
+
+
+def test_the_report_lists_settings_not_runs_and_keeps_per_run_detail(tmp_path):
+    runs = _study(tmp_path)
+    shown = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RunStoreWarning)
+        result = show_comparison([str(tmp_path / "cells")], {"bad": "cell 3: ValueError: x"}, display=shown.append)
+    assert shown[0].to_dict() == {"error": {"bad": "cell 3: ValueError: x"}}  # failures first
+    assert result["setting_diff"].shape[1] == 3 and result["config_diff"].shape[1] == len(runs) == 8
+    assert result["source"] == KEPT and "| none | off | 3 |" in result["headline"]
+    curves = next(fig for fig in shown if getattr(fig, "legends", None) and "band" in fig._suptitle.get_text())
+    reward = next(ax for ax in curves.axes if ax.get_title() == "reward")
+    assert len(reward.lines) == 3 and len(reward.collections) == 3  # one line and one band per setting
+    np.testing.assert_allclose(reward.lines[0].get_ydata(), [0.12, 0.22, 0.32])  # mean over seeds 1-3
+    assert [t.get_text() for t in curves.legends[0].get_texts()][2].endswith("(2 seeds)")
+    texts = [getattr(obj, "data", "") for obj in shown]
+    assert texts.index("### Per-run detail") > texts.index(result["headline"])
