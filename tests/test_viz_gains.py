@@ -187,3 +187,22 @@ def test_the_report_lists_settings_not_runs_and_keeps_per_run_detail(tmp_path):
     assert [t.get_text() for t in curves.legends[0].get_texts()][2].endswith("(2 seeds)")
     texts = [getattr(obj, "data", "") for obj in shown]
     assert texts.index("### Per-run detail") > texts.index(result["headline"])
+
+
+def test_plain_run_names_are_grouped_by_config_and_named_by_their_flags(tmp_path):
+    runs = []
+    for name, seed, lr in (("a", 1, 1e-3), ("b", 2, 1e-3), ("c", 1, 2e-3)):
+        writer = RunWriter(tmp_path / name, config={"lr": lr, "train.seed": seed}, origin={})
+        writer.append_metrics(1, {"mismatch/k3_kl": 0.1})
+        runs.append(tmp_path / name)
+    facts = run_facts(runs)
+    assert facts["setting"].tolist() == ["lr=0.001", "lr=0.001", "lr=0.002"] and facts["seed"].tolist() == [1, 2, 1]
+
+
+def test_a_setting_missing_from_one_source_is_drawn_as_not_shown(tmp_path):
+    facts = run_facts(_study(tmp_path))
+    gains = run_gains(facts)
+    kept = setting_gains(gains, KEPT)
+    bars = plot_gains({KEPT: kept.iloc[:1], ENGINE: setting_gains(gains, ENGINE)}).axes[0]
+    assert len(bars.patches) == 6 and [p.get_hatch() for p in bars.patches[:3]] == [None, "//", "//"]
+    assert [t.get_text() for t in bars.get_xticklabels()] == list(kept.index)

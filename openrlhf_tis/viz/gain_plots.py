@@ -39,7 +39,7 @@ def plot_gains(tables: dict[str, pd.DataFrame], title: str = "held-out gain (aft
         x = np.arange(len(settings)) + (i - (len(tables) - 1) / 2) * width
         bars = ax.bar(x, table["gain"].to_numpy(dtype=float), width, yerr=_yerr(table), capsize=3,
                       color=colours[i % len(colours)], alpha=0.85 if i == 0 else 0.5, label=source)
-        for bar, is_shown in zip(bars, table["shown"].fillna(False), strict=True):
+        for bar, is_shown in zip(bars, table["shown"].eq(True), strict=True):  # NaN (no score): not shown
             if not is_shown:
                 bar.set_hatch("//")
     ax.axhline(0.0, color="black", linewidth=0.8)
