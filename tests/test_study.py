@@ -3,6 +3,7 @@ refused before anything runs, --quick fits its hour, and the tables and compute 
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -61,6 +62,23 @@ def test_doses_are_checked_against_the_build_and_the_machine():
         study.check_doses(["w5a8"], ("auto", "8", "7"), fp8_runs=True)
     with pytest.raises(ParameterError, match="--doses fp8: no FP8 kernel"):
         study.check_doses(["fp8"], ALL_BITS, fp8_runs=False)
+
+
+def test_the_default_axis_has_fp8_only_where_bf16_is_native_and_a_kernel_runs(monkeypatch):
+    monkeypatch.setattr("openrlhf_tis.rollout.quantize.WEIGHT_BITS_CHOICES", ALL_BITS)
+    args = argparse.Namespace(doses=None, quick=False, corrections=None, baselines=False)
+    mild_to_harsh = ["none", "int8", "w6a8", "w5a8", "w4a8"]
+    for native, kernel, doses in ((False, True, mild_to_harsh), (True, False, mild_to_harsh),
+                                  (True, True, ["none", "fp8", *mild_to_harsh[1:]])):
+        monkeypatch.setattr(study, "native_bf16", lambda native=native: native)
+        monkeypatch.setattr(study, "_fp8_runs", lambda kernel=kernel: kernel)
+        cells = study.choose_cells(args)
+        assert list(cells) == doses and set(cells.values()) == {study.CORRECTIONS}
+    monkeypatch.setattr(study, "_fp8_runs", lambda: False)
+    with pytest.raises(ParameterError, match="--doses fp8"):  # asked for by name where no kernel runs
+        study.choose_cells(argparse.Namespace(doses=["fp8"], quick=False, corrections=None, baselines=False))
+    quick = study.choose_cells(argparse.Namespace(doses=None, quick=True, corrections=None, baselines=True))
+    assert quick == {"none": ("off", *study.BASELINES), "w4a8": ("off", "tis", *study.BASELINES)}
 
 
 def test_an_unknown_dose_or_bad_step_count_is_refused_before_anything_runs(tmp_path, capsys):

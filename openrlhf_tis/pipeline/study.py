@@ -214,10 +214,10 @@ def choose_cells(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
     if args.doses is None and not fp8:
         doses = [d for d in doses if d != "fp8"]
     check_doses(doses, WEIGHT_BITS_CHOICES, fp8)
+    extra = BASELINES if args.baselines else ()
     if args.quick and args.doses is None and args.corrections is None:
-        return {dose: QUICK[dose] for dose in doses}
-    corrections = tuple(args.corrections or CORRECTIONS) + (BASELINES if args.baselines else ())
-    return {dose: corrections for dose in doses}
+        return {dose: QUICK[dose] + extra for dose in doses}
+    return {dose: tuple(args.corrections or CORRECTIONS) + extra for dose in doses}
 
 
 def main(argv: list[str] | None = None) -> None:

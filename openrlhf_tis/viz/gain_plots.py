@@ -55,7 +55,7 @@ def plot_dose_response(points: pd.DataFrame, source: str, reference: str | None 
     """The headline: held-out gain (y, 95% t-interval over seeds) against mean k3 KL(μ‖π_old) (x, log), one line
     per correction through its doses; the reference setting's gain as a dashed line with its interval shaded.
     Open markers: the interval includes 0. `points` is viz.gains.dose_response's table."""
-    fig = Figure(figsize=(7.5, 4.6))
+    fig = Figure(figsize=(9.0, 4.8))
     ax = fig.subplots()
     usable = points[np.isfinite(points["k3_mean"]) & (points["k3_mean"] > 0) & np.isfinite(points["gain"])] \
         if len(points) else points
@@ -71,8 +71,8 @@ def plot_dose_response(points: pd.DataFrame, source: str, reference: str | None 
         solid = group[group["shown"].astype(bool)]
         ax.plot(solid["k3_mean"], solid["gain"], "o", color=colour)
         for _, row in group.iterrows():
-            ax.annotate(str(row["dose"]), (row["k3_mean"], row["gain"]), textcoords="offset points", xytext=(4, 4),
-                        fontsize=7, color=colour)
+            ax.annotate(str(row["dose"]), (row["k3_mean"], row["gain"]), textcoords="offset points",
+                        xytext=(4, 4 + 9 * i), fontsize=7, color=colour)  # corrections at one dose: stacked labels
     if reference is not None and reference in points.index:
         ref = points.loc[reference]
         ax.axhline(ref["gain"], color="black", linestyle="--", linewidth=0.8, label=f"reference ({reference})")
