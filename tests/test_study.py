@@ -160,3 +160,25 @@ def test_compute_time_adds_every_timed_cell_over_all_sittings(tmp_path):
     timing = study.compute_time(_results(tmp_path), wall_s=930.4)
     assert timing == {"cells": 4, "ran_now": 3, "failed": 1, "cell_seconds_total": 930.0, "cells_timed": 3,
                       "this_sitting_wall_s": 930}
+
+
+def test_each_cell_keeps_its_time_so_a_later_sitting_still_counts_it(tmp_path, monkeypatch):
+    from openrlhf_tis.pipeline import sweep
+
+    clock = iter([100.0, 160.5, 200.0, 230.0])
+    monkeypatch.setattr(sweep.time, "monotonic", lambda: next(clock))
+    calls = []
+
+    def fake_execute(name, notebook, params, cwd):
+        calls.append(params["seed"])
+        if params["seed"] == 2:
+            raise RuntimeError("boom")
+
+    monkeypatch.setattr(sweep, "execute", fake_execute)
+    cells = [Cell(f"seed={s}", {"seed": s}) for s in (1, 2)]
+    first = [sweep.run_cell(c, tmp_path) for c in cells]
+    assert [(r.status, r.seconds) for r in first] == [("complete", 60.5), ("failed", 30.0)]
+    again = sweep.run_cell(cells[0], tmp_path)  # a later sitting: skipped, its time read back from status.json
+    assert (again.status, again.seconds, calls) == ("skipped", 60.5, [1, 2])
+    status = json.loads((tmp_path / "cells" / cells[1].slug / "status.json").read_text())
+    assert status["seconds"] == 30.0 and status["error"] == "RuntimeError: boom"
