@@ -129,6 +129,7 @@ def show_comparison(runs: Any, failures: Mapping[str, str] | None = None,
                      "the rollout engine's score second; 95% intervals, `shown` only when every interval excludes 0"))
     display(plot_gains(per_source))
     for source, table in per_source.items():
+        display(_heading(f"#### {source}"))
         display(table if len(table) else pd.DataFrame({"note": [f"no run has a {source} score before and after"]}))
     source = headline_source(gains)
     reference = reference_setting(facts)
@@ -138,6 +139,7 @@ def show_comparison(runs: Any, failures: Mapping[str, str] | None = None,
     headline = headline_markdown(points, source)
     display(_heading(headline))
     table = final_table(metrics)
+    display(_heading("### Final values, mean over each setting's seeds"))
     display(_seed_means(table, facts) if len(table) else table)
     display(_heading("### Per-run detail"))
     diff = config_diff(paths, labels)
