@@ -100,9 +100,7 @@ def _study(tmp_path, kept=True):
 def test_runs_that_differ_only_by_seed_are_one_setting(tmp_path):
     runs = _study(tmp_path)
     facts = run_facts(runs)
-    assert list(dict.fromkeys(facts["setting"])) == [
-        "rollout_precision=fp32_correction=off", "rollout_precision=int8_int8_weight_bits=4_correction=off",
-        "rollout_precision=int8_int8_weight_bits=4_correction=tis"]
+    assert list(dict.fromkeys(facts["setting"])) == ["none / off", "w4a8 / off", "w4a8 / tis"]
     assert facts.groupby("setting", sort=False)["seed"].apply(list).tolist() == [[1, 2, 3], [1, 2, 3], [1, 2]]
     assert list(dict.fromkeys(facts["dose"])) == ["none", "w4a8"]
     # each run's k3 is the mean over its steps: k3 * (1 + 2 + 3) / 6
@@ -187,6 +185,18 @@ def test_the_report_lists_settings_not_runs_and_keeps_per_run_detail(tmp_path):
     assert [t.get_text() for t in curves.legends[0].get_texts()][2].endswith("(2 seeds)")
     texts = [getattr(obj, "data", "") for obj in shown]
     assert texts.index("### Per-run detail") > texts.index(result["headline"])
+
+
+def test_settings_outside_a_dose_grid_are_named_by_the_sweep_label_or_their_flags(tmp_path):
+    runs = [_cell(tmp_path, "int8", "tis", seed) for seed in (1, 2)]  # one setting: its sweep label names it
+    runs.append(_cell(tmp_path / "other", "int8", "tis", 1))  # the same dose and correction under another lr:
+    config = json.loads((runs[2] / "config.json").read_text())
+    config["config"]["lr"] = 1e-3
+    (runs[2] / "config.json").write_text(json.dumps(config))
+    labels = ["rollout_precision=int8_correction=tis_seed=1", "rollout_precision=int8_correction=tis_seed=2",
+              "lr_sweep_seed=1"]
+    facts = run_facts(runs, labels)
+    assert facts["setting"].tolist() == ["rollout_precision=int8_correction=tis"] * 2 + ["lr_sweep"]
 
 
 def test_plain_run_names_are_grouped_by_config_and_named_by_their_flags(tmp_path):

@@ -162,8 +162,9 @@ def run_facts(paths: Sequence[Path], labels: Sequence[str] | None = None,
               metrics: Mapping[str, pd.DataFrame] | None = None) -> pd.DataFrame:
     """One row per run (index: its label): the setting it belongs to, its seed, dose level, correction preset and
     mean k3 KL over its steps. Runs whose resolved configurations differ only by seed (and incidental paths)
-    share a setting, named by the run label less its `seed=N` (a sweep's cells), else by the flags that set it
-    apart from the other settings. `metrics` (by label) saves reading metrics.jsonl again."""
+    share a setting, named `dose / correction` where those two tell the settings apart (a study), else by the run
+    label less its `seed=N` (a sweep's cells), else by the flags that set it apart from the other settings.
+    `metrics` (by label) saves reading metrics.jsonl again."""
     labels = list(labels) if labels is not None else run_labels(paths)
     configs = [(read_run_config(p) or {}).get("config", {}) for p in paths]
     diff = config_diff(paths, labels).drop(index=list(SEED_FLAGS), errors="ignore")
@@ -173,15 +174,19 @@ def run_facts(paths: Sequence[Path], labels: Sequence[str] | None = None,
     members: dict[str, set[str]] = {}
     for key, name in zip(keys, stripped, strict=True):
         members.setdefault(key, set()).add(name)
-    names = {key: next(iter(found)) for key, found in members.items() if len(found) == 1}
+    doses = [dose_of(config) for config in configs]
+    corrections = [config.get("algo.correction.preset", "?") for config in configs]
+    names = {key: f"{dose} / {correction}" for key, dose, correction in zip(keys, doses, corrections, strict=True)}
+    if "?" in doses + corrections or len(set(names.values())) < len(names):  # not a dose x correction grid
+        names = {key: next(iter(found)) for key, found in members.items() if len(found) == 1}
     if len(names) < len(members) or len(set(names.values())) < len(names):
         names = {key: _flags_name(diff, label) for key, label in zip(keys, labels, strict=True)}
     rows = []
-    for path, label, config, key in zip(paths, labels, configs, keys, strict=True):
+    for path, label, config, key, dose, correction in zip(paths, labels, configs, keys, doses, corrections,
+                                                          strict=True):
         frame = metrics[label] if metrics is not None else load_metrics(path)
-        rows.append({"run": label, "setting": names[key], "seed": _seed_of(config, label), "dose": dose_of(config),
-                     "correction": config.get("algo.correction.preset", "?"), "k3_mean": _column(frame, K3_KEY, "mean"),
-                     "path": path})
+        rows.append({"run": label, "setting": names[key], "seed": _seed_of(config, label), "dose": dose,
+                     "correction": correction, "k3_mean": _column(frame, K3_KEY, "mean"), "path": path})
     return pd.DataFrame(rows).set_index("run")
 
 
