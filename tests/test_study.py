@@ -150,7 +150,8 @@ def test_the_table_averages_seeds_and_leaves_failed_cells_out(tmp_path):
     assert text.splitlines()[2].startswith("| int8 | 4 | tis | 2 | ") and not math.isnan(int8["held-out after"])
     assert study.markdown(study.seed_table(SweepResult([]))) == "(no cell completed)"
     # the headline over completed cells: no kept-policy file in these runs, so the engine's score, labelled
-    headline = study.headline(result)
+    headline = study.headline(result, tmp_path / "dose.png")
+    assert (tmp_path / "dose.png").read_bytes().startswith(b"\x89PNG")
     assert "held-out gain (rollout engine)" in headline.splitlines()[0]
     assert "| w4a8 | tis | 2 | 1.1 | +0.250 |" in headline and "| none | tis | 1 | 1e-09 | +0.200 |" in headline
     assert study.headline(SweepResult([])) == "(no cell completed)"

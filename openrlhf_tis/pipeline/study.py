@@ -6,8 +6,9 @@ corrections x seeds. Every cell is train.ipynb run by the sweep (pipeline/sweep.
 re-run skips finished cells, a failing cell is reported in the report and the others go on), so the study
 resumes where it stopped and can run in several sittings. The sweep's comparison report aggregates seeds
 (one line and one bar per setting, with 95% intervals) and draws the headline: held-out gain of the kept
-policy against measured mean k3 KL, one line per correction. The study then writes the headline table
-(`dose_response.md`), the seed-averaged table (`study_table.md`) and its total compute time (`study_time.json`).
+policy against measured mean k3 KL, one line per correction. The study then writes the headline table and
+figure (`dose_response.md`, `dose_response.png`), the seed-averaged table (`study_table.md`) and its total
+compute time (`study_time.json`).
 
 Each dose's meaning on this machine is printed at the start (e.g. `int8` is W7A8 on a CPU without VNNI: the
 grid its int8 GEMM computes exactly). An unknown dose, or one this build's `--vllm.int8_weight_bits` cannot
@@ -34,7 +35,9 @@ from openrlhf_tis.pipeline.sweep import SweepResult, results_table, run_sweep
 from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.runs.reader import load_metrics
 from openrlhf_tis.viz.compare import final_table, run_facts
-from openrlhf_tis.viz.gains import dose_response, headline_markdown, headline_source, run_gains
+from openrlhf_tis.viz.curves import png
+from openrlhf_tis.viz.gain_plots import plot_dose_response
+from openrlhf_tis.viz.gains import dose_response, headline_markdown, headline_source, reference_setting, run_gains
 
 # Dose levels, mildest first: name -> (train.ipynb parameters, what it is). "none" takes the trainer's dtype.
 DOSES: dict[str, tuple[dict[str, str], str]] = {
@@ -156,15 +159,19 @@ def markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def headline(result: SweepResult) -> str:
-    """The headline table over the completed cells: gain (kept policy, else the engine, labelled) against k3."""
+def headline(result: SweepResult, figure: Path | None = None) -> str:
+    """The headline table over the completed cells: gain (kept policy, else the engine, labelled) against k3;
+    the headline figure is written to `figure` (PNG) too, for the README."""
     runs = [r.run_dir for r in result.results if r.status != "failed"]
     if not runs:
         return "(no cell completed)"
     facts = run_facts(runs)
     gains = run_gains(facts)
     source = headline_source(gains)
-    return headline_markdown(dose_response(facts, gains, source), source)
+    points = dose_response(facts, gains, source)
+    if figure is not None:
+        atomic_write(figure, png(plot_dose_response(points, source, reference_setting(facts)), dpi=120))
+    return headline_markdown(points, source)
 
 
 def compute_time(result: SweepResult, wall_s: float) -> dict[str, Any]:
@@ -264,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     print(results_table(result).to_string())
     table = markdown(seed_table(result))
     (out / "study_table.md").write_text(table + "\n")
-    doses = headline(result)
+    doses = headline(result, out / "dose_response.png")
     (out / "dose_response.md").write_text(doses + "\n")
     timing = compute_time(result, time.monotonic() - start)
     atomic_write(out / "study_time.json", json.dumps(timing, indent=1).encode())
