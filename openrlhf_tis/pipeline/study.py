@@ -258,7 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     grid_file.write_text(json.dumps(grid, indent=1))
     trainer = grid["base"]["train_dtype"]
     print(f"[study] {cell_count(grid)} cells of {grid['base']['steps']} steps, trainer {trainer}, seeds {list(seeds)}; "
-          f"all cells ≈ {estimate_seconds(grid) / 60:.0f} min here (finished cells skip); grid {grid_file}\n"
+          f"all cells ≈ {estimate_seconds(grid) / 60:.0f} min with SmolLM2 on this CPU's profile (finished cells "
+          f"skip); grid {grid_file}\n"
           f"{_describe(cells, trainer)}", file=sys.stderr)
     if args.dry_run:
         return
