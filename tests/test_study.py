@@ -33,6 +33,12 @@ def test_the_grid_is_the_main_jobs_recipe_over_dose_correction_and_seed(tmp_path
     ]
     assert study.cell_count(grid) == 10
     assert study.study_grid(tmp_path, "tiny", cells=cells, seeds=(3,), steps=5)["base"]["steps"] == 5
+    stale = study.study_grid(tmp_path, "tiny", cells={"int8": ("off",)}, seeds=(1, 2), steps=None, queues=(0, 1, 2))
+    assert stale["grid"] == [{"rollout_precision": ["int8"], "async_queue": [0, 1, 2], "correction": ["off"],
+                              "seed": [1, 2]}]
+    assert study.cell_count(stale) == 6
+    (tmp_path / "stale.json").write_text(json.dumps(stale))
+    assert [c.params["async_queue"] for c in load_grid(tmp_path / "stale.json")] == [0, 0, 1, 1, 2, 2]
 
 
 def test_the_grid_file_is_one_the_sweep_reads_and_each_cell_asks_for_its_weight_grid(tmp_path):
@@ -83,6 +89,7 @@ def test_the_default_axis_has_fp8_only_where_bf16_is_native_and_a_kernel_runs(mo
 
 def test_an_unknown_dose_or_bad_step_count_is_refused_before_anything_runs(tmp_path, capsys):
     for argv, flag in ((["--doses", "none", "w3a8"], "--doses"), (["--steps", "0"], "--steps"),
+                       (["--async_queues", "0", "-1"], "--async_queues"),
                        (["--corrections", "nope"], "--corrections")):
         with pytest.raises(SystemExit) as err:
             study.main(["--out", str(tmp_path / "s"), *argv])

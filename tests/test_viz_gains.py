@@ -78,6 +78,8 @@ def test_dose_levels_from_the_resolved_flags():
     assert dose_of({"vllm.rollout_precision": "bf16", "ds.param_dtype": "fp32"}) == "bf16"
     assert dose_of({"vllm.rollout_precision": "int8", "vllm.int8_weight_bits": "auto"}) == "int8"
     assert dose_of({"vllm.rollout_precision": "int8", "vllm.int8_weight_bits": "4"}) == "w4a8"
+    assert dose_of({"vllm.rollout_precision": "int8", "vllm.int8_weight_bits": "6", "train.async_enable": True,
+                    "train.async_queue_size": 2}) == "w6a8+q2"
     assert dose_of({}) == "?"
 
 

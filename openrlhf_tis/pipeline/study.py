@@ -109,19 +109,22 @@ def dose_params(dose: str, trainer_dtype: str) -> dict[str, str]:
 
 
 def study_grid(out: Path, model: str, *, cells: dict[str, tuple[str, ...]], seeds: tuple[int, ...],
-               steps: int | None) -> dict:
-    """The sweep grid: the main job's parameters as the base, one grid table per dose (its corrections x seeds;
-    the sweep runs the union). Cells of the earlier int8 study keep their names, so they are reused."""
+               steps: int | None, queues: tuple[int, ...] = (0,)) -> dict:
+    """The sweep grid: the main job's parameters as the base, one grid table per dose (its corrections x seeds,
+    and x async queue sizes when the staleness axis is asked for; the sweep runs the union). Cells of the
+    earlier int8 study keep their names, so they are reused."""
     base = job_params(out / "task", model)
     if steps is not None:
         base["steps"] = steps
-    grid = [{**{k: [v] for k, v in dose_params(dose, base["train_dtype"]).items()},
+    staleness = {"async_queue": list(queues)} if tuple(queues) != (0,) else {}
+    grid = [{**{k: [v] for k, v in dose_params(dose, base["train_dtype"]).items()}, **staleness,
              "correction": list(corrections), "seed": list(seeds)} for dose, corrections in cells.items()]
     return {"base": base, "grid": grid}
 
 
 def cell_count(grid: dict) -> int:
-    return sum(len(table["correction"]) * len(table["seed"]) for table in grid["grid"])
+    return sum(len(table["correction"]) * len(table["seed"]) * len(table.get("async_queue", [0]))
+               for table in grid["grid"])
 
 
 def estimate_seconds(grid: dict) -> float:
@@ -241,10 +244,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baselines", action="store_true", help=f"add the corrections {', '.join(BASELINES)}")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="training seeds (default 1 2 3)")
     parser.add_argument("--steps", type=int, default=None, help="steps per cell (default: the main job's)")
+    parser.add_argument("--async_queues", type=int, nargs="+", default=[0], metavar="N",
+                        help="staleness axis: async queue sizes (0: synchronous, 1, 2: rollouts up to N batches "
+                        "ahead of the trainer); default 0 only")
     parser.add_argument("--dry_run", action="store_true", help="print the grid and its time estimate, run nothing")
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    if any(q < 0 for q in args.async_queues):
+        parser.error(f"--async_queues must be >= 0, got {args.async_queues}")
     try:
         cells = choose_cells(args)
     except ParameterError as err:
@@ -253,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = args.steps or (QUICK_STEPS if args.quick else None)
     out = Path(args.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
-    grid = study_grid(out, args.model, cells=cells, seeds=seeds, steps=steps)
+    grid = study_grid(out, args.model, cells=cells, seeds=seeds, steps=steps, queues=tuple(args.async_queues))
     grid_file = out / "study_grid.json"
     grid_file.write_text(json.dumps(grid, indent=1))
     trainer = grid["base"]["train_dtype"]

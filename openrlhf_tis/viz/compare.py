@@ -144,14 +144,15 @@ def _seed_of(config: Mapping[str, Any], label: str) -> int | None:
 def dose_of(config: Mapping[str, Any]) -> str:
     """The rollout precision as a dose level (pipeline/study.py's names): `none` when the engine computes in the
     trainer's dtype, `int8` for the weight grid the CPU computes exactly (`auto`: 8 bits, 7 without VNNI),
-    `w<N>a8` for an explicit grid, else the precision itself; `?` for a run without a config."""
+    `w<N>a8` for an explicit grid, else the precision itself; `+q<N>` for async training with a queue of N (stale
+    rollouts add to the mismatch); `?` for a run without a config."""
     precision = config.get("vllm.rollout_precision")
     if precision is None:
         return "?"
-    if precision == config.get("ds.param_dtype", "bf16"):
-        return "none"
     bits = str(config.get("vllm.int8_weight_bits", "auto"))
-    return f"w{bits}a8" if precision == "int8" and bits != "auto" else str(precision)
+    dose = "none" if precision == config.get("ds.param_dtype", "bf16") else \
+        f"w{bits}a8" if precision == "int8" and bits != "auto" else str(precision)
+    return dose + (f"+q{config.get('train.async_queue_size')}" if config.get("train.async_enable") else "")
 
 
 def _flags_name(diff: pd.DataFrame, label: str) -> str:
