@@ -49,7 +49,7 @@ def _step_columns(step: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
         "rollout_logprob": rollout, "old_logprob": rollout + 0.01, "train_logprob": rollout + rng.normal(0, 0.1, n),
         "is_weight_raw": rng.lognormal(0, 0.3, n), "is_weight": rng.uniform(0, 2, n), "mask_reason": codes,
         "advantage": rng.normal(size=samples)[sample_id], "entropy": rng.exponential(size=n),
-        "reward": rng.random(samples)[sample_id],
+        "reward": rng.random(samples)[sample_id], "lag": rng.integers(0, 3, samples)[sample_id],
     }
 
 
@@ -74,8 +74,11 @@ def runs(tmp_path_factory):
     return root, {name: _make_run(root / name, seed) for seed, name in enumerate(("a", "b"))}
 
 
-def _reference(ref: pd.DataFrame, steps, samples, masked_only, prob_range) -> pd.DataFrame:
+def _reference(ref: pd.DataFrame, steps, samples, masked_only, prob_range, lags=None) -> pd.DataFrame:
     keep = np.ones(len(ref), bool)
+    if lags is not None:
+        keep &= (ref["lag"] >= (lags[0] if lags[0] is not None else -1)) & \
+            (ref["lag"] <= (lags[1] if lags[1] is not None else 10**9))
     if steps is not None:
         lo, hi = steps
         keep &= (ref["step"] >= (lo if lo is not None else -1)) & (ref["step"] <= (hi if hi is not None else 10**9))
@@ -100,12 +103,14 @@ def _reference(ref: pd.DataFrame, steps, samples, masked_only, prob_range) -> pd
     samples=st.none() | st.sets(st.integers(0, 7), max_size=3),
     masked_only=st.booleans(),
     prob_range=st.none() | st.tuples(st.none() | st.floats(0, 1), st.none() | st.floats(0, 1)),
+    lags=st.none() | st.tuples(st.none() | st.integers(0, 3), st.none() | st.integers(0, 3)),
 )
-def test_query_filters_match_pandas_reference(runs, steps, samples, masked_only, prob_range):
+def test_query_filters_match_pandas_reference(runs, steps, samples, masked_only, prob_range, lags):
     root, refs = runs
     got = query_tokens(root / "a", steps=steps, samples=samples, masked_only=masked_only, prob_range=prob_range,
-                       columns=["step", "sample_id", "position", "rollout_logprob", "mask_reason"], reason_names=False)
-    want = _reference(refs["a"], steps, samples, masked_only, prob_range)
+                       columns=["step", "sample_id", "position", "rollout_logprob", "mask_reason"], reason_names=False,
+                       lags=lags)
+    want = _reference(refs["a"], steps, samples, masked_only, prob_range, lags)
     keys = ["step", "sample_id", "position"]
     assert got[keys].values.tolist() == want[keys].values.tolist()
     assert np.array_equal(got["rollout_logprob"].to_numpy(), want["rollout_logprob"].to_numpy(np.float32),

@@ -119,6 +119,7 @@ def where_clause(
     masked_only: bool = False,
     reasons: Iterable[str] | None = None,
     prob_range: ProbRange | None = None,
+    lags: StepRange | None = None,
 ) -> str:
     """The SQL filter of a query. Values are rendered from ints and floats only, never from raw text."""
     terms = []
@@ -132,6 +133,12 @@ def where_clause(
         terms.append(f"sample_id IN ({_int_list(samples)})")
     if prompts is not None:
         terms.append(f"prompt_id IN ({_int_list(prompts)})")
+    if lags is not None:  # inclusive, either end None for open; dumps without the column read lag 0
+        lo, hi = lags
+        if lo is not None:
+            terms.append(f"lag >= {int(lo)}")
+        if hi is not None:
+            terms.append(f"lag <= {int(hi)}")
     if masked_only:
         terms.append("masked")
     if reasons is not None:
@@ -261,6 +268,7 @@ def query_tokens(
     prompts: Iterable[int] | None = None,
     reasons: Iterable[str] | None = None,
     reason_names: bool = True,
+    lags: StepRange | None = None,
 ) -> pd.DataFrame:
     """Token rows of one run (or several: pass a list, a `run` column is added) matching every filter.
 
@@ -268,6 +276,7 @@ def query_tokens(
     samples / prompts: sample_id / prompt_id values.
     masked_only: only tokens excluded from the loss; reasons: only these mask reasons (names of
     schema.MASK_REASONS). prob_range: inclusive (lo, hi) on the rollout probability exp(rollout_logprob).
+    lags: inclusive (lo, hi) on the sample's staleness (policy versions behind π_old; async training).
     columns: the columns to return (default all; fewer is faster). reason_names: `mask_reason` as a
     Categorical of names instead of the stored int code. Rows come in (step, sample, position) order.
     A run directory that does not exist raises FileNotFoundError naming it.
@@ -279,7 +288,7 @@ def query_tokens(
     unknown = [c for c in wanted if c not in COLUMNS]
     if unknown:
         raise ValueError(f"unknown token columns {unknown}; known: {list(COLUMNS)}")
-    where = where_clause(bounds, samples, prompts, masked_only, reasons, prob_range)
+    where = where_clause(bounds, samples, prompts, masked_only, reasons, prob_range, lags)
     frames = []
     for run in runs:
         files = [p for step, paths in token_files(run).items() if wanted_step(step) for p in paths]
