@@ -154,3 +154,10 @@ def test_step_line_shows_the_lag_only_when_there_is_one():
     record = {"step": 4, "rollout/reward_mean": 0.5, "timing/step_total": 3.0}
     assert "lag" not in step_line({**record, "staleness/mean": 0.0, "staleness/max": 0.0}, 8)
     assert "  lag 0.75  3.0 s" in step_line({**record, "staleness/mean": 0.75, "staleness/max": 2.0}, 8)
+
+
+def test_staleness_is_drawn_for_async_runs():
+    frame = pd.DataFrame({"step": [1, 2, 3], "staleness/mean": [0.0, 0.5, 1.0], "staleness/max": [0.0, 1.0, 2.0]})
+    panel = next(p for p in PANELS if p.title.startswith("staleness"))
+    assert panel_keys(frame, panel) == ["staleness/mean", "staleness/max"]
+    assert panel_keys(pd.DataFrame({"step": [1]}), panel) == []  # runs from before async support: no panel data

@@ -50,6 +50,8 @@ PANELS: tuple[Panel, ...] = (
     Panel("masked / truncated", (("correction/masked_frac", "is_filter_ratio"),
                                  *_one("correction/truncated_frac", "correction/vetoed_frac",
                                        "correction/rejected_frac"))),
+    # Policy versions between a batch's rollout policy and π_old: 0 throughout a synchronous run.
+    Panel("staleness (lag)", _one("staleness/mean", "staleness/max")),
 )
 
 
