@@ -14,12 +14,15 @@ from openrlhf_tis.patches import ENV_FLAG
 # starts Ray first, plus what a CPU run needs (docs/design.md §5): a small vLLM KV cache, an in-process
 # vLLM engine (starts in ~4 s instead of ~27 s), and no hub access.
 UPSTREAM_ENV = {"TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+# The raylet aborts when its agents (Python processes) are not up within this time (30 s by default): on a
+# loaded 2-core machine they can take longer, and the node then never registers (see init_local_ray).
+RAY_START_ENV = {"RAY_agent_register_timeout_ms": "120000"}
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
 
 
 def worker_env(cpu: bool) -> dict[str, str]:
     """Environment for the driver and every Ray worker; values the user already set win."""
-    defaults = {**UPSTREAM_ENV, **(CPU_ENV if cpu else {}), ENV_FLAG: "1"}
+    defaults = {**UPSTREAM_ENV, **RAY_START_ENV, **(CPU_ENV if cpu else {}), ENV_FLAG: "1"}
     prebuilt_ops = os.path.join(sys.prefix, "torch_extensions")  # scripts/setup_env.sh builds DeepSpeed's here
     if os.path.isdir(prebuilt_ops):
         defaults["TORCH_EXTENSIONS_DIR"] = prebuilt_ops
