@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _support import read_steps, train_argv, wait_for
 from safetensors.torch import load_file
 
 from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
 from openrlhf_tis.runs import query_tokens, select_samples, should_dump, token_steps
 
 pytestmark = pytest.mark.e2e
-REWARD = Path(__file__).resolve().parents[1] / "openrlhf_tis" / "demo" / "reward_func.py"
 
 # Both sides hold the same bf16 weights; they differ only in kernels (oneDNN vs torch) and bf16
 # accumulation, about 2^-8 relative on logits of order 1 for this random model. Measured gaps were
@@ -38,44 +38,19 @@ DUMP_EVERY = 2  # dumps steps 1, 2, 4, 6: before the kill, and after the resume
 SAMPLES_PER_STEP, GROUP, DUMP_SAMPLES = 8, 2, 8  # 4 prompts x 2 samples; --logger.token_dump_samples default
 
 
-def _train_argv(model_dir: Path, work: Path) -> list[str]:
-    return [
-        sys.executable, "-m", "openrlhf_tis.cli.train_ppo_ray",
-        "--actor.model_name_or_path", str(model_dir), "--reward.remote_url", str(REWARD),
-        "--data.prompt_dataset", str(work / "prompts.jsonl"), "--data.input_key", "input",
-        "--data.label_key", "label", "--data.apply_chat_template",
-        "--vllm.num_engines", "1", "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
-        "--rollout.n_samples_per_prompt", "2", "--rollout.batch_size", "4", "--rollout.micro_batch_size", "8",
-        "--train.batch_size", "8", "--train.micro_batch_size", "8", "--data.max_len", "128",
-        "--rollout.max_new_tokens", "24", "--data.max_samples", str(4 * TOTAL_STEPS), "--train.num_episodes", "1",
-        "--ds.zero_stage", "2", "--actor.adam.lr", "1e-3", "--actor.lr_warmup_ratio", "0", "--actor.min_lr_ratio", "1",
-        "--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "mask",
-        "--ckpt.path", str(work / "ckpt"), "--ckpt.output_dir", str(work / "final"), "--ckpt.save_steps", "1",
-        "--ckpt.load_enable", "--eval.steps", "-1", "--train.seed", "42", "--logger.run_dir", str(work / "run"),
-        "--logger.token_dump_steps", str(DUMP_EVERY),
-    ]
-
-
-def _read_steps(work: Path) -> list[dict]:
-    path = work / "run" / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 @pytest.fixture(scope="module")
 def finished_run(tiny_model_dir, tmp_path_factory):
     """Train, kill the whole process group mid-run (SIGKILL), then resume from upstream's checkpoint."""
     work = tmp_path_factory.mktemp("e2e")
     write_arithmetic_prompts(work / "prompts.jsonl", 4 * TOTAL_STEPS)
-    argv = _train_argv(tiny_model_dir, work)
+    argv = train_argv(tiny_model_dir, work, TOTAL_STEPS, DUMP_EVERY)
     env = {**os.environ, "RAY_DEDUP_LOGS": "0"}
     with open(work / "killed.log", "w") as log:
         proc = subprocess.Popen(argv, cwd=work, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + 600
-        while len(_read_steps(work)) < 2 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for(lambda: len(read_steps(work / "run")) >= 2, proc)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    killed_at = len(_read_steps(work))
+    killed_at = len(read_steps(work / "run"))
     assert 2 <= killed_at < TOTAL_STEPS, (killed_at, (work / "killed.log").read_text()[-4000:])
 
     proc = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=900, env=env)
@@ -83,7 +58,7 @@ def finished_run(tiny_model_dir, tmp_path_factory):
     (work / "resumed.log").write_text(log)
     assert proc.returncode == 0, log[-6000:]
     assert "Loading the checkpoint" in log
-    return work, _read_steps(work)
+    return work, read_steps(work / "run")
 
 
 def test_resumed_run_has_every_step_once(finished_run):

@@ -3,7 +3,8 @@
 Ray and vLLM never live in the notebook's kernel: the job is `python -m openrlhf_tis.cli.train_ppo_ray`
 in a child process (its whole log goes to `<run_dir>/train.log`), so a crash or a kill of the job never
 takes the kernel down, and `RAY_ADDRESS`, inherited from the environment, sends the same notebook to a
-cluster. Progress is read where every consumer reads it: the run store's `metrics.jsonl`.
+cluster. Progress is read where every consumer reads it: the run store's `metrics.jsonl`. The job ends
+with the kernel even when the kernel is killed rather than interrupted (cli/lifetime.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from openrlhf_tis.cli.lifetime import PARENT_ENV
 from openrlhf_tis.correction.config import PRESETS
 from openrlhf_tis.cpu_features import default_train_dtype
 from openrlhf_tis.pipeline.params import Param, positive
@@ -200,7 +202,8 @@ def run_training(
         log.write("$ " + shlex.join(argv) + "\n")
         log.flush()
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir.parent,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())},
+                                start_new_session=True)
         seen = 0
         try:
             while True:
