@@ -18,8 +18,9 @@ from _support import error_line, finished_run, refused, run_dir, with_value
 from openrlhf_tis.cli import train_ppo_ray
 from openrlhf_tis.cli.batch_checks import check_batches
 from openrlhf_tis.errors import UsageError
-from openrlhf_tis.runs import RunWriter, list_runs, load_metrics, query_tokens, read_run_config, summary, token_steps
 from openrlhf_tis.runs import cli as runs_cli
+from openrlhf_tis.runs.identity import write_checkpoint_identity
+from openrlhf_tis.runs import list_runs, load_metrics, query_tokens, read_run_config, summary, token_steps
 from openrlhf_tis.runs.layout import token_file
 
 # --- prompt files --------------------------------------------------------------------------------------
@@ -179,6 +180,7 @@ def test_run_with_steps_is_never_overwritten_by_accident(valid_argv, tmp_path, c
 
     (ckpt / "_actor").mkdir(parents=True)
     (ckpt / "_actor" / "latest").write_text("global_step2")
+    write_checkpoint_identity(ckpt / "_actor" / "global_step2", read_run_config(path)["run_id"], 2)  # as saved
     train_ppo_ray.parse(resume, cpu=True)  # a real resume goes on
     assert (path / "metrics.jsonl").read_bytes() == before and len(read_run_config(path)["resumes"]) == 1
     line = error_line(refused(resume + ["--logger.run_dir_overwrite"], capsys))

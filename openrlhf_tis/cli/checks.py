@@ -193,6 +193,11 @@ def check_inputs(args: argparse.Namespace) -> int | None:
     return planned_steps(args, prompts)
 
 
+# Correction modes that never read --algo.correction.lower (an explicit one would be silently ignored).
+_LOWER_UNUSED = {"truncate": "truncate (TIS) bounds the weight from above only", "raw": "raw weights are unbounded",
+                 "none": "no weight is applied"}
+
+
 def check_correction(args: argparse.Namespace):
     """Resolve the rollout correction into one CorrectionConfig (stored as JSON in `algo.correction.resolved`).
 
@@ -232,9 +237,9 @@ def check_correction(args: argparse.Namespace):
         if "rejection" in overrides:
             overrides["rejection"] = tuple(overrides["rejection"])
         cfg = cfg.replace(**overrides).validate(training=True)
-        if "lower" in overrides and cfg.mode not in ("clip", "mask"):
-            raise UsageError("--algo.correction.lower", f"is unused by mode {cfg.mode!r} (truncate bounds the "
-                             "weight from above only); a lower bound needs --algo.correction.mode clip or mask")
+        if "lower" in overrides and cfg.mode in _LOWER_UNUSED:
+            raise UsageError("--algo.correction.lower", f"is unused by mode {cfg.mode!r} ({_LOWER_UNUSED[cfg.mode]}); "
+                             "a lower bound needs --algo.correction.mode clip or mask")
     except CorrectionConfigError as err:
         flag = err.flag
         if up_level != "off" and not overrides and flag.startswith("--algo.correction."):

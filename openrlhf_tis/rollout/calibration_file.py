@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from openrlhf_tis.runs.layout import file_mode
 from openrlhf_tis.rollout.quantize import (
     PROJECTIONS,
     SMOOTH_GROUPS,
@@ -28,6 +27,7 @@ from openrlhf_tis.rollout.quantize import (
     is_quantized_weight,
     model_fingerprint,
 )
+from openrlhf_tis.runs.layout import file_mode
 
 META_KEY = "openrlhf_tis_calibration"
 SMOOTHING = "smoothing"
