@@ -19,8 +19,8 @@ from openrlhf_tis.cli import train_ppo_ray
 from openrlhf_tis.cli.batch_checks import check_batches
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.runs import cli as runs_cli
-from openrlhf_tis.runs.identity import write_checkpoint_identity
 from openrlhf_tis.runs import list_runs, load_metrics, query_tokens, read_run_config, summary, token_steps
+from openrlhf_tis.runs.identity import write_checkpoint_identity
 from openrlhf_tis.runs.layout import token_file
 
 # --- prompt files --------------------------------------------------------------------------------------
