@@ -16,6 +16,7 @@ import pytest
 from _support import error_line, finished_run, refused, run_dir, with_value, write_calibration
 
 from openrlhf_tis.cli import train_ppo_ray
+from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.pipeline import sweep
 from openrlhf_tis.runs import RunWriter, read_run_config, summary
 from openrlhf_tis.runs.identity import CHECKPOINT_ID_FILE, foreign_checkpoint, write_checkpoint_identity
@@ -42,11 +43,13 @@ def test_a_directory_held_by_a_live_process_is_refused_naming_its_pid_and_freed_
         line = error_line(refused(valid_argv, capsys))
         assert line == (f"--logger.run_dir: {path} is in use by another run (pid {holder.pid}); wait for it to end, "
                         "stop it, or choose another --logger.run_dir")
+        assert lock_owner(path) == str(holder.pid)
         assert not (path / "config.json").exists()  # the refused start wrote nothing
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
         holder.stdout.close()
+    assert lock_owner(path) is None
     train_ppo_ray.parse(valid_argv, cpu=True)  # the kernel released the dead holder's lock
     assert (path / ".lock").read_text().strip() == str(os.getpid())
 
@@ -172,6 +175,22 @@ def test_an_interrupted_cell_restarts_or_resumes_on_the_next_sweep(tmp_path, mon
     assert ("--ckpt.load_enable" in calls[0]["extra_args"]) == resumes
     assert (run / "metrics.jsonl").exists() == resumes  # a restart keeps the attempt aside, never deletes it
     assert resumes or (run.with_name("run.attempt1") / "metrics.jsonl").exists()
+
+
+def test_a_cell_whose_run_is_still_alive_is_failed_and_left_in_place(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep, "execute", lambda *args, **kwargs: pytest.fail("a cell ran over a live run"))
+    cell = sweep.Cell("seed=1", {"seed": 1, "extra_args": []})
+    run = _interrupted_cell(tmp_path, cell, "r1", None)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        result = sweep.run_cell(cell, tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    assert result.status == "failed" and f"still in use by a training process (pid {holder.pid})" in result.error
+    assert (run / "metrics.jsonl").exists() and not run.with_name("run.attempt1").exists()
 
 
 # --- Ray: a local cluster unless RAY_ADDRESS names one that answers ------------------------------------

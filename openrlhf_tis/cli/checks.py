@@ -159,7 +159,8 @@ def check_output_dir(flag: str, path: str | None) -> None:
 def check_outputs(args: argparse.Namespace) -> None:
     """Every place the run writes to after training has started (the run directory is opened in run_dir.py)."""
     check_output_dir("--ckpt.output_dir", getattr(args, "ckpt.output_dir"))  # the final model, always saved
-    if getattr(args, "ckpt.save_steps") > 0 or getattr(args, "ckpt.save_hf"):
+    best = getattr(args, "eval.dataset") and getattr(args, "ckpt.best_metric_key") != "none"  # best-eval saves
+    if getattr(args, "ckpt.save_steps") > 0 or getattr(args, "ckpt.save_hf") or best:
         check_output_dir("--ckpt.path", getattr(args, "ckpt.path"))
     check_output_dir("--logger.tensorboard_dir", getattr(args, "logger.tensorboard_dir"))
 

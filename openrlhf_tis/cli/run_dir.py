@@ -77,6 +77,21 @@ def lock_run_dir(run_dir: Path) -> None:
     _held_locks[run_dir] = fd
 
 
+def lock_owner(run_dir: Path) -> str | None:
+    """The pid written by the live process that holds `run_dir`, None when no live process holds it."""
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released by the close below
+    except OSError:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    finally:
+        os.close(fd)
+    return None
+
+
 def erase_run_store(run_dir: Path) -> None:
     """Remove what the run store wrote (config, metrics, token dumps); other files (checkpoints, logs) stay."""
     for name in (CONFIG_FILE, METRICS_FILE):

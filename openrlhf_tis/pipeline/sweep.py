@@ -36,6 +36,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.pipeline.execute import execute, export_html
 from openrlhf_tis.pipeline.params import Param, ParameterError, check_params
 from openrlhf_tis.pipeline.train import TRAIN_PARAMS
@@ -144,6 +145,10 @@ def run_cell(cell: Cell, out_dir: Path) -> CellResult:
     status = _status(cell_dir)
     if status and status.get("status") == "complete" and status.get("params") == cell.params:
         return CellResult(cell, "skipped", run_dir, notebook)
+    owner = lock_owner(run_dir)
+    if owner is not None:  # an earlier sweep's training outlived it: never move a live run's directory
+        return CellResult(cell, "failed", run_dir, notebook, f"{run_dir} is still in use by a training process "
+                          f"(pid {owner}); stop it and run the sweep again")
     params = {**cell.params, "run_dir": str(run_dir)}
     if status is None and resumable(run_dir):  # interrupted (no status) after a checkpoint of its own run
         params["extra_args"] = [*params.get("extra_args", []), "--ckpt.load_enable"]
