@@ -54,6 +54,25 @@ def test_a_directory_held_by_a_live_process_is_refused_naming_its_pid_and_freed_
     assert (path / ".lock").read_text().strip() == str(os.getpid())
 
 
+def test_a_notebook_start_into_a_live_run_leaves_its_log_alone(tmp_path):
+    from openrlhf_tis.pipeline.params import check_params
+    from openrlhf_tis.pipeline.train import TRAIN_PARAMS, TrainingFailed, run_training
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train.log").write_text("the live run's log")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(TrainingFailed, match=f"in use by another run \\(pid {holder.pid}\\)"):
+            run_training(check_params({"run_dir": str(run)}, TRAIN_PARAMS, where="test"))
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    assert (run / "train.log").read_text() == "the live run's log"
+
+
 # --- checkpoints belong to one history ------------------------------------------------------------------
 
 def _checkpoint(ckpt, step: int, run_id: str | None) -> None:

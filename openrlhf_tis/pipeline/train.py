@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from openrlhf_tis.cli.lifetime import PARENT_ENV
+from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.correction.config import PRESETS
 from openrlhf_tis.cpu_features import default_train_dtype
 from openrlhf_tis.pipeline.params import Param, positive
@@ -194,6 +195,10 @@ def run_training(
     """
     run_dir = Path(params["run_dir"]).expanduser().resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    owner = lock_owner(run_dir)
+    if owner is not None:  # checked here too, so a second start never truncates the live run's train.log
+        raise TrainingFailed(f"{run_dir} is in use by another run (pid {owner}); wait for it to end, stop it, "
+                             "or choose another run_dir")
     model = resolve_model(params["model"], cache or run_dir.parent / ".models")
     prompts = resolve_prompts(params["prompts"], run_dir, params["prompts_per_step"] * params["steps"])
     argv = build_argv(params, model, prompts, run_dir)
