@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from types import SimpleNamespace
 
 import pytest
 from _support import error_line, finished_run, refused, run_dir, with_value, write_calibration
@@ -228,11 +229,16 @@ def test_a_ray_address_that_answers_nothing_fails_in_one_line_quickly(valid_argv
 def test_without_ray_address_the_cli_starts_its_own_ray(valid_argv, monkeypatch):
     from openrlhf_tis.cli import ray_cluster
 
-    seen = {}
+    seen, reaped = {}, []
+    for key in ray_cluster.worker_env(cpu=True):  # start_ray exports them; restored after the test
+        monkeypatch.delenv(key, raising=False)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(ray_cluster.ray, "init", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(ray_cluster.ray, "init", lambda **kwargs: seen.update(kwargs) or SimpleNamespace(
+        address_info={"session_dir": "/tmp/ray/session_x"}))
+    monkeypatch.setattr(ray_cluster, "reap_when_gone", reaped.append)
     ray_cluster.start_ray(train_ppo_ray.parse(valid_argv, cpu=True), cpu=True)
     assert seen["address"] == "local"  # never the cluster of an address file
+    assert reaped == ["/tmp/ray/session_x"]  # its leftovers are stopped once the driver is gone
 
 
 # --- the smaller items ----------------------------------------------------------------------------------
@@ -297,3 +303,66 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+# --- nothing outlives a killed run ----------------------------------------------------------------------
+
+DRIVER = textwrap.dedent("""
+    import os, subprocess, sys, time
+    from openrlhf_tis.cli.lifetime import reap_when_gone
+    marker = os.environ["MARKER"]  # not in this driver's own command line, as a Ray session dir is not
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", marker], start_new_session=True)
+    reap_when_gone(marker)
+    print("started", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_what_a_killed_driver_started_is_stopped_by_its_watchdog(tmp_path):
+    from openrlhf_tis.cli.lifetime import GRACE_S, leftover_processes
+
+    marker = str(tmp_path / "session_x")  # as a Ray session directory names its processes
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "MARKER": marker})
+    assert driver.stdout.readline().strip() == "started"
+    assert len(leftover_processes(marker)) == 2  # the straggler and the watchdog itself
+    driver.kill()  # kill -9: no atexit, no ray.shutdown
+    driver.wait()
+    driver.stdout.close()
+    deadline = time.monotonic() + 3 * GRACE_S + 10
+    while leftover_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert leftover_processes(marker) == []
+
+
+def test_a_child_of_a_notebook_dies_with_it(tmp_path):
+    from openrlhf_tis.cli.lifetime import PARENT_ENV
+
+    child_code = "from openrlhf_tis.cli.lifetime import die_with_parent; import time; die_with_parent(); " \
+                 "print('armed', flush=True); time.sleep(600)"
+    parent_code = textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", {child_code!r}], start_new_session=True,
+                                 env={{**os.environ, {PARENT_ENV!r}: str(os.getpid())}})
+        print(child.pid, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True)
+    child_pid = int(parent.stdout.readline())
+    time.sleep(5)  # the child arms itself (imports) before its parent is killed
+    parent.kill()
+    parent.wait()
+    parent.stdout.close()
+    deadline = time.monotonic() + 20
+    while _alive(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(child_pid)
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -3,7 +3,8 @@
 A fork run starts its own Ray (`address="local"`) unless `RAY_ADDRESS` names a cluster: a plain
 `ray.init()` would join whatever cluster Ray's address file (`ray_current_cluster`, left by `ray start`,
 even a dead one) points at, and then reject the CPU run's `num_cpus`/`num_gpus`. A `RAY_ADDRESS` is
-probed first, so one that answers nothing fails in one line instead of retrying for minutes.
+probed first, so one that answers nothing fails in one line instead of retrying for minutes. What a local
+cluster leaves after its driver is killed is stopped by cli/lifetime.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 
 import ray
 
+from openrlhf_tis.cli.lifetime import reap_when_gone
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.patches import ENV_FLAG
 
@@ -87,4 +89,5 @@ def start_ray(args: argparse.Namespace, cpu: bool) -> None:
         # Logical resources only: a "GPU" here is a scheduling slot for one CPU process.
         gpus = declared_gpus(args)
         kwargs = {"num_gpus": gpus, "num_cpus": max(os.cpu_count() or 1, gpus + 4)}
-    ray.init(address="local", include_dashboard=False, runtime_env=runtime_env, **kwargs)
+    context = ray.init(address="local", include_dashboard=False, runtime_env=runtime_env, **kwargs)
+    reap_when_gone(context.address_info["session_dir"])  # its agents must not outlive a killed run
