@@ -66,7 +66,10 @@ def test_one_live_run_per_directory_and_no_resume_from_an_overwritten_history(ti
     with open(work / "first.log", "w") as log:
         first = subprocess.Popen(argv, cwd=work, stdout=log, stderr=subprocess.STDOUT, env=env,
                                  start_new_session=True)
-        assert wait_for(lambda: (run / "config.json").is_file(), first, timeout=300)  # written under the lock
+        # The directory is locked from before Ray starts; the second start waits until Ray is up only so
+        # that the two do not compete for the CPU while Ray's node starts (it times out on a loaded machine).
+        assert wait_for(lambda: "Started a local Ray instance" in (work / "first.log").read_text(), first,
+                        timeout=300), (work / "first.log").read_text()[-6000:]
         second = subprocess.run(argv, cwd=work, capture_output=True, text=True, env=env, timeout=300)
         assert first.poll() is None, "the first run ended before the second start was tried"
         line = _one_error_line(second)
