@@ -48,6 +48,10 @@ def _ray_processes(marker: Path) -> list[str]:
     return found
 
 
+def _run_id(run: Path) -> str | None:
+    return (read_run_config(run) or {}).get("run_id")
+
+
 def _one_error_line(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode == 2, proc.stderr[-4000:]
     lines = proc.stderr.strip().splitlines()
@@ -84,7 +88,9 @@ def test_one_live_run_per_directory_and_no_resume_from_an_overwritten_history(ti
     with open(work / "overwrite.log", "w") as log:
         over = subprocess.Popen(argv + ["--logger.run_dir_overwrite"], cwd=work, stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        assert wait_for(lambda: len(read_steps(run)) >= 1, over), (work / "overwrite.log").read_text()[-6000:]
+        # The first run's steps stay in metrics.jsonl until the new start erases them: wait for the new identity.
+        assert wait_for(lambda: _run_id(run) not in (None, first_id) and len(read_steps(run)) >= 1, over), \
+            (work / "overwrite.log").read_text()[-6000:]
         os.killpg(over.pid, signal.SIGKILL)
         over.wait()
     assert [s["step"] for s in read_steps(run)] == [1]
