@@ -288,7 +288,7 @@ def test_a_bad_training_flag_through_the_main_job_fails_at_once_in_one_line(tmp_
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
-    assert errors == [errors[-1]] and errors[-1].startswith("main_job: error: training flags "), proc.stderr
+    assert errors == [errors[-1]] and errors[-1].startswith("main_job: error: training CLI flags: "), proc.stderr
     assert "unrecognized arguments: --train.no_such_flag 3" in errors[-1] and "usage:" not in proc.stderr
     assert not (tmp_path / "runs").exists()  # nothing was started
     print(f"refused after {time.monotonic() - start:.1f} s")

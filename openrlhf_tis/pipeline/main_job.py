@@ -165,7 +165,7 @@ def check_training_flags(flags: list[str]) -> None:
     parser = build_parser()
 
     def error(message: str):
-        raise ParameterError(f"training flags {' '.join(flags)}: {message}")
+        raise ParameterError(f"training CLI flags: {message}")
 
     parser.error = error
     parser.parse_args(flags)
