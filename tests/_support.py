@@ -1,23 +1,63 @@
-"""Helpers several test modules share: refused CLI runs and scoring a fixed text on vLLM vs HF."""
+"""Helpers several test modules share: refused CLI runs, finished run directories, and scoring a fixed text
+on vLLM vs HF."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import sys
 from pathlib import Path
 
 import pytest
 import ray
 import torch
 
+PREFIX = "openrlhf_tis.cli.train_ppo_ray: error: "
+
+
+def error_line(stderr: str) -> str:
+    """The refusal: exactly one line, the last one, starting with the command's error prefix."""
+    lines = stderr.strip().splitlines()
+    assert sum(PREFIX in line for line in lines) == 1, stderr
+    assert lines[-1].startswith(PREFIX), stderr
+    return lines[-1][len(PREFIX):]
+
+
+def with_value(argv: list[str], flag: str, value: str) -> list[str]:
+    argv = list(argv)
+    argv[argv.index(flag) + 1] = value
+    return argv
+
+
+def run_dir(argv: list[str]) -> Path:
+    return Path(argv[argv.index("--logger.run_dir") + 1])
+
+
+def finished_run(argv: list[str]) -> Path:
+    """What a run leaves: its config, two steps and a token dump."""
+    from openrlhf_tis.cli import train_ppo_ray
+    from openrlhf_tis.runs import RunWriter
+    from openrlhf_tis.runs.layout import token_file
+
+    train_ppo_ray.parse(argv, cpu=True)
+    path = run_dir(argv)
+    writer = RunWriter(path)
+    writer.append_metrics(1, {"loss": 1.0})
+    writer.append_metrics(2, {"loss": 0.5})
+    token_file(path, 2).parent.mkdir()
+    token_file(path, 2).write_bytes(b"dump")
+    (path / "train.log").write_text("log")
+    return path
+
+
 REWARD = Path(__file__).resolve().parents[1] / "openrlhf_tis" / "demo" / "reward_func.py"
 
 
-def tiny_train_argv(model_dir: Path, work: Path, steps: int, dump_every: int) -> list[str]:
-    """The training CLI on the tiny model: `steps` GRPO steps of 4 prompts x 2 samples from
-    `work/prompts.jsonl`, a checkpoint every step (resumable), run store in `work/run`."""
+def train_argv(model_dir: Path, work: Path, steps: int, dump_every: int, *, save_steps: int = 1,
+               load: bool = True) -> list[str]:
+    """A real GRPO run of the tiny model on `work`/prompts.jsonl: `steps` steps of 4 prompts x 2 samples, one vLLM
+    engine, DeepSpeed ZeRO-2, checkpoints every `save_steps` under `work`/ckpt, the run store in `work`/run."""
+    import sys
+
     return [
         sys.executable, "-m", "openrlhf_tis.cli.train_ppo_ray",
         "--actor.model_name_or_path", str(model_dir), "--reward.remote_url", str(REWARD),
@@ -29,16 +69,28 @@ def tiny_train_argv(model_dir: Path, work: Path, steps: int, dump_every: int) ->
         "--rollout.max_new_tokens", "24", "--data.max_samples", str(4 * steps), "--train.num_episodes", "1",
         "--ds.zero_stage", "2", "--actor.adam.lr", "1e-3", "--actor.lr_warmup_ratio", "0", "--actor.min_lr_ratio", "1",
         "--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "mask",
-        "--ckpt.path", str(work / "ckpt"), "--ckpt.output_dir", str(work / "final"), "--ckpt.save_steps", "1",
-        "--ckpt.load_enable", "--eval.steps", "-1", "--train.seed", "42", "--logger.run_dir", str(work / "run"),
-        "--logger.token_dump_steps", str(dump_every),
+        "--ckpt.path", str(work / "ckpt"), "--ckpt.output_dir", str(work / "final"), "--ckpt.save_steps",
+        str(save_steps), *(["--ckpt.load_enable"] if load else []), "--eval.steps", "-1", "--train.seed", "42",
+        "--logger.run_dir", str(work / "run"), "--logger.token_dump_steps", str(dump_every),
     ]
 
 
-def read_steps(work: Path) -> list[dict]:
-    """The metrics lines of `work/run` (none when the file is not there yet)."""
-    path = work / "run" / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+def read_steps(run: Path) -> list[dict]:
+    """The metrics lines a run directory holds so far."""
+    import json
+
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def wait_for(predicate, proc, timeout: float = 600, poll: float = 0.2) -> bool:
+    """Poll `predicate()` until it holds, `proc` exits or `timeout` seconds pass; returns the predicate's value."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(poll)
+    return bool(predicate())
 
 
 # A fixed token sequence within the tiny model's 512-token vocabulary.

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _support import read_steps, tiny_train_argv
+from _support import read_steps, train_argv
 
 from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
 from openrlhf_tis.runs import query_tokens, token_steps
@@ -26,7 +26,7 @@ EVAL_EVERY = 3
 
 
 def _async_argv(model_dir: Path, work: Path, steps: int, *extra: str) -> list[str]:
-    argv = tiny_train_argv(model_dir, work, steps, dump_every=1)
+    argv = train_argv(model_dir, work, steps, dump_every=1)
     at = argv.index("--eval.steps")
     argv[at + 1] = str(EVAL_EVERY)
     return argv + ["--eval.dataset", str(work / "heldout.jsonl"), "--eval.n_samples_per_prompt", "1",
@@ -48,18 +48,18 @@ def async_run(tiny_model_dir, tmp_path_factory):
     with open(work / "killed.log", "w") as log:
         proc = subprocess.Popen(argv, cwd=work, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + 600
-        while len(read_steps(work)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        while len(read_steps(work / "run")) < 2 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    killed_at = len(read_steps(work))
+    killed_at = len(read_steps(work / "run"))
     assert 2 <= killed_at < TOTAL_STEPS, (killed_at, (work / "killed.log").read_text()[-4000:])
 
     proc = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=900, env=env)
     log = proc.stdout + proc.stderr
     (work / "resumed.log").write_text(log)
     assert proc.returncode == 0, log[-6000:]
-    return work, read_steps(work)
+    return work, read_steps(work / "run")
 
 
 def test_every_step_is_logged_once_across_the_kill(async_run):
@@ -114,6 +114,6 @@ def test_partial_rollouts_train_and_log_their_lags(tiny_model_dir, tmp_path):
     proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "RAY_DEDUP_LOGS": "0"})
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    steps = read_steps(tmp_path)
+    steps = read_steps(tmp_path / "run")
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert all("staleness/spanning_sync" in s and 0 <= s["staleness/spanning_sync"] <= 1 for s in steps)

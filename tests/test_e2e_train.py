@@ -11,14 +11,12 @@ import math
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from _support import read_steps as _read_steps
-from _support import tiny_train_argv
+from _support import read_steps, train_argv, wait_for
 from safetensors.torch import load_file
 
 from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
@@ -38,25 +36,19 @@ DUMP_EVERY = 2  # dumps steps 1, 2, 4, 6: before the kill, and after the resume
 SAMPLES_PER_STEP, GROUP, DUMP_SAMPLES = 8, 2, 8  # 4 prompts x 2 samples; --logger.token_dump_samples default
 
 
-def _train_argv(model_dir: Path, work: Path) -> list[str]:
-    return tiny_train_argv(model_dir, work, TOTAL_STEPS, dump_every=DUMP_EVERY)
-
-
 @pytest.fixture(scope="module")
 def finished_run(tiny_model_dir, tmp_path_factory):
     """Train, kill the whole process group mid-run (SIGKILL), then resume from upstream's checkpoint."""
     work = tmp_path_factory.mktemp("e2e")
     write_arithmetic_prompts(work / "prompts.jsonl", 4 * TOTAL_STEPS)
-    argv = _train_argv(tiny_model_dir, work)
+    argv = train_argv(tiny_model_dir, work, TOTAL_STEPS, DUMP_EVERY)
     env = {**os.environ, "RAY_DEDUP_LOGS": "0"}
     with open(work / "killed.log", "w") as log:
         proc = subprocess.Popen(argv, cwd=work, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + 600
-        while len(_read_steps(work)) < 2 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for(lambda: len(read_steps(work / "run")) >= 2, proc)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    killed_at = len(_read_steps(work))
+    killed_at = len(read_steps(work / "run"))
     assert 2 <= killed_at < TOTAL_STEPS, (killed_at, (work / "killed.log").read_text()[-4000:])
 
     proc = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=900, env=env)
@@ -64,7 +56,7 @@ def finished_run(tiny_model_dir, tmp_path_factory):
     (work / "resumed.log").write_text(log)
     assert proc.returncode == 0, log[-6000:]
     assert "Loading the checkpoint" in log
-    return work, _read_steps(work)
+    return work, read_steps(work / "run")
 
 
 def test_resumed_run_has_every_step_once(finished_run):

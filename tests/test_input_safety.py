@@ -13,35 +13,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import ray
-from _support import refused
+from _support import error_line, finished_run, refused, run_dir, with_value
 
 from openrlhf_tis.cli import train_ppo_ray
 from openrlhf_tis.cli.batch_checks import check_batches
 from openrlhf_tis.errors import UsageError
-from openrlhf_tis.runs import RunWriter, list_runs, load_metrics, query_tokens, read_run_config, summary, token_steps
 from openrlhf_tis.runs import cli as runs_cli
+from openrlhf_tis.runs import list_runs, load_metrics, query_tokens, read_run_config, summary, token_steps
+from openrlhf_tis.runs.identity import write_checkpoint_identity
 from openrlhf_tis.runs.layout import token_file
-
-PREFIX = "openrlhf_tis.cli.train_ppo_ray: error: "
-
-
-def error_line(stderr: str) -> str:
-    """The refusal: exactly one line, the last one, starting with the command's error prefix."""
-    lines = stderr.strip().splitlines()
-    assert sum(PREFIX in line for line in lines) == 1, stderr
-    assert lines[-1].startswith(PREFIX), stderr
-    return lines[-1][len(PREFIX):]
-
-
-def with_value(argv: list[str], flag: str, value: str) -> list[str]:
-    argv = list(argv)
-    argv[argv.index(flag) + 1] = value
-    return argv
-
-
-def run_dir(argv: list[str]) -> Path:
-    return Path(argv[argv.index("--logger.run_dir") + 1])
-
 
 # --- prompt files --------------------------------------------------------------------------------------
 
@@ -186,21 +166,8 @@ def test_reward_script_is_called_as_upstream_calls_it(valid_argv, tmp_path, caps
 
 # --- run directories -----------------------------------------------------------------------------------
 
-def _finished_run(argv: list[str]) -> Path:
-    """What a run leaves: its config, two steps and a token dump."""
-    train_ppo_ray.parse(argv, cpu=True)
-    path = run_dir(argv)
-    writer = RunWriter(path)
-    writer.append_metrics(1, {"loss": 1.0})
-    writer.append_metrics(2, {"loss": 0.5})
-    token_file(path, 2).parent.mkdir()
-    token_file(path, 2).write_bytes(b"dump")
-    (path / "train.log").write_text("log")
-    return path
-
-
 def test_run_with_steps_is_never_overwritten_by_accident(valid_argv, tmp_path, capsys):
-    path = _finished_run(valid_argv)
+    path = finished_run(valid_argv)
     before = (path / "metrics.jsonl").read_bytes()
     line = error_line(refused(valid_argv, capsys))
     assert line.startswith("--logger.run_dir: ") and "already holds 2 step(s)" in line
@@ -213,6 +180,7 @@ def test_run_with_steps_is_never_overwritten_by_accident(valid_argv, tmp_path, c
 
     (ckpt / "_actor").mkdir(parents=True)
     (ckpt / "_actor" / "latest").write_text("global_step2")
+    write_checkpoint_identity(ckpt / "_actor" / "global_step2", read_run_config(path)["run_id"], 2)  # as saved
     train_ppo_ray.parse(resume, cpu=True)  # a real resume goes on
     assert (path / "metrics.jsonl").read_bytes() == before and len(read_run_config(path)["resumes"]) == 1
     line = error_line(refused(resume + ["--logger.run_dir_overwrite"], capsys))
@@ -220,7 +188,7 @@ def test_run_with_steps_is_never_overwritten_by_accident(valid_argv, tmp_path, c
 
 
 def test_overwrite_erases_only_the_run_store(valid_argv, capsys):
-    path = _finished_run(valid_argv)
+    path = finished_run(valid_argv)
     old_time = read_run_config(path)["time"]
     train_ppo_ray.parse(valid_argv + ["--logger.run_dir_overwrite", "--train.seed", "7"], cpu=True)
     assert "erased 2 step(s)" in capsys.readouterr().err

@@ -43,6 +43,13 @@ def check_batches(args: argparse.Namespace) -> None:
         raise UsageError("--rollout.micro_batch_size", f"{get('rollout.micro_batch_size')} leaves fewer than one "
                          f"micro batch per data-parallel actor process: --rollout.batch_size x "
                          f"--rollout.n_samples_per_prompt = {samples} samples for {dp} process(es)")
+    if get("reward.nonfinite") == "drop" and samples - n < micro * dp:
+        # screen_rewards (trainer/rewards.py) keeps whole prompt groups and needs a micro batch per actor.
+        fits = [d for d in range(1, (samples - n) // dp + 1) if train % (d * dp) == 0]
+        fix = f"lower --train.micro_batch_size to {fits[-1]}" if fits else "raise --rollout.batch_size"
+        raise UsageError("--reward.nonfinite", f"drop could never train a step that loses a prompt group: the "
+                         f"{samples - n} samples left of {samples} are fewer than --train.micro_batch_size "
+                         f"({micro}) x {dp} data-parallel actor process(es); {fix}")
     estimator = get("algo.advantage.estimator")
     if estimator in GROUP_ESTIMATORS and n < 2:
         raise UsageError("--rollout.n_samples_per_prompt", f"{estimator} normalizes rewards within each prompt's "

@@ -10,6 +10,7 @@ import argparse
 import ast
 import dataclasses
 import os
+import tempfile
 from dataclasses import dataclass
 
 from openrlhf_tis.errors import UsageError
@@ -97,16 +98,18 @@ def check_reward_script(flag: str, url: str | None) -> None:
             raise UsageError(flag, f"reward script {path!r} defines no reward_func(queries, prompts, labels)")
 
 
-def check_dataset(flag: str, spec: str | None, keys: dict[str, str | None], *, required: bool = True) -> dict | None:
+def check_dataset(flag: str, spec: str | None, keys: dict[str, str | None], *,
+                  required: bool = True) -> tuple[dict | None, int | None]:
     """Dataset files named on the command line must exist; local JSON(L), Parquet and CSV ones are read whole.
 
     `keys` maps each key flag (`--data.input_key`, ...) to its value; every record must have the keys
-    that are set. Hub names are left to upstream. Returns the first record read, or None.
+    that are set. Hub names are left to upstream. Returns the first record read (or None) and the number
+    of records when every item of `spec` is a file read here (else None).
     """
     if not spec:
         if required:
             raise UsageError(flag, "is required")
-        return None
+        return None, None
     for item in spec.split(","):
         path = item.split("@")[0].strip()
         looks_local = path.startswith((".", "/", "~")) or os.path.splitext(path)[1] in (
@@ -115,26 +118,66 @@ def check_dataset(flag: str, spec: str | None, keys: dict[str, str | None], *, r
         if looks_local and not os.path.exists(os.path.expanduser(path)):
             raise UsageError(flag, f"dataset {path!r} does not exist")
     key_flags = {key: key_flag for key_flag, key in keys.items() if key}
-    first = None
-    for path in local_files(spec):
+    first, count = None, 0
+    files = local_files(spec)
+    for path in files:
         try:
             found = read_prompt_file(path, list(key_flags))
         except PromptFileError as err:
             raise UsageError(key_flags.get(err.key, flag), str(err)) from None
         first = first if first is not None else found.first
-    return first
+        count += found.records
+    return first, count if len(files) == len(spec.split(",")) else None
 
 
-def check_inputs(args: argparse.Namespace) -> None:
-    """Paths, files, batch sizes and the reward script, checked before anything expensive starts."""
+def planned_steps(args: argparse.Namespace, prompts: int | None) -> int | None:
+    """The steps upstream's fit() will log for `prompts` training prompts: one per --rollout.batch_size prompts
+    (a last partial batch included) per episode; None when filtering or async training make it unknowable."""
+    if prompts is None or getattr(args, "algo.dynamic_filtering_enable") or getattr(args, "train.async_enable"):
+        return None
+    prompts = min(prompts, getattr(args, "data.max_samples"))
+    return -(-prompts // getattr(args, "rollout.batch_size")) * getattr(args, "train.num_episodes")
+
+
+def check_output_dir(flag: str, path: str | None) -> None:
+    """`path` (created later, by the run) must be a directory the run can write, checked by creating a file."""
+    if not path:
+        return
+    target = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise UsageError(flag, f"{target} exists and is not a directory")
+    existing = target
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise UsageError(flag, f"cannot write under {existing}: {err.strerror or err}") from None
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Every place the run writes to after training has started (the run directory is opened in run_dir.py)."""
+    check_output_dir("--ckpt.output_dir", getattr(args, "ckpt.output_dir"))  # the final model, always saved
+    best = getattr(args, "eval.dataset") and getattr(args, "ckpt.best_metric_key") != "none"  # best-eval saves
+    if getattr(args, "ckpt.save_steps") > 0 or getattr(args, "ckpt.save_hf") or best:
+        check_output_dir("--ckpt.path", getattr(args, "ckpt.path"))
+    check_output_dir("--logger.tensorboard_dir", getattr(args, "logger.tensorboard_dir"))
+
+
+def check_inputs(args: argparse.Namespace) -> int | None:
+    """Paths, files, batch sizes and the reward script, checked before anything expensive starts.
+
+    Returns the number of steps the run will train when the prompt files tell (`planned_steps`)."""
     check_model_path("--actor.model_name_or_path", getattr(args, "actor.model_name_or_path"), required=True)
     if not getattr(args, "reward.remote_url"):
         check_model_path("--reward.model_name_or_path", getattr(args, "reward.model_name_or_path"), required=True)
     check_model_path("--critic.model_name_or_path", getattr(args, "critic.model_name_or_path"))
     check_reward_script("--reward.remote_url", getattr(args, "reward.remote_url"))
     keys = {"--data.input_key": getattr(args, "data.input_key"), "--data.label_key": getattr(args, "data.label_key")}
-    first_prompt = check_dataset("--data.prompt_dataset", getattr(args, "data.prompt_dataset"), keys)
+    first_prompt, prompts = check_dataset("--data.prompt_dataset", getattr(args, "data.prompt_dataset"), keys)
     check_dataset("--eval.dataset", getattr(args, "eval.dataset"), keys, required=False)
+    check_outputs(args)
     if getattr(args, "vllm.sync_check_steps") < 0:
         raise UsageError("--vllm.sync_check_steps", "must be >= 0 (0 disables the check)")
     if getattr(args, "vllm.sync_check_tolerance") <= 0:
@@ -149,6 +192,12 @@ def check_inputs(args: argparse.Namespace) -> None:
     check_correction(args)
     if first_prompt is not None:
         probe_reward_script("--reward.remote_url", getattr(args, "reward.remote_url"), first_prompt, args)
+    return planned_steps(args, prompts)
+
+
+# Correction modes that never read --algo.correction.lower (an explicit one would be silently ignored).
+_LOWER_UNUSED = {"truncate": "truncate (TIS) bounds the weight from above only", "raw": "raw weights are unbounded",
+                 "none": "no weight is applied"}
 
 
 def check_async(args: argparse.Namespace) -> None:
@@ -210,6 +259,9 @@ def check_correction(args: argparse.Namespace):
         if "rejection" in overrides:
             overrides["rejection"] = tuple(overrides["rejection"])
         cfg = cfg.replace(**overrides).validate(training=True)
+        if "lower" in overrides and cfg.mode in _LOWER_UNUSED:
+            raise UsageError("--algo.correction.lower", f"is unused by mode {cfg.mode!r} ({_LOWER_UNUSED[cfg.mode]}); "
+                             "a lower bound needs --algo.correction.mode clip or mask")
     except CorrectionConfigError as err:
         flag = err.flag
         if up_level != "off" and not overrides and flag.startswith("--algo.correction."):

@@ -1,14 +1,27 @@
-"""Start Ray for a fork run so every worker gets the fork's patches and, on CPU, can be scheduled."""
+"""Start Ray for a fork run so every worker gets the fork's patches and, on CPU, can be scheduled.
+
+A fork run starts its own Ray (`address="local"`) unless `RAY_ADDRESS` names a cluster: a plain
+`ray.init()` would join whatever cluster Ray's address file (`ray_current_cluster`, left by `ray start`,
+even a dead one) points at, and then reject the CPU run's `num_cpus`/`num_gpus`. A `RAY_ADDRESS` is
+probed first, so one that answers nothing fails in one line instead of retrying for minutes. What a local
+cluster leaves after its driver is killed is stopped by cli/lifetime.py.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 
 import ray
 
+from openrlhf_tis.cli.lifetime import reap_when_gone
+from openrlhf_tis.errors import UsageError
 from openrlhf_tis.patches import ENV_FLAG
+
+ADDRESS_VAR = "RAY_ADDRESS"
+PROBE_TIMEOUT_S = 10.0
 
 # Upstream's own ray.init env defaults (openrlhf/cli/train_ppo_ray.py train()), kept when the fork
 # starts Ray first, plus what a CPU run needs (docs/design.md §5): a small vLLM KV cache, an in-process
@@ -46,26 +59,47 @@ def declared_gpus(args: argparse.Namespace) -> int:
     return total
 
 
+def check_ray_address(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """A `host:port` (or `ray://host:port`) address must accept a connection within `timeout` seconds."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():  # "auto" and other forms: Ray resolves them, failing fast on its own
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as err:
+        raise UsageError(ADDRESS_VAR, f"no Ray cluster answers at {address} ({err.strerror or err}); start one "
+                         f"there, or unset {ADDRESS_VAR} to let the run start its own Ray") from None
+
+
 def start_ray(args: argparse.Namespace, cpu: bool) -> None:
-    """ray.init with the patch hook; on CPU, declare GPU slots so upstream's placement groups schedule."""
+    """ray.init with the patch hook; on CPU, declare GPU slots so upstream's placement groups schedule.
+
+    Raises UsageError naming RAY_ADDRESS when the cluster it names cannot be reached.
+    """
     env = worker_env(cpu)
     os.environ.update(env)
     runtime_env = {"env_vars": env, "worker_process_setup_hook": "openrlhf_tis.patches.ray_worker_setup"}
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(runtime_env=runtime_env)
+    address = os.environ.get(ADDRESS_VAR)
+    if address:
+        check_ray_address(address)
+        try:
+            ray.init(runtime_env=runtime_env)
+        except ConnectionError as err:
+            raise UsageError(ADDRESS_VAR, f"cannot join the Ray cluster at {address}: {err}") from None
         return
     kwargs = {}
     if cpu:
         # Logical resources only: a "GPU" here is a scheduling slot for one CPU process.
         gpus = declared_gpus(args)
         kwargs = {"num_gpus": gpus, "num_cpus": max(os.cpu_count() or 1, gpus + 4)}
-    init_local_ray(include_dashboard=False, runtime_env=runtime_env, **kwargs)
+    context = init_local_ray(address="local", include_dashboard=False, runtime_env=runtime_env, **kwargs)
+    reap_when_gone(context.address_info["session_dir"])  # its agents must not outlive a killed run
 
 
 STARTUP_TRIES = 3
 
 
-def init_local_ray(**kwargs) -> None:
+def init_local_ray(**kwargs):
     """ray.init for a new local cluster, tried again when its raylet misses Ray's fixed 30 s registration window.
 
     On a loaded 2-core machine (a test suite, another run) the raylet can take longer than Ray allows
@@ -75,8 +109,7 @@ def init_local_ray(**kwargs) -> None:
     """
     for attempt in range(1, STARTUP_TRIES + 1):
         try:
-            ray.init(**kwargs)
-            return
+            return ray.init(**kwargs)
         except Exception as err:  # Ray raises a bare Exception here
             if "timed out during startup" not in str(err) or attempt == STARTUP_TRIES:
                 raise

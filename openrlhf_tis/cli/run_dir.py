@@ -6,24 +6,35 @@ refused unless the user says what should happen: `--ckpt.load_enable` resumes (o
 checkpoint exists: without one upstream silently starts at step 0 and the store would rewind to it),
 `--logger.run_dir_overwrite` erases the run store's files and starts over. A directory without steps
 is a start that never trained: its config.json (written before Ray starts) is replaced.
+
+A run directory belongs to one live run: the start takes an exclusive `flock` on `<run_dir>/.lock` (its
+pid inside) and holds it until the process ends, so the kernel releases it however the run ends (kill -9
+included) and a second start into the same directory is refused while the first lives. A resume loads a
+checkpoint only when it belongs to the directory's current history (runs/identity.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import fcntl
 import os
 import shutil
 import sys
 from pathlib import Path
 
 from openrlhf_tis.errors import UsageError
-from openrlhf_tis.runs.config import RunConfigMismatch, check_resume
+from openrlhf_tis.runs.config import RUN_ID_KEY, RunConfigMismatch, check_resume
+from openrlhf_tis.runs.identity import foreign_checkpoint
 from openrlhf_tis.runs.layout import CONFIG_FILE, METRICS_FILE, TOKENS_DIR, token_files
 from openrlhf_tis.runs.reader import last_logged_step
 
 FLAG = "--logger.run_dir"
 OVERWRITE_FLAG = "--logger.run_dir_overwrite"
 LOAD_FLAG = "--ckpt.load_enable"
+LOCK_FILE = ".lock"
+RUN_ID_DEST = "logger.run_id"
+_held_locks: dict[Path, int] = {}  # run directory -> the descriptor holding its lock, open for the process's life
 
 
 def checkpoint_dir(ckpt_path: str) -> Path | None:
@@ -43,6 +54,44 @@ def _check_writable(run_dir: Path) -> None:
         raise UsageError(FLAG, f"{run_dir} is not writable")
 
 
+def lock_run_dir(run_dir: Path) -> None:
+    """Own `run_dir` for the life of this process; UsageError naming the owner's pid when a live run holds it."""
+    if run_dir in _held_locks:  # this process already owns it (a start parsed twice in one process)
+        return
+    path = run_dir / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise UsageError(FLAG, f"cannot create {path}: {err.strerror or err}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise UsageError(FLAG, f"cannot lock {path}: {err.strerror or err}") from None
+        raise UsageError(FLAG, f"{run_dir} is in use by another run (pid {owner}); wait for it to end, stop it, "
+                         f"or choose another {FLAG}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held_locks[run_dir] = fd
+
+
+def lock_owner(run_dir: Path) -> str | None:
+    """The pid written by the live process that holds `run_dir`, None when no live process holds it."""
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released by the close below
+    except OSError:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    finally:
+        os.close(fd)
+    return None
+
+
 def erase_run_store(run_dir: Path) -> None:
     """Remove what the run store wrote (config, metrics, token dumps); other files (checkpoints, logs) stay."""
     for name in (CONFIG_FILE, METRICS_FILE):
@@ -50,10 +99,14 @@ def erase_run_store(run_dir: Path) -> None:
     shutil.rmtree(run_dir / TOKENS_DIR, ignore_errors=True)
 
 
-def open_run_dir(args: argparse.Namespace) -> None:
-    """Decide new run / resume / overwrite, then record or check the configuration (before Ray starts)."""
+def open_run_dir(args: argparse.Namespace, planned_steps: int | None = None) -> None:
+    """Decide new run / resume / overwrite, then record or check the configuration (before Ray starts).
+
+    `planned_steps`: how many steps the run will train, when the CLI could count them (config.json).
+    """
     run_dir = Path(getattr(args, "logger.run_dir"))
     _check_writable(run_dir)
+    lock_run_dir(run_dir)
     last = last_logged_step(run_dir) or 0
     dumps = token_files(run_dir)
     overwrite, load = getattr(args, "logger.run_dir_overwrite"), getattr(args, "ckpt.load_enable")
@@ -75,7 +128,15 @@ def open_run_dir(args: argparse.Namespace) -> None:
                              "to start over")
     else:
         (run_dir / CONFIG_FILE).unlink(missing_ok=True)  # left by a start that never reached step 1
+    if load and checkpoint is not None:  # (with overwrite too it was refused above)
+        foreign = foreign_checkpoint(run_dir, checkpoint)
+        if foreign:
+            raise UsageError(LOAD_FLAG, f"will not resume {run_dir} from {checkpoint}: {foreign}; pass "
+                             f"{OVERWRITE_FLAG} to start over, or the --ckpt.path this run saved to")
     try:
-        check_resume(run_dir, args, override=getattr(args, "logger.run_dir_override"))
+        record = check_resume(run_dir, args, override=getattr(args, "logger.run_dir_override"),
+                              planned_steps=planned_steps)
     except RunConfigMismatch as err:
         raise UsageError(FLAG, str(err)) from None
+    # Not a flag: the actors stamp it on every checkpoint they save (trainer/ppo_actor.py).
+    setattr(args, RUN_ID_DEST, record.get(RUN_ID_KEY))

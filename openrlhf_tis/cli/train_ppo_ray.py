@@ -15,7 +15,8 @@ import torch
 from openrlhf_tis import patches
 from openrlhf_tis.cli.checks import adapt_to_cpu, check_inputs, explicit_dests
 from openrlhf_tis.cli.fork_flags import add_fork_arguments
-from openrlhf_tis.cli.ray_cluster import start_ray
+from openrlhf_tis.cli.lifetime import die_with_parent
+from openrlhf_tis.cli.ray_cluster import CPU_ENV, start_ray
 from openrlhf_tis.cli.rollout_engines import prepare_rollout_engines
 from openrlhf_tis.cli.run_dir import open_run_dir
 from openrlhf_tis.cli.upstream import run_upstream_main, upstream_parser
@@ -42,23 +43,26 @@ def parse(argv: list[str], cpu: bool):
             print(f"[openrlhf_tis] no CUDA: {note}", file=sys.stderr)
     run_dir = getattr(args, "logger.run_dir") or time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())
     setattr(args, "logger.run_dir", os.path.abspath(run_dir))  # every Ray process writes to the same place
-    check_inputs(args)
-    open_run_dir(args)
+    planned = check_inputs(args)
+    open_run_dir(args, planned_steps=planned)
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     cpu = not torch.cuda.is_available()
+    die_with_parent()
+    if cpu:  # every process of a CPU run is offline (ray_cluster.CPU_ENV): judge hub model ids the same way
+        os.environ.setdefault("HF_HUB_OFFLINE", CPU_ENV["HF_HUB_OFFLINE"])
     try:
         patches.apply_platform_patches()
         args = parse(argv, cpu)
         fork_classes.apply()
         prepare_rollout_engines(args)
+        start_ray(args, cpu)
     except (UsageError, UnsupportedUpstreamError) as err:
         print(f"openrlhf_tis.cli.train_ppo_ray: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    start_ray(args, cpu)
     run_upstream_main(args)
     check_steps_logged(getattr(args, "logger.run_dir"))
 

@@ -145,11 +145,30 @@ def main(argv: list[str] | None = None) -> None:
     try:
         params = check_params({**base, **overrides, "extra_args": [*base["extra_args"], *extra]},
                               TRAIN_PARAMS, where="main job")
+        check_training_flags(params["extra_args"])
     except ParameterError as err:
         print(f"main_job: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     result = run_main_job(params, out / "runs" / stamp)
     print(describe(result))
+
+
+def check_training_flags(flags: list[str]) -> None:
+    """Parse the flags bound for the training CLI with its own parser, so a typo fails here in one line
+    (ParameterError) instead of after the notebook and the training process started."""
+    if not flags:
+        return
+    from openrlhf_tis import patches
+    from openrlhf_tis.cli.train_ppo_ray import build_parser
+
+    patches.apply_platform_patches()  # upstream's parser module cannot be imported without them on CPU
+    parser = build_parser()
+
+    def error(message: str):
+        raise ParameterError(f"training CLI flags: {message}")
+
+    parser.error = error
+    parser.parse_args(flags)
 
 
 def _literal(item: str) -> tuple[str, Any]:

@@ -15,7 +15,10 @@ twice running once: e.g. a reference precision under one correction beside int8 
 
 Every cell is checked before any cell runs (unknown keys, bad values). Each cell keeps its executed
 notebook and run directory under OUT/cells/<cell>/ and a status.json written last: a re-run skips
-cells whose status says complete with the same parameters, and retries the others. A failing cell
+cells whose status says complete with the same parameters, and retries the others: a failed or changed
+cell, or one interrupted before its status (Ctrl-C, a kill), starts afresh with the earlier attempt's run
+directory kept as run.attemptN, except that an interrupted cell holding a checkpoint of its own run
+resumes from it (`--ckpt.load_enable`). A failing cell
 is recorded with its papermill error (cell and exception) and the sweep goes on; the report
 (OUT/report.ipynb and the self-contained OUT/report.html) names it.
 """
@@ -34,10 +37,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.pipeline.execute import execute, export_html
 from openrlhf_tis.pipeline.params import Param, ParameterError, check_params
 from openrlhf_tis.pipeline.train import TRAIN_PARAMS
+from openrlhf_tis.runs.identity import foreign_checkpoint
 from openrlhf_tis.runs.layout import atomic_write, unique_dir_name
+from openrlhf_tis.runs.reader import last_logged_step
 
 GRID_TABLES = ("base", "grid")
 STATUS_FILE = "status.json"
@@ -141,11 +147,18 @@ def run_cell(cell: Cell, out_dir: Path) -> CellResult:
     status = _status(cell_dir)
     if status and status.get("status") == "complete" and status.get("params") == cell.params:
         return CellResult(cell, "skipped", run_dir, notebook, seconds=status.get("seconds"))
-    if status is not None and run_dir.exists():  # an earlier failed or changed attempt: start the run afresh
+    owner = lock_owner(run_dir)
+    if owner is not None:  # an earlier sweep's training outlived it: never move a live run's directory
+        return CellResult(cell, "failed", run_dir, notebook, f"{run_dir} is still in use by a training process "
+                          f"(pid {owner}); stop it and run the sweep again")
+    params = {**cell.params, "run_dir": str(run_dir)}
+    if status is None and resumable(run_dir):  # interrupted (no status) after a checkpoint of its own run
+        params["extra_args"] = [*params.get("extra_args", []), "--ckpt.load_enable"]
+    elif run_dir.exists():  # an earlier failed, changed or interrupted attempt: start the run afresh
         _set_aside(run_dir)
     start = time.monotonic()
     try:
-        execute("train", notebook, {**cell.params, "run_dir": str(run_dir)}, cwd=cell_dir)
+        execute("train", notebook, params, cwd=cell_dir)
         result = CellResult(cell, "complete", run_dir, notebook)
     except Exception as err:  # papermill's error carries the failing cell; anything else is named too
         result = CellResult(cell, "failed", run_dir, notebook, _error_text(err))
@@ -154,6 +167,14 @@ def run_cell(cell: Cell, out_dir: Path) -> CellResult:
         {"cell": cell.name, "status": result.status, "params": cell.params, "error": result.error,
          "seconds": result.seconds}, indent=1).encode())
     return result
+
+
+def resumable(run_dir: Path) -> bool:
+    """Whether a cell's run directory holds steps and a checkpoint of that same history (train.ipynb saves
+    checkpoints under <run_dir>/ckpt, when its extra_args ask for them with --ckpt.save_steps)."""
+    actor = run_dir / "ckpt" / "_actor"
+    return ((actor / "latest").is_file() and bool(last_logged_step(run_dir))
+            and foreign_checkpoint(run_dir, actor) is None)
 
 
 def _set_aside(run_dir: Path) -> None:

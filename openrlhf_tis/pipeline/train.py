@@ -3,7 +3,8 @@
 Ray and vLLM never live in the notebook's kernel: the job is `python -m openrlhf_tis.cli.train_ppo_ray`
 in a child process (its whole log goes to `<run_dir>/train.log`), so a crash or a kill of the job never
 takes the kernel down, and `RAY_ADDRESS`, inherited from the environment, sends the same notebook to a
-cluster. Progress is read where every consumer reads it: the run store's `metrics.jsonl`.
+cluster. Progress is read where every consumer reads it: the run store's `metrics.jsonl`. The job ends
+with the kernel even when the kernel is killed rather than interrupted (cli/lifetime.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from openrlhf_tis.cli.lifetime import PARENT_ENV
+from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.correction.config import PRESETS
 from openrlhf_tis.cpu_features import default_train_dtype
 from openrlhf_tis.pipeline.params import Param, positive
@@ -203,6 +206,10 @@ def run_training(
     """
     run_dir = Path(params["run_dir"]).expanduser().resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    owner = lock_owner(run_dir)
+    if owner is not None:  # checked here too, so a second start never truncates the live run's train.log
+        raise TrainingFailed(f"{run_dir} is in use by another run (pid {owner}); wait for it to end, stop it, "
+                             "or choose another run_dir")
     model = resolve_model(params["model"], cache or run_dir.parent / ".models")
     prompts = resolve_prompts(params["prompts"], run_dir, params["prompts_per_step"] * params["steps"])
     argv = build_argv(params, model, prompts, run_dir)
@@ -211,7 +218,8 @@ def run_training(
         log.write("$ " + shlex.join(argv) + "\n")
         log.flush()
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir.parent,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())},
+                                start_new_session=True)
         seen = 0
         try:
             while True:

@@ -10,6 +10,7 @@ a run asks for, is refused before any engine starts.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from openrlhf_tis.rollout.quantize import (
     is_quantized_weight,
     model_fingerprint,
 )
+from openrlhf_tis.runs.layout import file_mode
 
 META_KEY = "openrlhf_tis_calibration"
 SMOOTHING = "smoothing"
@@ -69,6 +71,7 @@ def save_calibration(path: str | Path, cal: Calibration, model_config: dict, alp
     path = Path(path)
     tensors = {k: v.contiguous().float() for k, v in {**cal.smoothing, **cal.input_scales}.items()}
     save_file(tensors, str(path), metadata={META_KEY: json.dumps(meta)})
+    os.chmod(path, file_mode())  # safetensors writes through a 0600 temp file
     return path
 
 

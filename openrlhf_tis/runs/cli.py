@@ -104,7 +104,8 @@ def cmd_show(run: str, root: str, as_json: bool, console: Console) -> int:
         print(json.dumps(info, indent=1, default=str))
         return 0
     console.print(f"[bold]{info['run']}[/bold]  {info['path']}")
-    console.print(f"steps {info['steps']} ({_fmt(info['first_step'])}..{_fmt(info['last_step'])}"
+    console.print(f"steps {info['steps']}" + (f" of {info['planned_steps']}" if info["planned_steps"] else "")
+                  + f" ({_fmt(info['first_step'])}..{_fmt(info['last_step'])}"
                   + (f", {info['missing_steps']} missing" if info["missing_steps"] else "") + ")"
                   f"   revision {_fmt(info['revision'])}   fingerprint {_fmt(info['fingerprint'])}"
                   f"   resumes {info['resumes']}")

@@ -4,6 +4,10 @@
 with a configuration that changes the training itself would splice two experiments into one history,
 so `check_resume` refuses it unless the user passes `--logger.run_dir_override`. Fields that only
 say where things are written or how often they are logged (`RESUME_IGNORED`) may change freely.
+
+Each fresh record gets a random `run_id`, kept across resumes and replaced when the directory starts
+over (`--logger.run_dir_overwrite` erases config.json): checkpoints carry it (runs/identity.py), so a
+resume can tell this history's weights from an earlier run's left under the same `--ckpt.path`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import platform
 import subprocess
 import sys
 import time
+import uuid
 import warnings
 from collections.abc import Iterable, Mapping
 from importlib import metadata
@@ -26,6 +31,8 @@ from typing import Any
 from openrlhf_tis.runs.layout import CONFIG_FILE, atomic_write
 
 OVERRIDE_FLAG = "--logger.run_dir_override"
+RUN_ID_KEY = "run_id"
+PLANNED_STEPS_KEY = "planned_steps"
 
 # Dotted config keys (fnmatch patterns) that do not change what is trained: outputs, logging,
 # checkpoint cadence, process placement hints and the run store itself.
@@ -200,6 +207,7 @@ def check_resume(
     *,
     ignore: Iterable[str] = RESUME_IGNORED,
     origin: Mapping[str, Any] | None = None,
+    planned_steps: int | None = None,
 ) -> dict[str, Any]:
     """Write config.json for a new run, or check that a resumed run has the same configuration.
 
@@ -207,7 +215,8 @@ def check_resume(
     `provenance()`). Existing one: the fields that matter must match the stored ones, else
     `RunConfigMismatch` lists them, unless `override` — then the new config replaces the stored one
     and the change is kept in the `resumes` history. Every resume is appended there with its own
-    versions and git revision. Returns the record as written.
+    versions and git revision. `planned_steps` (the steps the run will train, when the CLI can count
+    them) is recorded each time, so `summary` can count steps that never arrived. Returns the record.
     """
     run_dir = Path(run_dir)
     resolved = resolve_config(config)
@@ -216,11 +225,13 @@ def check_resume(
     if stored is None:
         origin = dict(origin) if origin is not None else provenance()
         record = {
+            RUN_ID_KEY: uuid.uuid4().hex[:16],
             "fingerprint": fingerprint(resolved, ignore),
             "config": resolved,
             "resume_ignored": list(ignore),
             **origin,
             "resumes": [],
+            PLANNED_STEPS_KEY: planned_steps,
         }
         atomic_write(run_dir / CONFIG_FILE, _dump(record))
         return record
@@ -241,6 +252,7 @@ def check_resume(
     record = dict(stored)
     record["config"] = resolved
     record["fingerprint"] = fingerprint(resolved, ignore)
+    record[PLANNED_STEPS_KEY] = planned_steps
     record["resumes"] = [*stored.get("resumes", []), {**origin, "override": bool(changed), "changed": changed}]
     atomic_write(run_dir / CONFIG_FILE, _dump(record))
     return record

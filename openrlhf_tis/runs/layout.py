@@ -107,9 +107,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 @functools.cache
-def _file_mode() -> int:
-    # mkstemp creates 0600 files; give run files the mode open() would (0666 minus the umask), so
-    # others on a shared cluster can read the run. The umask can only be read by setting it.
+def file_mode() -> int:
+    """The mode open() gives a new file (0666 minus the umask): mkstemp's 0600 would hide run files from
+    others on a shared cluster. The umask can only be read by setting it."""
     umask = os.umask(0o022)
     os.umask(umask)
     return 0o666 & ~umask
@@ -125,7 +125,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None] | by
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f"{_TEMP_PREFIX}{path.name}.", dir=path.parent)
     try:
-        os.fchmod(fd, _file_mode())
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:
             if isinstance(write, (bytes, bytearray)):
                 f.write(write)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from openrlhf_tis.runs.config import PLANNED_STEPS_KEY, read_run_config
 from openrlhf_tis.runs.query import mask_reason_counts, token_steps
 from openrlhf_tis.runs.reader import load_metrics, run_info
 
@@ -68,22 +69,32 @@ def _series(frame: pd.DataFrame, key: str | None) -> dict[str, Any] | None:
     return {"key": key, **trend(frame["step"].to_numpy(), values), "values": values.tolist()}
 
 
+def _planned_steps(run_dir: Path) -> int | None:
+    planned = (read_run_config(run_dir) or {}).get(PLANNED_STEPS_KEY)
+    return int(planned) if isinstance(planned, int) and planned > 0 else None
+
+
 def summary(run_dir: str | os.PathLike) -> dict[str, Any]:
     """Steps, reward and mismatch trends, masked fraction and dump size of one run (plain dict, JSON-ready).
 
     `masked` comes from a masked-fraction metric when the run logs one, else from the token dumps
-    (with a per-reason breakdown); `values` lists hold the whole series for sparklines.
+    (with a per-reason breakdown); `values` lists hold the whole series for sparklines. `missing_steps`
+    counts the steps of 1..N without a metrics line, N being the steps the run was configured to train
+    (`planned_steps`, recorded by the training CLI) or, when unknown, the last logged step.
     """
     run_dir = Path(run_dir)
     info = run_info(run_dir)
     frame = load_metrics(run_dir)
     steps = frame["step"].to_numpy()
+    planned = _planned_steps(run_dir) if info["has_config"] else None
+    total = max(planned or 0, int(steps.max()) if len(steps) else 0)
     result: dict[str, Any] = {
         **info,
         "steps": int(len(frame)),
         "first_step": int(steps.min()) if len(steps) else None,
         "last_step": int(steps.max()) if len(steps) else None,
-        "missing_steps": int(steps.max() - steps.min() + 1 - len(steps)) if len(steps) else 0,
+        "planned_steps": planned,
+        "missing_steps": total - int(((steps >= 1) & (steps <= total)).sum()),
         "reward": _series(frame, pick_key(frame, REWARD_KEYS)),
         "mismatch": _series(frame, pick_key(frame, MISMATCH_KEYS)),
     }

@@ -36,6 +36,7 @@ from openrlhf.utils.loss_utils import _get_dp_group
 
 from openrlhf_tis.correction import CorrectionConfig, compute_correction, kept_weight_totals, policy_loss
 from openrlhf_tis.ray_classes import ray_actor_class
+from openrlhf_tis.runs.identity import write_checkpoint_identity
 from openrlhf_tis.runs.tokens import TokenDumpWriter
 from openrlhf_tis.trainer.bypass import rollout_as_old
 from openrlhf_tis.trainer.correction_args import correction_config_from_args
@@ -279,6 +280,15 @@ class _CorrectionPolicyModelActor(_UpstreamPolicyModelActor):
     def set_token_dump(self, plan: TokenDumpPlan | None) -> None:
         """The controller's plan for the step about to be trained (None: no dump)."""
         self.trainer.token_dump_plan = plan
+
+    def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
+        super().save_checkpoint(tag, client_states, metric_value=metric_value, metric_key=metric_key)
+        # Stamp the checkpoint with the run it belongs to, so no later history resumes from it (runs/identity.py).
+        args = self.strategy.args
+        run_id = getattr(args.logger, "run_id", None)
+        if run_id and not self.disable_ds_ckpt and self.strategy.is_rank_0():
+            step = (client_states or {}).get("global_step", 0)
+            write_checkpoint_identity(Path(args.ckpt.path) / "_actor" / tag, run_id, step)
 
 
 PolicyModelActor = ray.remote(num_gpus=1)(_CorrectionPolicyModelActor)

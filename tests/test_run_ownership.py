@@ -1,0 +1,368 @@
+"""No run trains on the wrong weights, no two runs share a directory (issue 21), checked without Ray: the run
+directory's lock against a second live process, checkpoint identity, planned steps, output locations, the
+sweep's interrupted cells, RAY_ADDRESS, and the smaller one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from types import SimpleNamespace
+
+import pytest
+from _support import error_line, finished_run, refused, run_dir, with_value, write_calibration
+
+from openrlhf_tis.cli import train_ppo_ray
+from openrlhf_tis.cli.run_dir import lock_owner
+from openrlhf_tis.pipeline import sweep
+from openrlhf_tis.runs import RunWriter, read_run_config, summary
+from openrlhf_tis.runs.identity import CHECKPOINT_ID_FILE, foreign_checkpoint, write_checkpoint_identity
+from openrlhf_tis.runs.layout import file_mode
+
+# --- one live run per directory -------------------------------------------------------------------------
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from openrlhf_tis.cli.run_dir import lock_run_dir
+    lock_run_dir(Path(sys.argv[1]))
+    print("locked", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_directory_held_by_a_live_process_is_refused_naming_its_pid_and_freed_by_kill_9(valid_argv, capsys):
+    path = run_dir(valid_argv)
+    path.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        line = error_line(refused(valid_argv, capsys))
+        assert line == (f"--logger.run_dir: {path} is in use by another run (pid {holder.pid}); wait for it to end, "
+                        "stop it, or choose another --logger.run_dir")
+        assert lock_owner(path) == str(holder.pid)
+        assert not (path / "config.json").exists()  # the refused start wrote nothing
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        holder.stdout.close()
+    assert lock_owner(path) is None
+    train_ppo_ray.parse(valid_argv, cpu=True)  # the kernel released the dead holder's lock
+    assert (path / ".lock").read_text().strip() == str(os.getpid())
+
+
+def test_a_notebook_start_into_a_live_run_leaves_its_log_alone(tmp_path):
+    from openrlhf_tis.pipeline.params import check_params
+    from openrlhf_tis.pipeline.train import TRAIN_PARAMS, TrainingFailed, run_training
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train.log").write_text("the live run's log")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(TrainingFailed, match=f"in use by another run \\(pid {holder.pid}\\)"):
+            run_training(check_params({"run_dir": str(run)}, TRAIN_PARAMS, where="test"))
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    assert (run / "train.log").read_text() == "the live run's log"
+
+
+# --- checkpoints belong to one history ------------------------------------------------------------------
+
+def _checkpoint(ckpt, step: int, run_id: str | None) -> None:
+    """A checkpoint as DeepSpeed leaves it (`latest` naming the tag), stamped as the fork's actor stamps it."""
+    tag = ckpt / "_actor" / f"global_step{step}"
+    tag.mkdir(parents=True)
+    (ckpt / "_actor" / "latest").write_text(f"global_step{step}")
+    if run_id is not None:
+        write_checkpoint_identity(tag, run_id, step)
+
+
+def test_checkpoint_of_this_history_is_resumed_and_an_overwritten_runs_is_refused(valid_argv, tmp_path, capsys):
+    path = finished_run(valid_argv)  # two logged steps
+    run_id = read_run_config(path)["run_id"]
+    ckpt = tmp_path / "ckpt"
+    _checkpoint(ckpt, 2, run_id)
+    resume = valid_argv + ["--ckpt.load_enable", "--ckpt.path", str(ckpt)]
+    train_ppo_ray.parse(resume, cpu=True)
+    assert read_run_config(path)["run_id"] == run_id  # a resume keeps the identity
+
+    train_ppo_ray.parse(valid_argv + ["--logger.run_dir_overwrite"], cpu=True)
+    assert read_run_config(path)["run_id"] != run_id  # starting over is a new history
+    RunWriter(path).append_metrics(1, {"loss": 1.0})  # ... that died after its first step
+    line = error_line(refused(resume, capsys))
+    assert line.startswith(f"--ckpt.load_enable: will not resume {path} from {ckpt / '_actor'}: its checkpoint "
+                           f"global_step2 was saved by run {run_id}, not by this directory's run "), line
+    assert line.endswith("pass --logger.run_dir_overwrite to start over, or the --ckpt.path this run saved to")
+    assert json.loads((ckpt / "_actor" / "global_step2" / CHECKPOINT_ID_FILE).read_text())["step"] == 2
+
+
+@pytest.mark.parametrize(("logged", "saved_by", "step", "expected"), [
+    (3, "mine", 3, None),
+    (3, "mine", 2, None),
+    (3, "mine", 4, "global_step4 is past the directory's last logged step (3)"),
+    (3, "other", 2, "saved by run other"),
+    (3, None, 2, "saved by a run without a recorded identity"),
+    (0, "mine", 1, "past the directory's last logged step (0)"),
+])
+def test_foreign_checkpoint_rules(tmp_path, logged, saved_by, step, expected):
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"run_id": "mine", "config": {}}))
+    writer = RunWriter(run)
+    for s in range(1, logged + 1):
+        writer.append_metrics(s, {"x": s})
+    _checkpoint(ckpt, step, saved_by)
+    found = foreign_checkpoint(run, ckpt / "_actor")
+    assert found is None if expected is None else expected in found, found
+
+
+def test_a_run_dir_written_before_run_ids_is_judged_by_step(tmp_path):
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"config": {}}))
+    RunWriter(run).append_metrics(1, {"x": 1})
+    _checkpoint(ckpt, 1, None)
+    assert foreign_checkpoint(run, ckpt / "_actor") is None
+
+
+def test_summary_counts_missing_steps_against_the_planned_total(valid_argv, tmp_path):
+    prompts = tmp_path / "ten.jsonl"
+    prompts.write_text("".join(json.dumps({"input": f"{i} + 1?", "label": str(i + 1)}) + "\n" for i in range(10)))
+    argv = with_value(valid_argv, "--data.prompt_dataset", str(prompts))
+    argv += ["--rollout.batch_size", "4", "--train.batch_size", "4", "--train.micro_batch_size", "4",
+             "--train.num_episodes", "2"]
+    train_ppo_ray.parse(argv, cpu=True)
+    path = run_dir(argv)
+    assert read_run_config(path)["planned_steps"] == 6  # ceil(10 / 4) batches x 2 episodes
+    writer = RunWriter(path)
+    for step in (1, 2, 4):
+        writer.append_metrics(step, {"loss": 1.0})
+    info = summary(path)
+    assert info["planned_steps"] == 6 and info["missing_steps"] == 3  # 3, 5 and 6
+    train_ppo_ray.parse(argv + ["--logger.run_dir_overwrite", "--data.max_samples", "3"], cpu=True)
+    assert read_run_config(path)["planned_steps"] == 2  # ceil(3 / 4) x 2
+
+
+# --- every output location is writable before Ray starts ------------------------------------------------
+
+UNWRITABLE = "/sys/fs/openrlhf_tis_out"  # sysfs refuses new files to every user, root included
+
+
+@pytest.mark.parametrize("extra", [
+    ["--ckpt.output_dir", UNWRITABLE],
+    ["--ckpt.path", UNWRITABLE, "--ckpt.save_steps", "2"],
+    ["--logger.tensorboard_dir", UNWRITABLE],
+])
+def test_an_unwritable_output_location_is_refused_before_ray(valid_argv, capsys, extra):
+    line = error_line(refused(valid_argv + extra, capsys))
+    assert line.startswith(f"{extra[0]}: cannot write under /sys/fs: "), line
+
+
+def test_a_checkpoint_path_never_written_is_not_checked(valid_argv):
+    train_ppo_ray.parse(valid_argv + ["--ckpt.path", UNWRITABLE], cpu=True)  # --ckpt.save_steps -1: no saves
+
+
+# --- an interrupted sweep cell is retried --------------------------------------------------------------
+
+def _interrupted_cell(out, cell, run_id: str | None, checkpoint_by: str | None):
+    """A cell's directory as a Ctrl-C leaves it: its run holds steps, there is no status.json."""
+    run = out / "cells" / cell.slug / "run"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"run_id": run_id, "config": {}}))
+    RunWriter(run).append_metrics(1, {"x": 1})
+    RunWriter(run).append_metrics(2, {"x": 2})
+    if checkpoint_by is not None:
+        _checkpoint(run / "ckpt", 2, checkpoint_by)
+    return run
+
+
+@pytest.mark.parametrize(("checkpoint_by", "resumes"), [(None, False), ("r1", True), ("r0", False)])
+def test_an_interrupted_cell_restarts_or_resumes_on_the_next_sweep(tmp_path, monkeypatch, checkpoint_by, resumes):
+    calls = []
+    monkeypatch.setattr(sweep, "execute", lambda name, notebook, params, cwd: calls.append(params))
+    cell = sweep.Cell("seed=1", {"seed": 1, "extra_args": []})
+    run = _interrupted_cell(tmp_path, cell, "r1", checkpoint_by)
+    result = sweep.run_cell(cell, tmp_path)
+    assert result.status == "complete" and len(calls) == 1
+    assert ("--ckpt.load_enable" in calls[0]["extra_args"]) == resumes
+    assert (run / "metrics.jsonl").exists() == resumes  # a restart keeps the attempt aside, never deletes it
+    assert resumes or (run.with_name("run.attempt1") / "metrics.jsonl").exists()
+
+
+def test_a_cell_whose_run_is_still_alive_is_failed_and_left_in_place(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep, "execute", lambda *args, **kwargs: pytest.fail("a cell ran over a live run"))
+    cell = sweep.Cell("seed=1", {"seed": 1, "extra_args": []})
+    run = _interrupted_cell(tmp_path, cell, "r1", None)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        result = sweep.run_cell(cell, tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    assert result.status == "failed" and f"still in use by a training process (pid {holder.pid})" in result.error
+    assert (run / "metrics.jsonl").exists() and not run.with_name("run.attempt1").exists()
+
+
+# --- Ray: a local cluster unless RAY_ADDRESS names one that answers ------------------------------------
+
+def test_a_ray_address_that_answers_nothing_fails_in_one_line_quickly(valid_argv, capsys, monkeypatch):
+    from _support import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    start = time.monotonic()
+    line = error_line(refused(valid_argv, capsys))
+    assert time.monotonic() - start < 30
+    assert line.startswith(f"RAY_ADDRESS: no Ray cluster answers at {address} (") and "unset RAY_ADDRESS" in line
+
+
+def test_without_ray_address_the_cli_starts_its_own_ray(valid_argv, monkeypatch):
+    from openrlhf_tis.cli import ray_cluster
+
+    seen, reaped = {}, []
+    for key in ray_cluster.worker_env(cpu=True):  # start_ray exports them; restored after the test
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray_cluster.ray, "init", lambda **kwargs: seen.update(kwargs) or SimpleNamespace(
+        address_info={"session_dir": "/tmp/ray/session_x"}))
+    monkeypatch.setattr(ray_cluster, "reap_when_gone", reaped.append)
+    ray_cluster.start_ray(train_ppo_ray.parse(valid_argv, cpu=True), cpu=True)
+    assert seen["address"] == "local"  # never the cluster of an address file
+    assert reaped == ["/tmp/ray/session_x"]  # its leftovers are stopped once the driver is gone
+
+
+# --- the smaller items ----------------------------------------------------------------------------------
+
+def test_nonfinite_drop_that_could_never_train_is_refused(valid_argv, capsys):
+    batch = ["--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "2", "--train.batch_size", "8",
+             "--rollout.micro_batch_size", "8"]
+    line = error_line(refused(valid_argv + batch + ["--train.micro_batch_size", "8", "--reward.nonfinite", "drop"],
+                              capsys))
+    assert line == ("--reward.nonfinite: drop could never train a step that loses a prompt group: the 6 samples "
+                    "left of 8 are fewer than --train.micro_batch_size (8) x 1 data-parallel actor process(es); "
+                    "lower --train.micro_batch_size to 4")
+    train_ppo_ray.parse(valid_argv + batch + ["--train.micro_batch_size", "4", "--reward.nonfinite", "drop"],
+                        cpu=True)
+
+
+def test_a_corrupt_model_config_is_refused_in_one_line(valid_argv, tiny_model_dir, tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama",')
+    line = error_line(refused(with_value(valid_argv, "--actor.model_name_or_path", str(model)), capsys))
+    assert line.startswith(f"--actor.model_name_or_path: {model / 'config.json'} is not a readable JSON model config")
+
+
+def test_a_hub_id_is_refused_at_once_when_offline_or_unreachable(valid_argv, capsys, monkeypatch):
+    from openrlhf_tis import model_files
+
+    argv = with_value(valid_argv, "--actor.model_name_or_path", "no-such-org/no-such-model")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert "not in the local cache (HF_HUB_OFFLINE is set)" in error_line(refused(argv, capsys))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(model_files, "hub_reachable", lambda: False)
+    assert "the hub cannot be reached" in error_line(refused(argv, capsys))
+
+
+def test_an_explicit_lower_bound_that_tis_ignores_is_refused(valid_argv, capsys):
+    argv = valid_argv + ["--vllm.num_engines", "1", "--algo.correction.preset", "tis"]
+    line = error_line(refused(argv + ["--algo.correction.lower", "0.5"], capsys))
+    assert line.startswith("--algo.correction.lower: is unused by mode 'truncate' (truncate (TIS) bounds"), line
+    train_ppo_ray.parse(argv + ["--algo.correction.mode", "clip", "--algo.correction.lower", "0.5"], cpu=True)
+
+
+def test_a_bad_training_flag_through_the_main_job_fails_at_once_in_one_line(tmp_path):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "openrlhf_tis.pipeline.main_job", "--out", str(tmp_path),
+                           "--model", "tiny", "--train.no_such_flag", "3"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [errors[-1]] and errors[-1].startswith("main_job: error: training CLI flags: "), proc.stderr
+    assert "unrecognized arguments: --train.no_such_flag 3" in errors[-1] and "usage:" not in proc.stderr
+    assert not (tmp_path / "runs").exists()  # nothing was started
+    print(f"refused after {time.monotonic() - start:.1f} s")
+
+
+def test_the_calibration_file_gets_the_mode_open_would_give(tiny_model_dir, tmp_path):
+    path = write_calibration(tiny_model_dir, tmp_path / "cal.safetensors")
+    assert (os.stat(path).st_mode & 0o777) == file_mode() == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# --- nothing outlives a killed run ----------------------------------------------------------------------
+
+DRIVER = textwrap.dedent("""
+    import os, subprocess, sys, time
+    from openrlhf_tis.cli.lifetime import reap_when_gone
+    marker = os.environ["MARKER"]  # not in this driver's own command line, as a Ray session dir is not
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", marker], start_new_session=True)
+    reap_when_gone(marker)
+    print("started", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_what_a_killed_driver_started_is_stopped_by_its_watchdog(tmp_path):
+    from openrlhf_tis.cli.lifetime import GRACE_S, leftover_processes
+
+    marker = str(tmp_path / "session_x")  # as a Ray session directory names its processes
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "MARKER": marker})
+    assert driver.stdout.readline().strip() == "started"
+    assert len(leftover_processes(marker)) == 2  # the straggler and the watchdog itself
+    driver.kill()  # kill -9: no atexit, no ray.shutdown
+    driver.wait()
+    driver.stdout.close()
+    deadline = time.monotonic() + 3 * GRACE_S + 10
+    while leftover_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert leftover_processes(marker) == []
+
+
+def test_a_child_of_a_notebook_dies_with_it(tmp_path):
+    from openrlhf_tis.cli.lifetime import PARENT_ENV
+
+    child_code = "from openrlhf_tis.cli.lifetime import die_with_parent; import time; die_with_parent(); " \
+                 "print('armed', flush=True); time.sleep(600)"
+    parent_code = textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", {child_code!r}], start_new_session=True,
+                                 env={{**os.environ, {PARENT_ENV!r}: str(os.getpid())}})
+        print(child.pid, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True)
+    child_pid = int(parent.stdout.readline())
+    time.sleep(5)  # the child arms itself (imports) before its parent is killed
+    parent.kill()
+    parent.wait()
+    parent.stdout.close()
+    deadline = time.monotonic() + 20
+    while _alive(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(child_pid)
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
