@@ -98,7 +98,7 @@ class Dashboard:
             self.table, self.shown = pd.DataFrame(), {}
             return
         self.table = run_table(self.root)
-        self.runs.value = self.table.to_html(index=False, classes="mm-runs", na_rep="–", border=0)
+        self.runs.value = self.table.astype(object).fillna("–").to_html(index=False, classes="mm-runs", border=0)
         self.explorer = self._reopened_explorer()
         self._draw_comparison()
         selected = self.tabs.selected_index
