@@ -10,9 +10,11 @@ import socket
 import numpy as np
 import pandas as pd
 import pytest
+from papermill import execute_notebook
 
 from openrlhf_tis.pipeline import dashboard
 from openrlhf_tis.pipeline.dashboard_app import Dashboard
+from openrlhf_tis.pipeline.execute import KERNEL
 from openrlhf_tis.runs import RunWriter, TokenDumpWriter
 
 
@@ -120,3 +122,14 @@ def test_bad_port_is_a_usage_error(tmp_path, capsys, port):
     with pytest.raises(SystemExit) as exit_info:
         dashboard.main([str(tmp_path), "--port", port])
     assert exit_info.value.code == 2 and "--port" in capsys.readouterr().err
+
+
+def test_notebook_runs_under_papermill(root, tmp_path):
+    """The page's notebook, with the root injected as the command injects it: the runs table is in its widgets."""
+    notebook = dashboard.prepare_notebook(root, tmp_path)
+    out = execute_notebook(notebook, tmp_path / "out.ipynb", kernel_name=KERNEL, progress_bar=False)
+    state = out.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    values = [str(w["state"].get("value", "")) for w in state.values()]
+    table = next(v for v in values if "mm-runs" in v)
+    assert re.findall(r"<tr>\s*<td>(.*?)</td>", table) == ["live", "nodumps", "starting"]
+    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in out.cells[-1].outputs)

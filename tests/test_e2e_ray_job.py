@@ -94,7 +94,9 @@ def test_ray_job_submit_trains_on_an_existing_cluster(tiny_model_dir, tmp_path):
     with ray_cluster(env, work / "ray_head.log") as address:
         args = tiny_train_args(tiny_model_dir, work, STEPS, REWARD)
         train = ["python", "-m", "openrlhf_tis.cli.train_ppo_ray", *args]
-        submit = [str(RAY), "job", "submit", "--address", address, "--", *train]
+        # env_vars the job sets that the fork sets too (upstream's README passes a runtime env the same way)
+        job_env = json.dumps({"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
+        submit = [str(RAY), "job", "submit", "--address", address, "--runtime-env-json", job_env, "--", *train]
         proc = subprocess.run(submit, env=env, cwd=work, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]

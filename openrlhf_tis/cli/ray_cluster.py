@@ -49,6 +49,9 @@ def start_ray(args: argparse.Namespace, cpu: bool) -> None:
     os.environ.update(env)
     runtime_env = {"env_vars": env, "worker_process_setup_hook": "openrlhf_tis.patches.ray_worker_setup"}
     if os.environ.get("RAY_ADDRESS"):
+        # Under `ray job submit --runtime-env-json '{"env_vars": ...}'` Ray refuses to merge the job's env_vars
+        # with these when a key repeats; the values here already are the job's where it set them (see worker_env).
+        os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
         ray.init(runtime_env=runtime_env)
         return
     kwargs = {}
