@@ -25,8 +25,8 @@ import pandas as pd
 
 from openrlhf_tis.pipeline.params import Param, ParamSpec
 from openrlhf_tis.pipeline.report import ipython_display, show_comparison
-from openrlhf_tis.runs.layout import METRICS_FILE, token_files
-from openrlhf_tis.runs.reader import find_runs, last_logged_step, list_runs
+from openrlhf_tis.runs.layout import METRICS_FILE
+from openrlhf_tis.runs.reader import find_runs, run_info
 from openrlhf_tis.viz.explorer import TokenExplorer
 
 DASHBOARD_PARAMS: ParamSpec = {
@@ -49,19 +49,20 @@ def root_notice(root: Path, runs: list[Path]) -> str:
     return ""
 
 
-def run_table(root: Path) -> pd.DataFrame:
-    """One row per run under `root`: its path relative to the root, steps logged, last step, dumped steps,
-    when it started and when metrics.jsonl last changed (UTC; a run in progress keeps moving it)."""
-    runs = list_runs(root)
+def run_table(root: Path, runs: list[Path]) -> pd.DataFrame:
+    """One row per run: its path relative to `root`, steps logged, last step, dumped steps, when it started and
+    when metrics.jsonl last changed (UTC; a run in progress keeps moving it)."""
+    info = [run_info(path) for path in runs]
 
-    def updated(path: str) -> str | None:
-        metrics = Path(path) / METRICS_FILE
+    def updated(path: Path) -> str | None:
+        metrics = path / METRICS_FILE
         return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(metrics.stat().st_mtime)) if metrics.is_file() else None
 
     return pd.DataFrame({
-        "run": [os.path.relpath(p, root) for p in runs["path"]], "steps": runs["steps"],
-        "last step": runs["last_step"].astype("Int64"), "dumped steps": runs["token_steps"],
-        "created": runs["created"], "updated": [updated(p) for p in runs["path"]],
+        "run": [os.path.relpath(path, root) for path in runs], "steps": [i["steps"] for i in info],
+        "last step": pd.array([i["last_step"] for i in info], dtype="Int64"),
+        "dumped steps": [i["token_steps"] for i in info], "created": [i["created"] for i in info],
+        "updated": [updated(path) for path in runs],
     })
 
 
@@ -97,7 +98,7 @@ class Dashboard:
         if not self.run_paths:
             self.table, self.shown = pd.DataFrame(), {}
             return
-        self.table = run_table(self.root)
+        self.table = run_table(self.root, self.run_paths)
         self.runs.value = self.table.astype(object).fillna("–").to_html(index=False, classes="mm-runs", border=0)
         self.explorer = self._reopened_explorer()
         self._draw_comparison()
@@ -110,7 +111,7 @@ class Dashboard:
         """A fresh explorer (it reads the run store when built) on the run shown before, else the newest run with
         token dumps, at the step and sample shown before where that run still has them."""
         old = self.explorer
-        dumped = [p for p in self.run_paths if token_files(p)]
+        dumped = [path for path, steps in zip(self.run_paths, self.table["dumped steps"], strict=True) if steps]
         run = old.run_dir if old is not None and old.run_dir in self.run_paths else (dumped or self.run_paths)[-1]
         explorer = TokenExplorer(run, root=self.root)
         if old is not None and old.current_step in explorer.steps:
@@ -121,8 +122,9 @@ class Dashboard:
 
     def _draw_comparison(self) -> None:
         """The comparison of the runs that have logged a step; the others are named in a note."""
-        stepped = [p for p in self.run_paths if last_logged_step(p) is not None]
-        waiting = [os.path.relpath(p, self.root) for p in self.run_paths if p not in stepped]
+        logged = self.table["last step"].notna().tolist()
+        stepped = [path for path, ok in zip(self.run_paths, logged, strict=True) if ok]
+        waiting = [run for run, ok in zip(self.table["run"], logged, strict=True) if not ok]
         display = ipython_display()
         self.comparison.clear_output()
         with self.comparison:
