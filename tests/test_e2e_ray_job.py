@@ -35,7 +35,7 @@ STEPS = 2
 # Logical slots the tiny run's placement asks for (cli/ray_cluster.declared_gpus: 1 actor + 1 vLLM engine; no
 # reference model with KL 0, a local reward); a CPU cluster declares them as "GPUs" (docs/design.md §5).
 GPU_SLOTS = 2
-START_S = 180
+START_S = 300
 
 
 def _kill_cluster(group: subprocess.Popen, temp_dir: str) -> None:
@@ -91,6 +91,8 @@ def test_ray_job_submit_trains_on_an_existing_cluster(tiny_model_dir, tmp_path):
     # The cluster's processes, hence the job's driver, run `python` from this venv and import this checkout.
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    # Each dashboard module gets 30 s to start by default; on a loaded 2-core machine some took longer.
+    env["RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT"] = str(START_S)
     with ray_cluster(env, work / "ray_head.log") as address:
         args = tiny_train_args(tiny_model_dir, work, STEPS, REWARD)
         train = ["python", "-m", "openrlhf_tis.cli.train_ppo_ray", *args]
