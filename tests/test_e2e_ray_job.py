@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -60,11 +61,11 @@ def _kill_cluster(group: subprocess.Popen, temp_dir: str) -> None:
 def ray_cluster(env: dict[str, str], log: Path) -> Iterator[str]:
     """A head node on 127.0.0.1 with its dashboard; yields the dashboard's address."""
     temp_dir = tempfile.mkdtemp(prefix="rj-", dir="/tmp")  # short: Ray's unix sockets live under it
-    dashboard = free_port()
+    dashboard, agent = free_port(), free_port()
     argv = [str(RAY), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(free_port()),
             "--num-cpus", "8", "--num-gpus", str(GPU_SLOTS), "--include-dashboard", "true",
             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
-            "--dashboard-agent-listen-port", str(free_port()), "--ray-client-server-port", str(free_port()),
+            "--dashboard-agent-listen-port", str(agent), "--ray-client-server-port", str(free_port()),
             "--temp-dir", temp_dir, "--disable-usage-stats"]
     with log.open("wb") as out:
         head = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -74,15 +75,27 @@ def ray_cluster(env: dict[str, str], log: Path) -> Iterator[str]:
         while True:
             assert head.poll() is None, f"ray start exited with {head.returncode}:\n{log.read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"no job API at {address} after {START_S} s:\n{log.read_text()[-3000:]}"
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{address}/api/version", timeout=5) as reply:
-                    if reply.status == 200:
-                        break
+            if _answers(f"{address}/api/jobs/") and _listening(agent):  # a job goes through the node's agent
+                break
             time.sleep(1)
         yield address
     finally:
         _kill_cluster(head, temp_dir)
+        logs = Path(temp_dir) / "session_latest" / "logs"
+        if logs.is_dir():  # kept for the failure message
+            shutil.copytree(logs, log.parent / "ray_logs", dirs_exist_ok=True)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _answers(url: str) -> bool:
+    with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as reply:
+        return reply.status == 200
+    return False
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_ray_job_submit_trains_on_an_existing_cluster(tiny_model_dir, tmp_path):
@@ -101,7 +114,10 @@ def test_ray_job_submit_trains_on_an_existing_cluster(tiny_model_dir, tmp_path):
         submit = [str(RAY), "job", "submit", "--address", address, "--runtime-env-json", job_env, "--", *train]
         proc = subprocess.run(submit, env=env, cwd=work, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
+    logs = work / "ray_logs"
+    server_logs = "".join(f"\n--- {name}\n" + (logs / name).read_text()[-2000:]
+                          for name in ("dashboard.log", "dashboard_agent.log") if (logs / name).is_file())
+    assert proc.returncode == 0, log[-6000:] + server_logs
     assert "succeeded" in log, log[-3000:]
     steps = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), log[-3000:]
