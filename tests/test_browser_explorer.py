@@ -1,41 +1,29 @@
-"""The token explorer as a person sees it: notebooks/token_explorer.ipynb served by Voilà on 127.0.0.1, opened in
-headless Chromium, its tokens' colours read back from screenshot pixels, and a sample picked through the browser.
-
-The browser is Debian's chromium driven through Debian's /usr/bin/chromedriver (an explicit Service: selenium
-never looks for or downloads a driver or a browser build); scripts/setup_env.sh installs both with apt-get, and
-this test skips only where they are absent. Chromium resolves no host but 127.0.0.1, and the test checks from
-its network log that the page's scripts and widget code all came from the local server.
+"""The token explorer as a person sees it: notebooks/token_explorer.ipynb served by Voilà on 127.0.0.1 (as the
+dashboard serves pages: pipeline/voila_server.py), opened in headless Chromium (tests/_browser.py), its tokens'
+colours read back from screenshot pixels, and a sample picked through the browser. The test checks from the
+browser's network log that the page's scripts and widget code all came from the local server, and nothing else.
 """
-
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import papermill
 import pytest
+from _browser import WAIT_S, chromium, free_port, jupyter_env, requested_urls, served
 from PIL import Image
-from selenium import webdriver
 from selenium.common.exceptions import TimeoutException
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
+from openrlhf_tis.pipeline.voila_server import voila_args, voila_env
 from openrlhf_tis.runs import TokenDumpWriter
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "token_explorer.ipynb"
 SCREENSHOT_DIR_ENV = "OPENRLHF_TIS_SCREENSHOT_DIR"
-WAIT_S = 60  # bound of every wait: server start, page load, the tokens appearing, a widget change landing
 
 # The ends of the explorer's diverging scale (ColorBrewer RdBu): saturated at |log π_θ − log μ| >= clamp, which is
 # 0.5 in the notebook, so a log-ratio of ±2 must paint exactly these; 0 paints white.
@@ -52,14 +40,6 @@ SAMPLES = {
 
 def expected_colour(log_ratio: float) -> tuple[int, int, int]:
     return RED if log_ratio > 0 else BLUE if log_ratio < 0 else WHITE
-
-
-@pytest.fixture()
-def browser_binaries() -> None:
-    missing = [str(path) for path in (CHROMIUM, CHROMEDRIVER) if not path.exists()]
-    if missing:
-        pytest.skip(f"Debian's chromium / chromium-driver are not installed ({', '.join(missing)} missing); "
-                    f"scripts/setup_env.sh installs them with apt-get where it can")
 
 
 @pytest.fixture()
@@ -82,63 +62,20 @@ def explorer_notebook(tmp_path) -> Path:
     return notebook
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
 @pytest.fixture()
 def voila_url(explorer_notebook, tmp_path):
     """(port, log file) of Voilà serving the notebook on a free local port; Jupyter's own dirs kept in tmp_path."""
-    port = _free_port()
-    jupyter = tmp_path / "jupyter"
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(jupyter / "config"), "JUPYTER_DATA_DIR": str(jupyter / "data"),
-           "JUPYTER_RUNTIME_DIR": str(jupyter / "runtime"), "JUPYTER_PLATFORM_DIRS": "1"}
+    port = free_port()
     log = tmp_path / "voila.log"
-    with log.open("wb") as out:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "voila", str(explorer_notebook), "--no-browser", "--Voila.ip=127.0.0.1",
-             f"--port={port}", "--Voila.port_retries=0", "--VoilaConfiguration.show_tracebacks=True"],
-            cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + WAIT_S
-        while not _listening(port):
-            assert server.poll() is None, f"voila exited with {server.returncode}:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"voila not listening after {WAIT_S} s:\n{log.read_text()[-3000:]}"
-            time.sleep(0.2)
+    argv = [sys.executable, "-m", "voila", *voila_args(explorer_notebook, port)]
+    with served(argv, port, log, voila_env(jupyter_env(tmp_path / "jupyter")), tmp_path):
         yield port, log
-    finally:
-        server.send_signal(signal.SIGTERM)  # voila shuts its kernel down on the way out
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=15)
 
 
 @pytest.fixture()
-def driver(browser_binaries, tmp_path):
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--no-first-run", "--no-proxy-server",
-                f"--user-data-dir={tmp_path / 'chromium-profile'}", "--window-size=1280,1000",
-                "--force-device-scale-factor=1", "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"):
-        options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})
-    browser = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
-    browser.set_page_load_timeout(WAIT_S)
-    try:
+def driver(tmp_path):
+    with chromium(tmp_path / "chromium-profile") as browser:
         yield browser
-    finally:
-        browser.quit()
 
 
 def _tokens(browser) -> list[tuple[str, float, float, float, float]]:
@@ -196,17 +133,6 @@ def _assert_token_colours(image: np.ndarray, tokens, sample: int, scale: float) 
             f"sample {sample} token {text!r} (log-ratio {ratio:+}) shows another end of the scale: {shares}")
 
 
-def _requested_urls(browser) -> list[str]:
-    urls = []
-    for entry in browser.get_log("performance"):
-        message = json.loads(entry["message"])["message"]
-        if message["method"] == "Network.requestWillBeSent":
-            urls.append(message["params"]["request"]["url"])
-        elif message["method"] == "Network.webSocketCreated":
-            urls.append(message["params"]["url"])
-    return [url for url in urls if url.split(":", 1)[0] in ("http", "https", "ws", "wss")]
-
-
 @pytest.mark.browser
 @pytest.mark.timeout(240)
 def test_explorer_in_headless_chromium(voila_url, driver, tmp_path):
@@ -228,12 +154,9 @@ def test_explorer_in_headless_chromium(voila_url, driver, tmp_path):
     shot = _screenshot(driver, tmp_path / "token_explorer_sample7.png")
     _assert_token_colours(shot, tokens, 7, scale)
 
-    # Everything the page ran came from the local server; the only other requests Voilà's lab template makes are
-    # its Font Awesome stylesheet links (the icons are bundled in voila.js too), which the resolver rule blocks.
-    urls = _requested_urls(driver)
+    # Everything the page ran came from the local server, and nothing came from anywhere else.
+    urls = requested_urls(driver)
     local = [u for u in urls if u.startswith((f"http://127.0.0.1:{port}/", f"ws://127.0.0.1:{port}/"))]
     assert any("/voila/labextensions/@jupyter-widgets/" in u for u in local), local  # the widget manager's JS
     assert any(u.startswith("ws://") and "/api/kernels/" in u for u in local), local  # the live kernel
-    external = sorted(set(urls) - set(local))
-    assert all(u.startswith("https://cdn.jsdelivr.net/npm/@fortawesome/") and u.endswith(".css")
-               for u in external), external
+    assert sorted(set(urls) - set(local)) == []

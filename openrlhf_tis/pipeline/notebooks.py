@@ -95,6 +95,14 @@ NOTEBOOK_SOURCES = {
         "`papermill -p NAME VALUE`.",
         ["from openrlhf_tis.viz.explorer import open_explorer\n\nexplorer = open_explorer(params)\nexplorer"],
     ),
+    "dashboard": lambda: _notebook(
+        "dashboard",
+        "# Dashboard\n"
+        "The runs under `root`, the token explorer and the run comparison; **reload** re-reads the run store (runs\n"
+        "in progress included). Served as a web app by `openrlhf-tis-dashboard RUNS_ROOT`.",
+        ["from openrlhf_tis.pipeline.dashboard_app import open_dashboard\n\ndashboard = open_dashboard(params)\n"
+         "dashboard"],
+    ),
 }
 
 

@@ -70,6 +70,7 @@ SPECS = {
     "compare": "openrlhf_tis.pipeline.report:COMPARE_PARAMS",
     "sweep": "openrlhf_tis.pipeline.sweep:SWEEP_PARAMS",
     "token_explorer": "openrlhf_tis.viz.explorer:EXPLORER_PARAMS",
+    "dashboard": "openrlhf_tis.pipeline.dashboard_app:DASHBOARD_PARAMS",
 }
 
 

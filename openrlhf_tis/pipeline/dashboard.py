@@ -1,0 +1,66 @@
+"""`openrlhf-tis-dashboard RUNS_ROOT [--port N]` (or `python -m openrlhf_tis.pipeline.dashboard`): the runs under
+RUNS_ROOT, the token explorer and the run comparison as a local web app on 127.0.0.1, until Ctrl-C.
+
+The page is notebooks/dashboard.ipynb with RUNS_ROOT injected (papermill, as every project notebook gets its
+parameters), served by Voilà (voila_server.py: loopback only, nothing from a CDN); each page load runs it in a
+fresh kernel, so it always reads the run store as it stands. A root that does not exist or holds no runs is a
+notice on the page, not an error (a run may be about to start there); a port already in use is refused here, in
+one line naming it, before Voilà starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from openrlhf_tis.pipeline.execute import notebook_path
+from openrlhf_tis.pipeline.voila_server import HOST, port_in_use, voila_args, voila_env
+
+PROG = "openrlhf-tis-dashboard"
+DEFAULT_PORT = 8866  # Voilà's own default
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (1-65535)")
+    return port
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("root", metavar="RUNS_ROOT", help="directory holding run directories (searched 3 deep)")
+    parser.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"port on {HOST} (default {DEFAULT_PORT})")
+    return parser
+
+
+def prepare_notebook(root: str | os.PathLike, directory: str | os.PathLike) -> Path:
+    """dashboard.ipynb with `root` injected as its parameter, written into `directory` (not executed)."""
+    import papermill
+
+    target = Path(directory) / "dashboard.ipynb"
+    papermill.execute_notebook(os.fspath(notebook_path("dashboard")), os.fspath(target), prepare_only=True,
+                               parameters={"root": os.path.abspath(root)}, progress_bar=False)
+    return target
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if port_in_use(args.port):
+        print(f"{PROG}: error: port {args.port} on {HOST} is in use (choose another with --port)", file=sys.stderr)
+        raise SystemExit(2)
+    from voila.app import Voila
+
+    os.environ["JUPYTER_PATH"] = voila_env()["JUPYTER_PATH"]  # read by Voilà's template lookup
+    with tempfile.TemporaryDirectory(prefix="openrlhf-tis-dashboard-") as directory:
+        notebook = prepare_notebook(args.root, directory)
+        print(f"{PROG}: serving {os.path.abspath(args.root)} at http://{HOST}:{args.port}/ (Ctrl-C stops it)",
+              flush=True)
+        Voila.launch_instance(argv=voila_args(notebook, args.port))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Serving a notebook as a local web page with Voilà: on 127.0.0.1 only, and with nothing fetched from a CDN.
+
+Voilà's lab template links Font Awesome from a CDN and nbconvert's imports mermaid from one; the page must work
+with no network (and leak nothing to one), so pages are rendered with the `openrlhf_tis` template shipped in
+`jupyter/` beside this module, which drops both (its index.html.j2 says how). Voilà finds templates on the Jupyter
+path, hence `voila_env`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+
+HOST = "127.0.0.1"
+JUPYTER_DIR = Path(__file__).resolve().parent / "jupyter"
+TEMPLATE = "openrlhf_tis"
+
+
+def port_in_use(port: int, host: str = HOST) -> bool:
+    """Whether something already listens on (or holds) `host:port`: binding it is what the server would do."""
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def voila_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`base` (default: this process's environment) with the fork's template directory first on JUPYTER_PATH."""
+    env = dict(os.environ if base is None else base)
+    env["JUPYTER_PATH"] = os.pathsep.join(p for p in (os.fspath(JUPYTER_DIR), env.get("JUPYTER_PATH")) if p)
+    return env
+
+
+def voila_args(notebook: str | os.PathLike, port: int) -> list[str]:
+    """Voilà's command line (after `voila`) serving `notebook` alone on HOST:`port`, failing rather than moving to
+    another port; an error in a cell shows its traceback on the page (the page is the only place a user looks)."""
+    return [os.fspath(notebook), "--no-browser", f"--Voila.ip={HOST}", f"--port={port}", "--Voila.port_retries=0",
+            f"--template={TEMPLATE}", "--VoilaConfiguration.show_tracebacks=True"]

@@ -1,0 +1,114 @@
+"""What the browser tests share: a local server started and awaited, Debian's headless Chromium, and the checks
+that a page fetched nothing from outside 127.0.0.1.
+
+The browser is Debian's chromium driven through Debian's /usr/bin/chromedriver (an explicit Service: selenium
+never looks for or downloads a driver or a browser build); scripts/setup_env.sh installs both with apt-get, and
+the tests skip only where they are absent. Chromium resolves no host but 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+WAIT_S = 60  # bound of every wait: server start, page load, an element appearing, a widget change landing
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def jupyter_env(directory: Path) -> dict[str, str]:
+    """This environment with Jupyter's config, data and runtime dirs inside `directory` (nothing from ~)."""
+    return {**os.environ, "JUPYTER_CONFIG_DIR": str(directory / "config"), "JUPYTER_DATA_DIR": str(directory / "data"),
+            "JUPYTER_RUNTIME_DIR": str(directory / "runtime"), "JUPYTER_PLATFORM_DIRS": "1"}
+
+
+@contextlib.contextmanager
+def served(argv: Sequence[str], port: int, log: Path, env: dict[str, str], cwd: Path) -> Iterator[subprocess.Popen]:
+    """Run server `argv` until it listens on `port` (its output in `log`); SIGTERM it on the way out."""
+    with log.open("wb") as out:
+        server = subprocess.Popen(list(argv), cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not listening(port):
+            assert server.poll() is None, f"server exited with {server.returncode}:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"server not listening after {WAIT_S} s:\n{log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        yield server
+    finally:
+        server.send_signal(signal.SIGTERM)  # voila shuts its kernels down on the way out
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=15)
+
+
+@contextlib.contextmanager
+def chromium(profile: Path) -> Iterator:
+    """Headless Chromium recording its network log; skips the test where Debian's browser or driver is missing."""
+    missing = [str(path) for path in (CHROMIUM, CHROMEDRIVER) if not path.exists()]
+    if missing:
+        pytest.skip(f"Debian's chromium / chromium-driver are not installed ({', '.join(missing)} missing); "
+                    f"scripts/setup_env.sh installs them with apt-get where it can")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--no-first-run", "--no-proxy-server",
+                f"--user-data-dir={profile}", "--window-size=1280,1000",
+                "--force-device-scale-factor=1", "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})
+    browser = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    browser.set_page_load_timeout(WAIT_S)
+    try:
+        yield browser
+    finally:
+        browser.quit()
+
+
+def requested_urls(browser) -> list[str]:
+    """Every http(s)/ws(s) URL the browser requested or opened a socket to since the last call."""
+    urls = []
+    for entry in browser.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        if message["method"] == "Network.requestWillBeSent":
+            urls.append(message["params"]["request"]["url"])
+        elif message["method"] == "Network.webSocketCreated":
+            urls.append(message["params"]["url"])
+    return [url for url in urls if url.split(":", 1)[0] in ("http", "https", "ws", "wss")]
+
+
+# An asset a page would fetch from elsewhere: a src/href attribute, a CSS url() or a JS import() of an absolute
+# http(s) or protocol-relative URL. XML namespaces and links in comments are not fetched and do not match.
+_EXTERNAL_ASSET = re.compile(
+    r"""(?:\b(?:src|href)\s*=\s*["']?|url\(\s*["']?|import\(\s*["'])((?:https?:)?//[^"')\s>]+)""", re.IGNORECASE)
+
+
+def external_assets(page: str, port: int) -> list[str]:
+    """The URLs `page` would fetch from anywhere but the local server on `port`."""
+    local = (f"http://127.0.0.1:{port}/", f"//127.0.0.1:{port}/")
+    return sorted({url for url in _EXTERNAL_ASSET.findall(page) if not url.startswith(local)})

@@ -1,0 +1,126 @@
+"""The dashboard as a person uses it: `python -m openrlhf_tis.pipeline.dashboard ROOT --port P` serving on 127.0.0.1,
+opened in headless Chromium (tests/_browser.py) while the run store under ROOT changes: first missing (a notice),
+then holding a run in progress and a run without token dumps, then the first run logging and dumping a new step.
+The served HTML names no external asset and the browser fetched nothing from anywhere but the local server.
+"""
+
+from __future__ import annotations
+
+import sys
+import urllib.request
+
+import pytest
+from _browser import WAIT_S, chromium, external_assets, free_port, jupyter_env, requested_urls, served
+from selenium.common.exceptions import TimeoutException
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import Select, WebDriverWait
+from test_dashboard import write_step
+
+from openrlhf_tis.runs import RunWriter
+
+
+@pytest.fixture()
+def server(tmp_path):
+    """(url, runs root, log) of the dashboard over a root that does not exist yet."""
+    port, root, log = free_port(), tmp_path / "runs", tmp_path / "dashboard.log"
+    argv = [sys.executable, "-m", "openrlhf_tis.pipeline.dashboard", str(root), "--port", str(port)]
+    with served(argv, port, log, jupyter_env(tmp_path / "jupyter"), tmp_path):
+        yield f"http://127.0.0.1:{port}/", root, log
+
+
+@pytest.fixture()
+def driver(tmp_path):
+    with chromium(tmp_path / "chromium-profile") as browser:
+        yield browser
+
+
+def _wait(browser, what: str, condition, log) -> None:
+    try:
+        WebDriverWait(browser, WAIT_S, poll_frequency=0.2).until(condition)
+    except TimeoutException:
+        page = browser.execute_script("return document.body ? document.body.innerText : ''")
+        pytest.fail(f"{what}: not seen after {WAIT_S} s; page text:\n{page[-2000:]}\nserver log:\n"
+                    f"{log.read_text()[-2000:]}")
+
+
+def _run_rows(browser) -> list[list[str]]:
+    return browser.execute_script("""
+        return [...document.querySelectorAll('table.mm-runs tbody tr')].map(
+            tr => [...tr.querySelectorAll('td')].map(td => td.textContent.trim()));""")
+
+
+def _visible_tokens(browser) -> list[str]:
+    return browser.execute_script(
+        "return [...document.querySelectorAll('span.tok')].filter(s => s.offsetParent).map(s => s.textContent);")
+
+
+def _options(browser, label: str) -> tuple[list[str], str | None]:
+    """(option texts, selected text) of the visible dropdown labelled `label`, read in one go (a reload replaces
+    the explorer's widgets, so element handles can go stale between two reads)."""
+    return tuple(browser.execute_script("""
+        const box = [...document.querySelectorAll('div.widget-dropdown')].find(
+            d => d.offsetParent && d.querySelector('label')?.textContent.trim() === arguments[0]);
+        if (!box) return [[], null];
+        const select = box.querySelector('select');
+        return [[...select.options].map(o => o.text), select.selectedOptions[0]?.text ?? null];""", label))
+
+
+def _picker(browser, label: str) -> Select:
+    return Select(browser.find_element(By.XPATH, f"//div[contains(@class, 'widget-dropdown')]"
+                                                 f"[label[normalize-space()='{label}']]//select"))
+
+
+def _click(browser, xpath: str) -> None:
+    browser.find_element(By.XPATH, xpath).click()
+
+
+def _tab(browser, title: str) -> None:
+    _click(browser, f"//li[contains(@class, 'TabBar-tab')][normalize-space()='{title}']")
+
+
+def _reload(browser) -> None:
+    _click(browser, "//button[normalize-space()='reload']")
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(300)
+def test_dashboard_in_headless_chromium(server, driver):
+    url, root, log = server
+    with urllib.request.urlopen(url, timeout=WAIT_S) as reply:
+        page = reply.read().decode()
+    assert "jupyter-widgets" in page and external_assets(page, int(url.rsplit(":", 1)[1].strip("/"))) == []
+
+    driver.get(url)
+    _wait(driver, "the missing-root notice", lambda b: "does not exist" in b.find_element(By.CLASS_NAME, "mm-notice")
+          .text, log)
+
+    for step in (1, 2):
+        write_step(root / "live", step)
+    RunWriter(root / "nodumps").append_metrics(1, {"reward": 0.25})
+    _reload(driver)
+    _wait(driver, "the two runs", lambda b: [r[:3] for r in _run_rows(b)] == [["live", "2", "2"],
+                                                                               ["nodumps", "1", "1"]], log)
+    assert driver.find_element(By.CLASS_NAME, "mm-notice").text == ""
+
+    _tab(driver, "tokens")  # the newest run with dumps at its last step, first sample: tokens t0 t1 t2
+    _wait(driver, "sample 0's tokens", lambda b: _visible_tokens(b) == ["t0", "t1", "t2"], log)
+    assert _options(driver, "step") == (["1", "2"], "2")
+
+    write_step(root / "live", 3, samples=(1, 2))  # the run goes on
+    _reload(driver)
+    _wait(driver, "step 3 in the table", lambda b: _run_rows(b)[0][:4] == ["live", "3", "3", "3"], log)
+    # the new step is in the step picker and the view stayed where it was
+    _wait(driver, "step 3 in the step picker", lambda b: _options(b, "step") == (["1", "2", "3"], "2"), log)
+
+    _picker(driver, "run").select_by_visible_text("nodumps")
+    _wait(driver, "the no-dumps notice", lambda b: "No token dumps" in b.find_element(By.TAG_NAME, "body").text, log)
+
+    _tab(driver, "compare")  # curves and bucket figures, then the final table of both runs
+    _wait(driver, "the comparison", lambda b: b.execute_script(
+        "return [...document.querySelectorAll('img')].filter(i => i.offsetParent && i.naturalWidth > 0).length")
+        >= 2 and "nodumps" in b.find_element(By.TAG_NAME, "body").text, log)
+
+    urls = requested_urls(driver)
+    local = [u for u in urls if u.startswith((url, url.replace("http://", "ws://")))]
+    assert any(u.startswith("ws://") and "/api/kernels/" in u for u in local), local  # the live kernel
+    assert sorted(set(urls) - set(local)) == []

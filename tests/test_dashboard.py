@@ -1,0 +1,135 @@
+"""The dashboard's page as widgets (no server): the run list, the explorer and the comparison read from a run store
+that changes under it, and the notices for a root that is missing, empty, or holds runs without dumps or steps;
+the command refusing a port in use."""
+
+from __future__ import annotations
+
+import re
+import socket
+
+import numpy as np
+import pandas as pd
+import pytest
+from papermill import execute_notebook
+
+from openrlhf_tis.pipeline import dashboard
+from openrlhf_tis.pipeline.dashboard_app import Dashboard
+from openrlhf_tis.pipeline.execute import KERNEL
+from openrlhf_tis.runs import RunWriter, TokenDumpWriter
+
+
+def write_step(run_dir, step: int, samples: tuple[int, ...] = (0, 1), reward: float = 0.5) -> None:
+    """Log `step` in run_dir's metrics.jsonl and dump its tokens (3 per sample)."""
+    RunWriter(run_dir).append_metrics(step, {"reward": reward, "mismatch/k3_kl": 0.01 * step})
+    sample = np.repeat(samples, 3)
+    n = len(sample)
+    logp = np.full(n, -1.0)
+    TokenDumpWriter(run_dir).write_step(step, {
+        "sample_id": sample, "prompt_id": sample, "position": np.tile(np.arange(3), len(samples)),
+        "token_id": np.arange(n), "token_text": [f"t{i}" for i in range(n)], "rollout_logprob": logp,
+        "old_logprob": logp, "train_logprob": logp + 0.1, "is_weight_raw": np.ones(n), "is_weight": np.ones(n),
+        "mask_reason": np.zeros(n, dtype=int), "advantage": np.zeros(n), "entropy": np.ones(n),
+        "reward": np.full(n, reward),
+    })
+
+
+@pytest.fixture()
+def root(tmp_path):
+    """`live` logged 2 steps and dumped both; `nodumps` logged 1 step, no dumps; `starting` has not logged a step."""
+    root = tmp_path / "runs"
+    for step in (1, 2):
+        write_step(root / "live", step)
+    RunWriter(root / "nodumps").append_metrics(1, {"reward": 0.25})
+    (root / "starting").mkdir(parents=True)
+    (root / "starting" / "metrics.jsonl").touch()
+    return root
+
+
+def test_missing_then_empty_then_populated_root(tmp_path):
+    root = tmp_path / "later"
+    board = Dashboard(root)
+    assert "does not exist" in board.notice.value and str(root) in board.notice.value
+    assert board.tabs.layout.display == "none" and board.run_paths == []
+    root.mkdir()
+    board.reload()
+    assert "No runs under" in board.notice.value and board.tabs.layout.display == "none"
+    write_step(root / "a", 1)
+    board.reload()  # a run that appeared after the page opened
+    assert board.notice.value == "" and board.tabs.layout.display is None
+    assert list(board.table["run"]) == ["a"] and board.explorer.steps == [1]
+
+
+def test_a_file_as_root_is_a_notice(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("x")
+    assert "is not a directory" in Dashboard(path).notice.value
+
+
+def test_run_table_explorer_and_comparison(root):
+    board = Dashboard(root)
+    table = board.table.set_index("run")
+    assert list(table.index) == ["live", "nodumps", "starting"]
+    assert list(table["steps"]) == [2, 1, 0] and list(table["dumped steps"]) == [2, 0, 0]
+    assert table.loc["live", "last step"] == 2 and pd.isna(table.loc["starting", "last step"])
+    rows = re.findall(r"<tr>\s*<td>(.*?)</td>.*?</tr>", board.runs.value, re.DOTALL)
+    assert 'class="dataframe mm-runs"' in board.runs.value and rows == ["live", "nodumps", "starting"]
+    assert "NA" not in board.runs.value and "None" not in board.runs.value  # missing values read "–"
+    # the explorer opens the newest run that has token dumps, at its last step
+    assert board.explorer.run_dir == root / "live" and board.explorer.current_step == 2
+    assert board.tabs.titles == ("runs", "tokens", "compare")
+    # the comparison covers the runs with a logged step
+    assert board.shown["runs"] == [root / "live", root / "nodumps"]
+    assert list(board.shown["table"].index) == ["live", "nodumps"]
+
+
+def test_run_without_dumps_is_a_notice_in_the_explorer(root):
+    board = Dashboard(root)
+    board.explorer.run.value = str(root / "nodumps")  # picked in the run dropdown
+    assert "No token dumps" in board.explorer.notice.value and board.explorer.body.layout.display == "none"
+
+
+def test_reload_follows_a_run_in_progress(root):
+    board = Dashboard(root)
+    board.explorer.select(step=1, sample=1)
+    board.tabs.selected_index = 1
+    write_step(root / "live", 3, samples=(1, 2))
+    write_step(root / "starting", 1)
+    board.reload()
+    table = board.table.set_index("run")
+    assert list(table["steps"]) == [3, 1, 1] and table.loc["live", "dumped steps"] == 3
+    # same run, step and sample as before; the new step is in the step picker
+    assert (board.explorer.run_dir, board.explorer.current_step, board.explorer.current_sample) == (root / "live", 1, 1)
+    assert list(board.explorer.step.options) == [("1", 1), ("2", 2), ("3", 3)]
+    assert board.tabs.selected_index == 1
+    assert board.shown["runs"] == [root / "live", root / "nodumps", root / "starting"]
+    assert board.shown["table"].loc["live", "steps"] == 3
+
+
+def test_port_in_use_is_refused_in_one_line(tmp_path, capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_info:
+            dashboard.main([str(tmp_path), "--port", str(port)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"port {port} on 127.0.0.1 is in use" in err and "--port" in err
+
+
+@pytest.mark.parametrize("port", ["0", "70000", "http"])
+def test_bad_port_is_a_usage_error(tmp_path, capsys, port):
+    with pytest.raises(SystemExit) as exit_info:
+        dashboard.main([str(tmp_path), "--port", port])
+    assert exit_info.value.code == 2 and "--port" in capsys.readouterr().err
+
+
+def test_notebook_runs_under_papermill(root, tmp_path):
+    """The page's notebook, with the root injected as the command injects it: the runs table is in its widgets."""
+    notebook = dashboard.prepare_notebook(root, tmp_path)
+    out = execute_notebook(notebook, tmp_path / "out.ipynb", kernel_name=KERNEL, progress_bar=False)
+    state = out.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    values = [str(w["state"].get("value", "")) for w in state.values()]
+    table = next(v for v in values if "mm-runs" in v)
+    assert re.findall(r"<tr>\s*<td>(.*?)</td>", table) == ["live", "nodumps", "starting"]
+    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in out.cells[-1].outputs)
