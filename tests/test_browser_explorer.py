@@ -29,11 +29,12 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
+from openrlhf_tis.pipeline.execute import notebook_path
 from openrlhf_tis.runs import TokenDumpWriter
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "token_explorer.ipynb"
+NOTEBOOK = notebook_path("token_explorer")
 SCREENSHOT_DIR_ENV = "OPENRLHF_TIS_SCREENSHOT_DIR"
 WAIT_S = 60  # bound of every wait: server start, page load, the tokens appearing, a widget change landing
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-NOTEBOOKS = REPO / "notebooks"
+# Package data (setup.py), so an installed package finds them wherever it runs; the repository's top-level
+# `notebooks` is a link to this directory for people who open them with Jupyter.
+NOTEBOOKS = Path(str(resources.files("openrlhf_tis") / "notebooks"))
 KERNEL = "python3"  # ipykernel's own spec: the interpreter that runs papermill, i.e. the project's venv
 # The kernel listens on loopback TCP and warns about it at every start, on the console of whoever runs a notebook
 # (the main job's, among others); errors still show.
@@ -21,7 +23,7 @@ KERNEL_ARGS = ["--IPKernelApp.log_level=ERROR"]
 
 
 def notebook_path(name: str) -> Path:
-    """A notebook of the project by name ('train', 'compare', ...)."""
+    """A notebook shipped with the package, by name ('train', 'compare', ...)."""
     path = NOTEBOOKS / f"{name}.ipynb"
     if not path.is_file():
         raise FileNotFoundError(f"no notebook {path}")

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,7 @@ from openrlhf_tis.pipeline.params import Param, positive
 from openrlhf_tis.rollout.precision import PRECISIONS
 from openrlhf_tis.runs.reader import read_metrics_records
 
-REPO = Path(__file__).resolve().parents[2]
-DEMO_REWARD = REPO / "openrlhf_tis" / "demo" / "reward_func.py"
+DEMO_REWARD = Path(str(resources.files("openrlhf_tis") / "demo" / "reward_func.py"))
 LOG_FILE = "train.log"
 
 
