@@ -3,6 +3,7 @@ step figure, and notebooks/token_explorer.ipynb executed by papermill."""
 
 from __future__ import annotations
 
+import io
 import math
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 from papermill.exceptions import PapermillExecutionError
 from test_viz_token_html import Spans, background
 
-from openrlhf_tis.pipeline.execute import execute
+from openrlhf_tis.pipeline.execute import WIDGET_VIEW, execute, export_html
 from openrlhf_tis.pipeline.params import ParameterError
 from openrlhf_tis.runs import RunWriter, TokenDumpWriter
 from openrlhf_tis.runs.layout import token_file
@@ -264,3 +265,27 @@ def test_notebook_refuses_unknown_parameter(root, tmp_path):
     assert err.value.ename == "ParameterError" and "notebook_params" in err.value.source
     assert "unknown parameter 'bogus'" in err.value.evalue and "clamp = -1: must be > 0" in err.value.evalue
     assert all(f"  {name} = " in err.value.evalue for name in explorer_module.EXPLORER_PARAMS)
+
+
+def test_executed_notebook_and_its_html_show_the_sample_without_a_kernel(root, tmp_path):
+    """A shared notebook or report shows what the live widget would: the tokens, both figures, the worst tokens."""
+    out = execute("token_explorer", tmp_path / "out.ipynb", {"run_dir": str(root / "a"), "step": 3, "sample": 4})
+    (output,) = [o for o in nbformat.read(out, as_version=4).cells[-1].outputs if WIDGET_VIEW in o.get("data", {})]
+    static = output["data"]["text/html"]
+    assert "step 3 · sample 4 · 3 tokens" in static
+    assert [s["text"] for s in Spans(static).spans] == ["ok", "bad", " end"]
+    html = export_html(out, tmp_path / "out.html").read_text()
+    assert f'<script type="{WIDGET_VIEW}"' not in html and "unpkg.com" not in html  # no widget, no widget manager
+    spans = Spans(html).spans
+    assert [s["text"] for s in spans] == ["ok", "bad", " end"]
+    assert [background(s) for s in spans] == ["#ffffff", "#2166ac", "#ffffff"]  # coloured as in the widget
+    assert html.count("data:image/png;base64,") == 1  # the step figure: scatter and histograms in one image
+    rows = pd.read_html(io.StringIO(html.split("Worst tokens of the step", 1)[1]))[0]
+    # step 3's worst tokens by |log π_θ − log μ| (TOKENS): +2 ('\n', sample 1), -1.5 ('bad', sample 4), ...
+    assert rows["log π_θ − log μ"].tolist()[:2] == ["+2.000", "-1.500"]
+    assert rows["token"].tolist()[1] == "'bad'" and rows["sample"].tolist()[:2] == [1, 4]
+
+
+def test_a_run_without_dumps_exports_its_notice(root, tmp_path):
+    out = execute("token_explorer", tmp_path / "b.ipynb", {"run_dir": str(root / "b")})
+    assert "--logger.token_dump_steps" in export_html(out, tmp_path / "b.html").read_text()

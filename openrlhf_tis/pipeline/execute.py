@@ -53,6 +53,28 @@ _REMOTE_IMPORT = re.compile(r"<script[^>]*>(?:(?!</script>).)*?import\(\s*\"http
                             re.IGNORECASE | re.DOTALL)
 
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def without_widget_views(nb: Any) -> Any:
+    """`nb` with every widget view dropped from outputs that have another representation.
+
+    A widget view outranks every other representation in nbconvert, but the export has no widget manager
+    (a CDN script): what shows is the output's static twin (the token explorer's HTML rendering, tqdm's
+    text bar). A widget with no other representation is dropped altogether, and so is the saved widget state,
+    which would make the page fetch the widget manager from a CDN.
+    """
+    nb.metadata.pop("widgets", None)
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        for output in cell.outputs:
+            if WIDGET_VIEW in output.get("data", {}):
+                del output["data"][WIDGET_VIEW]
+        cell.outputs = [o for o in cell.outputs if "data" not in o or o["data"]]
+    return nb
+
+
 def export_html(notebook: str | os.PathLike, html: str | os.PathLike | None = None, hide_code: bool = True) -> Path:
     """Write `notebook` as one HTML file: images embedded, no remote script, code cells hidden by default."""
     import nbformat
@@ -62,7 +84,7 @@ def export_html(notebook: str | os.PathLike, html: str | os.PathLike | None = No
     html = Path(html) if html is not None else notebook.with_suffix(".html")
     exporter = HTMLExporter(template_name="lab", embed_images=True, exclude_input=hide_code,
                             exclude_input_prompt=True, exclude_output_prompt=True)
-    body, _ = exporter.from_notebook_node(nbformat.read(notebook, as_version=4))
+    body, _ = exporter.from_notebook_node(without_widget_views(nbformat.read(notebook, as_version=4)))
     body = _REMOTE_IMPORT.sub("", _REMOTE_SCRIPT.sub("", body))
     from openrlhf_tis.runs.layout import atomic_write
 
