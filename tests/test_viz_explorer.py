@@ -54,7 +54,9 @@ def _write_step(writer: TokenDumpWriter, step: int) -> None:
             for position, token in enumerate(tokens)]
     sample, position, text, rollout, train, raw, weight, reason = map(list, zip(*rows, strict=True))
     n = len(rows)
-    writer.write_step(step, {
+    # step 3 carries the prompts' text (a writer given it), step 1 does not (an older or text-less writer)
+    prompts = {"prompt_text": [f"Q{s}: what is 2 + {s}?\n" for s in sample]} if step == 3 else {}
+    writer.write_step(step, {**prompts,
         "sample_id": np.array(sample), "prompt_id": np.array(sample) // 2, "position": np.array(position),
         "token_id": np.arange(n) + 100, "token_text": text, "rollout_logprob": np.array(rollout),
         "old_logprob": np.array(rollout), "train_logprob": np.array(train), "is_weight_raw": np.array(raw),
@@ -94,6 +96,8 @@ def test_dom_contract_and_first_view(root):
     assert ["masked" in s["classes"] for s in spans] == [False, False, True, True]
     assert "mask: bounds" in spans[2]["title"] and "IS weight raw = 7.4, final = 0" in spans[2]["title"]
     assert "step 3 · sample 1 · 4 tokens" in ex.response.value and "reward 1" in ex.response.value
+    prompt = ex.response.value.index('<div class="mm-prompt" title="prompt">Q1: what is 2 + 1?\n</div>')
+    assert prompt < ex.response.value.index('class="tok')  # the prompt above the response
     assert ex.response.value.count('class="tok') == 4  # only token spans have a class starting with "tok"
     assert bytes(ex.plots.value).startswith(b"\x89PNG") and ex.notice.value == ""
 
@@ -105,6 +109,7 @@ def test_change_sample_and_step(root):
                                                                (" end", "#ffffff")]
     ex.step.value = 1  # step 1 did not dump sample 4: its first sample is shown
     assert ex.sample.options == (("0", 0), ("1", 1)) and ex.sample.value == 0
+    assert "this dump does not hold the prompt&#x27;s text" in ex.response.value
     assert [s["text"] for s in shown(ex)] == ["a", "b"]
     ex.select(sample=1)
     ex.step.value = 3  # sample 1 is dumped at both steps: it stays, with step 3's tokens
@@ -272,12 +277,13 @@ def test_executed_notebook_and_its_html_show_the_sample_without_a_kernel(root, t
     out = execute("token_explorer", tmp_path / "out.ipynb", {"run_dir": str(root / "a"), "step": 3, "sample": 4})
     (output,) = [o for o in nbformat.read(out, as_version=4).cells[-1].outputs if WIDGET_VIEW in o.get("data", {})]
     static = output["data"]["text/html"]
-    assert "step 3 · sample 4 · 3 tokens" in static
+    assert "step 3 · sample 4 · 3 tokens" in static and "Q4: what is 2 + 4?" in static
     assert [s["text"] for s in Spans(static).spans] == ["ok", "bad", " end"]
     html = export_html(out, tmp_path / "out.html").read_text()
     assert f'<script type="{WIDGET_VIEW}"' not in html and "unpkg.com" not in html  # no widget, no widget manager
     spans = Spans(html).spans
     assert [s["text"] for s in spans] == ["ok", "bad", " end"]
+    assert html.index("Q4: what is 2 + 4?") < html.index('class="tok')  # the prompt, above the response
     assert [background(s) for s in spans] == ["#ffffff", "#2166ac", "#ffffff"]  # coloured as in the widget
     assert html.count("data:image/png;base64,") == 1  # the step figure: scatter and histograms in one image
     rows = pd.read_html(io.StringIO(html.split("Worst tokens of the step", 1)[1]))[0]

@@ -48,14 +48,18 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "advantage": (pa.float32(), "advantage used in the loss"),
     "entropy": (pa.float32(), "training policy entropy at the token"),
     "reward": (pa.float32(), "the sample's reward, repeated on each of its tokens"),
+    "prompt_text": (pa.string(), "the prompt the response answers, repeated on each of its tokens (null when "
+                    "the writer did not give it)"),
 }
 SCHEMA = pa.schema(
     [pa.field(name, dtype) for name, (dtype, _) in COLUMNS.items()],
     metadata={b"openrlhf_tis.token_dump.schema_version": str(SCHEMA_VERSION).encode()},
 )
 # Columns a writer may leave out: `step` is the step written, `token_text` comes from the tokenizer
-# (else null), `old_logprob` is NaN (bypass mode has no π_old), `masked` is `mask_reason != 0`.
-OPTIONAL_COLUMNS = frozenset({"step", "token_text", "old_logprob", "masked"})
+# (else null), `old_logprob` is NaN (bypass mode has no π_old), `masked` is `mask_reason != 0`, `prompt_text`
+# is null. Text columns are dictionary-encoded on disk: a prompt repeated on every token costs one entry.
+OPTIONAL_COLUMNS = frozenset({"step", "token_text", "old_logprob", "masked", "prompt_text"})
+TEXT_COLUMNS = ("token_text", "prompt_text")
 REQUIRED_COLUMNS = tuple(name for name in COLUMNS if name not in OPTIONAL_COLUMNS)
 
 

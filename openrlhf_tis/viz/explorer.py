@@ -58,7 +58,7 @@ FILTERS = {
 }
 TOKEN_COLUMNS = ["sample_id", "position", "token_id", "token_text", "rollout_logprob", "old_logprob",
                  "train_logprob", "is_weight_raw", "is_weight", "mask_reason"]
-SAMPLE_COLUMNS = [*TOKEN_COLUMNS, "prompt_id", "reward", "advantage"]
+SAMPLE_COLUMNS = [*TOKEN_COLUMNS, "prompt_id", "prompt_text", "reward", "advantage"]
 
 
 def _directory(value: str) -> str | None:
@@ -332,12 +332,16 @@ class TokenExplorer:
     def _draw_response(self) -> None:
         tokens = self.sample_tokens
         header = f"step {self.current_step} · sample {self.current_sample} · {len(tokens)} tokens"
+        prompt = None
         if len(tokens):
             first = tokens.iloc[0]
             masked = int((tokens["mask_reason"].astype(str) != "kept").sum())
             header += (f" · prompt {int(first['prompt_id'])} · reward {float(first['reward']):.4g}"
                        f" · advantage {float(first['advantage']):.4g} · {masked} masked")
-        self.response.value = render_response(tokens, self.clamp, self.active_positions(), self.focus, header)
+            text = first["prompt_text"]
+            prompt = text if isinstance(text, str) else "(this dump does not hold the prompt's text)"
+        self.response.value = render_response(tokens, self.clamp, self.active_positions(), self.focus, header,
+                                              prompt)
 
 
 def open_explorer(params: dict[str, Any]) -> TokenExplorer:
