@@ -295,3 +295,18 @@ def test_executed_notebook_and_its_html_show_the_sample_without_a_kernel(root, t
 def test_a_run_without_dumps_exports_its_notice(root, tmp_path):
     out = execute("token_explorer", tmp_path / "b.ipynb", {"run_dir": str(root / "b")})
     assert "--logger.token_dump_steps" in export_html(out, tmp_path / "b.html").read_text()
+
+
+def test_the_export_keeps_a_widget_s_rich_twin_and_drops_the_rest(tmp_path):
+    from nbformat.v4 import new_code_cell, new_notebook, new_output
+
+    bar = new_output("display_data", data={WIDGET_VIEW: {"model_id": "1"}, "text/plain": "steps:   0%|   | 0/6"})
+    twin = new_output("display_data", data={WIDGET_VIEW: {"model_id": "2"}, "text/plain": "VBox()",
+                                            "text/html": "<b>static twin</b>"})
+    text = new_output("stream", name="stdout", text="a printed line\n")
+    nb = new_notebook(cells=[new_code_cell("x", outputs=[bar, twin, text])],
+                      metadata={"widgets": {"application/vnd.jupyter.widget-state+json": {"state": {}}}})
+    nbformat.write(nb, tmp_path / "w.ipynb")
+    html = export_html(tmp_path / "w.ipynb").read_text()
+    assert "<b>static twin</b>" in html and "a printed line" in html
+    assert "0/6" not in html and "VBox()" not in html and "widget-state" not in html

@@ -57,20 +57,23 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
 def without_widget_views(nb: Any) -> Any:
-    """`nb` with every widget view dropped from outputs that have another representation.
+    """`nb` without widget views: an output holding one keeps only its rich twin (text/html, an image), if any.
 
     A widget view outranks every other representation in nbconvert, but the export has no widget manager
-    (a CDN script): what shows is the output's static twin (the token explorer's HTML rendering, tqdm's
-    text bar). A widget with no other representation is dropped altogether, and so is the saved widget state,
-    which would make the page fetch the widget manager from a CDN.
+    (a CDN script): what shows is the static twin (the token explorer's HTML rendering). A widget whose twin
+    is its text/plain repr alone is dropped: that text is the widget at display time (tqdm's bar at 0%). The
+    saved widget state goes too: it would make the page fetch the widget manager.
     """
     nb.metadata.pop("widgets", None)
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
         for output in cell.outputs:
-            if WIDGET_VIEW in output.get("data", {}):
-                del output["data"][WIDGET_VIEW]
+            data = output.get("data", {})
+            if WIDGET_VIEW in data:
+                del data[WIDGET_VIEW]
+                if set(data) <= {"text/plain"}:
+                    data.clear()
         cell.outputs = [o for o in cell.outputs if "data" not in o or o["data"]]
     return nb
 
