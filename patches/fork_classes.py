@@ -5,6 +5,9 @@ upstream's `openrlhf.cli.train_ppo_ray.train` picks its controller with
 seam, so the module attribute is pointed at the fork's subclass before `train()` runs. The subclass
 is a Ray actor class in an importable module, so Ray workers load it by reference.
 
+Async training's driver class likewise (`ppo_trainer_async.PPOTrainerAsync`); it runs in a Ray worker of
+its own and wires the fork's trainer and generator there (patches/async_actors.py).
+
 The policy actor likewise: `openrlhf.cli.train_ppo_ray` binds `PolicyModelActor` with a module-level
 `from openrlhf.trainer.ray.ppo_actor import PolicyModelActor`; the fork runs that module (runpy) after
 this patch, so pointing the attribute at the fork's actor (the rollout correction as policy loss,
@@ -26,6 +29,14 @@ def apply() -> bool:
     from openrlhf_tis.trainer.ppo_trainer import TisPPOTrainer
 
     replace(upstream, "PPOTrainer", TisPPOTrainer, patch=NAME)
+
+    # Async training (--train.async_enable): `train()` imports PPOTrainerAsync from its module inside the
+    # function body; the fork's builds its two actors from the fork's classes (patches/async_actors.py).
+    import openrlhf.trainer.ppo_trainer_async as upstream_async
+
+    from openrlhf_tis.trainer.ppo_trainer import TisPPOTrainerAsync
+
+    replace(upstream_async, "PPOTrainerAsync", TisPPOTrainerAsync, patch=NAME)
 
     import openrlhf.trainer.ray.ppo_actor as upstream_actor
 

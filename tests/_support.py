@@ -2,12 +2,44 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import sys
+from pathlib import Path
 
 import pytest
 import ray
 import torch
+
+REWARD = Path(__file__).resolve().parents[1] / "openrlhf_tis" / "demo" / "reward_func.py"
+
+
+def tiny_train_argv(model_dir: Path, work: Path, steps: int, dump_every: int) -> list[str]:
+    """The training CLI on the tiny model: `steps` GRPO steps of 4 prompts x 2 samples from
+    `work/prompts.jsonl`, a checkpoint every step (resumable), run store in `work/run`."""
+    return [
+        sys.executable, "-m", "openrlhf_tis.cli.train_ppo_ray",
+        "--actor.model_name_or_path", str(model_dir), "--reward.remote_url", str(REWARD),
+        "--data.prompt_dataset", str(work / "prompts.jsonl"), "--data.input_key", "input",
+        "--data.label_key", "label", "--data.apply_chat_template",
+        "--vllm.num_engines", "1", "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
+        "--rollout.n_samples_per_prompt", "2", "--rollout.batch_size", "4", "--rollout.micro_batch_size", "8",
+        "--train.batch_size", "8", "--train.micro_batch_size", "8", "--data.max_len", "128",
+        "--rollout.max_new_tokens", "24", "--data.max_samples", str(4 * steps), "--train.num_episodes", "1",
+        "--ds.zero_stage", "2", "--actor.adam.lr", "1e-3", "--actor.lr_warmup_ratio", "0", "--actor.min_lr_ratio", "1",
+        "--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "mask",
+        "--ckpt.path", str(work / "ckpt"), "--ckpt.output_dir", str(work / "final"), "--ckpt.save_steps", "1",
+        "--ckpt.load_enable", "--eval.steps", "-1", "--train.seed", "42", "--logger.run_dir", str(work / "run"),
+        "--logger.token_dump_steps", str(dump_every),
+    ]
+
+
+def read_steps(work: Path) -> list[dict]:
+    """The metrics lines of `work/run` (none when the file is not there yet)."""
+    path = work / "run" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
 
 # A fixed token sequence within the tiny model's 512-token vocabulary.
 TOKENS = [5, 17, 42, 99, 123, 7, 300, 256, 12, 64, 77, 401, 3, 88, 150, 222]

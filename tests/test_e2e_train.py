@@ -11,20 +11,20 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _support import read_steps as _read_steps
+from _support import tiny_train_argv
 from safetensors.torch import load_file
 
 from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
 from openrlhf_tis.runs import query_tokens, select_samples, should_dump, token_steps
 
 pytestmark = pytest.mark.e2e
-REWARD = Path(__file__).resolve().parents[1] / "openrlhf_tis" / "demo" / "reward_func.py"
 
 # Both sides hold the same bf16 weights; they differ only in kernels (oneDNN vs torch) and bf16
 # accumulation, about 2^-8 relative on logits of order 1 for this random model. Measured gaps were
@@ -39,26 +39,7 @@ SAMPLES_PER_STEP, GROUP, DUMP_SAMPLES = 8, 2, 8  # 4 prompts x 2 samples; --logg
 
 
 def _train_argv(model_dir: Path, work: Path) -> list[str]:
-    return [
-        sys.executable, "-m", "openrlhf_tis.cli.train_ppo_ray",
-        "--actor.model_name_or_path", str(model_dir), "--reward.remote_url", str(REWARD),
-        "--data.prompt_dataset", str(work / "prompts.jsonl"), "--data.input_key", "input",
-        "--data.label_key", "label", "--data.apply_chat_template",
-        "--vllm.num_engines", "1", "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
-        "--rollout.n_samples_per_prompt", "2", "--rollout.batch_size", "4", "--rollout.micro_batch_size", "8",
-        "--train.batch_size", "8", "--train.micro_batch_size", "8", "--data.max_len", "128",
-        "--rollout.max_new_tokens", "24", "--data.max_samples", str(4 * TOTAL_STEPS), "--train.num_episodes", "1",
-        "--ds.zero_stage", "2", "--actor.adam.lr", "1e-3", "--actor.lr_warmup_ratio", "0", "--actor.min_lr_ratio", "1",
-        "--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "mask",
-        "--ckpt.path", str(work / "ckpt"), "--ckpt.output_dir", str(work / "final"), "--ckpt.save_steps", "1",
-        "--ckpt.load_enable", "--eval.steps", "-1", "--train.seed", "42", "--logger.run_dir", str(work / "run"),
-        "--logger.token_dump_steps", str(DUMP_EVERY),
-    ]
-
-
-def _read_steps(work: Path) -> list[dict]:
-    path = work / "run" / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return tiny_train_argv(model_dir, work, TOTAL_STEPS, dump_every=DUMP_EVERY)
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +82,12 @@ def test_every_step_has_a_finite_loss(finished_run):
 def test_rollouts_carry_one_logprob_per_response_token(finished_run):
     _, steps = finished_run
     assert all(s["rollout/logprob_coverage"] == 1.0 for s in steps)
+
+
+def test_a_synchronous_run_is_on_policy(finished_run):
+    work, steps = finished_run
+    assert all(s["staleness/max"] == 0 and s["staleness/lag_0"] == 1.0 for s in steps)
+    assert (query_tokens(work / "run")["lag"] == 0).all()
 
 
 def test_vllm_follows_the_trained_weights_after_each_sync(finished_run):

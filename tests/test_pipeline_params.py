@@ -126,6 +126,18 @@ def test_training_command_follows_the_parameters(tmp_path):
     assert argv.index("--algo.correction.upper") < len(argv) - 2
 
 
+def test_async_queue_trains_asynchronously_only_when_set(tmp_path):
+    def argv(**values):
+        params = check_params({**values, "run_dir": str(tmp_path / "run")}, TRAIN_PARAMS)
+        return build_argv(params, tmp_path / "model", tmp_path / "p.jsonl", tmp_path / "run")
+
+    assert "--train.async_enable" not in argv()
+    queued = argv(async_queue=2)
+    assert "--train.async_enable" in queued and queued[queued.index("--train.async_queue_size") + 1] == "2"
+    with pytest.raises(ParameterError, match="async_queue"):
+        argv(async_queue=-1)
+
+
 def test_the_prompt_file_holds_one_rollout_batch_per_step(tmp_path):
     given = tmp_path / "given.jsonl"
     given.write_text("".join(f'{{"input": "q{i}", "label": "{i}"}}\n' for i in range(40)) + "\n")

@@ -157,6 +157,12 @@ def test_live_curves_redraw_only_when_steps_land():
     assert step_line(records[1], 3).startswith("step 2/3  reward 0.200  k3 2.00e-03")
 
 
+def test_step_line_shows_the_lag_only_when_there_is_one():
+    record = {"step": 4, "rollout/reward_mean": 0.5, "timing/step_total": 3.0}
+    assert "lag" not in step_line({**record, "staleness/mean": 0.0, "staleness/max": 0.0}, 8)
+    assert "  lag 0.75  3.0 s" in step_line({**record, "staleness/mean": 0.75, "staleness/max": 2.0}, 8)
+
+
 def test_the_run_report_draws_each_figure_once_and_names_the_scored_policy(tmp_path):
     records = _records(10, **{"eval/default_pass1": lambda s: 0.8 if s == 10 else np.nan})
     records[0]["eval_start/default_pass1"] = 0.3

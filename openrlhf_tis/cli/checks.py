@@ -139,6 +139,7 @@ def check_inputs(args: argparse.Namespace) -> None:
         raise UsageError("--vllm.sync_check_steps", "must be >= 0 (0 disables the check)")
     if getattr(args, "vllm.sync_check_tolerance") <= 0:
         raise UsageError("--vllm.sync_check_tolerance", "must be > 0")
+    check_async(args)
     from openrlhf_tis.cli.batch_checks import check_batches
     from openrlhf_tis.cli.reward_probe import probe_reward_script
     from openrlhf_tis.rollout.precision import check_cli_precision
@@ -148,6 +149,26 @@ def check_inputs(args: argparse.Namespace) -> None:
     check_correction(args)
     if first_prompt is not None:
         probe_reward_script("--reward.remote_url", getattr(args, "reward.remote_url"), first_prompt, args)
+
+
+def check_async(args: argparse.Namespace) -> None:
+    """Async training's flags, refused where they cannot apply (upstream asserts some of them later, after Ray)."""
+    if getattr(args, "train.async_enable"):
+        if getattr(args, "train.async_queue_size") < 1:
+            raise UsageError("--train.async_queue_size", "must be >= 1")
+        if getattr(args, "vllm.enable_sleep"):
+            raise UsageError("--vllm.enable_sleep", "async training keeps the engines generating; it cannot sleep them")
+        lag = getattr(args, "train.async_max_lag")
+        if lag is not None and lag < 0:
+            raise UsageError("--train.async_max_lag", f"must be >= 0 (a lag counts policy versions), got {lag}")
+        return
+    only_async = {"--train.partial_rollout_enable": getattr(args, "train.partial_rollout_enable"),
+                  "--train.async_max_lag": getattr(args, "train.async_max_lag") is not None,
+                  "--train.async_queue_size": getattr(args, "train.async_queue_size") != 1}
+    for flag, given in only_async.items():
+        if given:
+            raise UsageError(flag, "applies to async training only; add --train.async_enable (synchronous runs "
+                             "always train on rollouts of the current policy: lag 0)")
 
 
 def check_correction(args: argparse.Namespace):

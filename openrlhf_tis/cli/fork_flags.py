@@ -62,6 +62,14 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
         "(default), or drop the prompt groups holding one and train on the rest (counted in reward/dropped_samples).",
     )
     parser.add_argument(
+        "--train.async_max_lag",
+        type=int,
+        default=None,
+        help="Async training only: drop every prompt group holding a sample whose rollout policy is more than N "
+        "steps older than the policy it trains (counted in staleness/dropped_samples); default no bound. "
+        "Lags are logged in any mode (staleness/*; 0 in synchronous runs).",
+    )
+    parser.add_argument(
         "--logger.token_dump_steps",
         type=int,
         default=DEFAULT_DUMP_EVERY,

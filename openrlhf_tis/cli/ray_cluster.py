@@ -56,4 +56,42 @@ def start_ray(args: argparse.Namespace, cpu: bool) -> None:
         # Logical resources only: a "GPU" here is a scheduling slot for one CPU process.
         gpus = declared_gpus(args)
         kwargs = {"num_gpus": gpus, "num_cpus": max(os.cpu_count() or 1, gpus + 4)}
-    ray.init(include_dashboard=False, runtime_env=runtime_env, **kwargs)
+    init_local_ray(include_dashboard=False, runtime_env=runtime_env, **kwargs)
+
+
+STARTUP_TRIES = 3
+
+
+def init_local_ray(**kwargs) -> None:
+    """ray.init for a new local cluster, tried again when its raylet misses Ray's fixed 30 s registration window.
+
+    On a loaded 2-core machine (a test suite, another run) the raylet can take longer than Ray allows
+    (ray/_private/node.py, not configurable) and ray.init raises "node timed out during startup"; the
+    half-started cluster (its GCS and raylet, children of this process that Ray no longer tracks) is
+    killed before the next try. Any other error is raised at once.
+    """
+    for attempt in range(1, STARTUP_TRIES + 1):
+        try:
+            ray.init(**kwargs)
+            return
+        except Exception as err:  # Ray raises a bare Exception here
+            if "timed out during startup" not in str(err) or attempt == STARTUP_TRIES:
+                raise
+            print(f"[openrlhf_tis] Ray's node did not register in time (try {attempt} of {STARTUP_TRIES}); "
+                  "starting it again", file=sys.stderr)
+            ray.shutdown()
+            _kill_ray_children()
+
+
+def _kill_ray_children() -> None:
+    import psutil
+
+    ours = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if "ray" in " ".join(proc.cmdline()).lower():
+                proc.kill()
+                ours.append(proc)
+        except psutil.Error:  # already gone
+            pass
+    psutil.wait_procs(ours, timeout=10)

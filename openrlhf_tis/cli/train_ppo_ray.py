@@ -22,6 +22,7 @@ from openrlhf_tis.cli.upstream import run_upstream_main, upstream_parser
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.patches import fork_classes
 from openrlhf_tis.patches._guard import UnsupportedUpstreamError
+from openrlhf_tis.runs.reader import last_logged_step
 
 
 def build_parser():
@@ -59,6 +60,16 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     start_ray(args, cpu)
     run_upstream_main(args)
+    check_steps_logged(getattr(args, "logger.run_dir"))
+
+
+def check_steps_logged(run_dir: str) -> None:
+    """A run that trained no step must not end like one that did (exit 0, a saved "final" model)."""
+    if last_logged_step(run_dir) is None:
+        print(f"openrlhf_tis.cli.train_ppo_ray: error: the run logged no training step in {run_dir}/metrics.jsonl "
+              "(no prompt batch reached the trainer: check --data.prompt_dataset, --data.max_samples and the batch "
+              "sizes)", file=sys.stderr)
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,11 @@ def step_line(record: dict[str, Any], total: int) -> str:
         value = record.get(key)
         return format(value, spec) if isinstance(value, (int, float)) else "-"
 
+    # Lag only where there is any (async training): a synchronous run's line stays as short as before.
+    lag = f"  lag {fmt('staleness/mean', '.2f')}" if record.get("staleness/max") else ""
     return (f"step {record['step']}/{total}  reward {fmt('rollout/reward_mean', '.3f')}  "
             f"k3 {fmt('mismatch/k3_kl', '.2e')}  max|Δp| {fmt('mismatch/abs_dp_max', '.3f')}  "
-            f"masked {fmt('correction/masked_frac', '.3f')}  {fmt('timing/step_total', '.1f')} s")
+            f"masked {fmt('correction/masked_frac', '.3f')}{lag}  {fmt('timing/step_total', '.1f')} s")
 
 
 class LiveCurves:

@@ -74,6 +74,9 @@ TRAIN_PARAMS: dict[str, Param] = {
     "lr": Param(1e-3, "actor learning rate (tiny random models need ~1e-3, real ones ~1e-6..1e-5)", (float,),
                 check=positive),
     "seed": Param(42, "training seed", (int,)),
+    "async_queue": Param(0, "async training: rollout batches the generator may run ahead of the trainer "
+                         "(--train.async_enable --train.async_queue_size N); 0 trains synchronously", (int,),
+                         check=lambda v: None if v >= 0 else "must be >= 0"),
     "token_dump_every": Param(1, "dump per-token records every N steps (0: never)", (int,),
                               check=lambda v: None if v >= 0 else "must be >= 0"),
     "run_dir": Param("runs/notebook", "the run directory (created; a finished one is refused by the CLI)", (str,),
@@ -172,6 +175,8 @@ def build_argv(params: dict[str, Any], model_dir: Path, prompts: Path, run_dir: 
                  "--eval.n_samples_per_prompt", str(params["eval_samples"])]
     else:
         argv += ["--eval.steps", "-1"]
+    if params["async_queue"]:
+        argv += ["--train.async_enable", "--train.async_queue_size", str(params["async_queue"])]
     if params["token_dump_every"]:
         argv += ["--logger.token_dump_steps", str(params["token_dump_every"])]
     else:

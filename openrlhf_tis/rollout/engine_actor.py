@@ -7,7 +7,7 @@ dtype / quantization arguments just before the engine is built, in the engine's 
 On CPU it names the fork's vLLM worker extension (rollout/cpu_worker_extension.py: the engine's end of
 the weight sync) in place of upstream's CUDA `WorkerWrap`, and exposes that extension's bucketed receive,
 which upstream's actor has no method for. It also makes a failing reward fail the rollout
-(rollout/reward_executor.py).
+(rollout/reward_executor.py), and stamps every sample with the policy version it was generated with.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from openrlhf_tis.rollout.checkpoint import read_plan
 from openrlhf_tis.rollout.cpu_worker_extension import CPUWorkerExtension
 from openrlhf_tis.rollout.precision import engine_kwargs
 from openrlhf_tis.rollout.reward_executor import make_rewards_loud
+from openrlhf_tis.rollout.versions import VERSION_FIRST, VERSION_LAST
 
 _UpstreamRolloutRayActor = ray_actor_class(_UpstreamActorClass)
 
@@ -72,6 +73,24 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         overrides |= worker_extension_override(kwargs.get("worker_extension_cls"), cuda)
         await super().__init__(*args, **{**kwargs, **overrides})
         make_rewards_loud(self.executor)
+        self._policy_version = 0  # optimizer steps in the weights this engine holds (trainer/staleness.py)
+
+    async def set_policy_version(self, version: int) -> None:
+        """Called by the controller right after a weight sync, before generation may resume."""
+        self._policy_version = int(version)
+
+    async def generate_responses(self, *args, **kwargs):
+        """Upstream's, with each sample stamped with the policy versions at its start and its end.
+
+        The stamps travel as `extra_logs`, which upstream's samples generator turns into
+        `Experience.info` entries; the controller turns them into lags (trainer/staleness.py).
+        """
+        first = self._policy_version
+        outputs = await super().generate_responses(*args, **kwargs)
+        last = self._policy_version
+        for output in outputs:
+            output["extra_logs"] = {**(output.get("extra_logs") or {}), VERSION_FIRST: first, VERSION_LAST: last}
+        return outputs
 
     async def update_weights_bucket(self, names_shapes, dtype, last=False):
         """Receive one flat broadcast of several parameters (CPU weight sync: CPUWorkerExtension); reload

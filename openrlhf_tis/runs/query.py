@@ -169,11 +169,12 @@ def _empty(columns: list[str]) -> pd.DataFrame:
 
 # How a column that a dump lacks is read (an older writer, or the optional columns of schema.py):
 # `step` from the file name (layout.token_file), `masked` from the reason code, `old_logprob` NaN as in
-# bypass mode; any other missing column reads as NULL.
+# bypass mode, `lag` 0 (older dumps come from synchronous runs); any other missing column reads as NULL.
 _MISSING_DEFAULTS = {
     "step": r"CAST(regexp_extract(filename, 'step_(\d+)[^/\\]*$', 1) AS INTEGER)",
     "masked": "mask_reason <> 0",
     "old_logprob": "'NaN'::FLOAT",
+    "lag": "0",
 }
 _SQL_TYPES = {"int8": "TINYINT", "int32": "INTEGER", "float": "FLOAT", "bool": "BOOLEAN", "string": "VARCHAR"}
 # Parquet min/max statistics leave NaN out, and DuckDB by default takes them to mean "no NaN": it then

@@ -153,6 +153,7 @@ class TokenDumpWriter:
         arrays["masked"] = codes != 0
         arrays.setdefault("step", np.full(n, step))
         arrays.setdefault("old_logprob", np.full(n, np.nan, dtype=np.float32))
+        arrays.setdefault("lag", np.zeros(n, dtype=np.int32))
         fields = {}
         for name, (dtype, _) in COLUMNS.items():
             if name in TEXT_COLUMNS:

@@ -51,6 +51,10 @@ class RewardPolicy:
             train_micro_batch=int(args.train.micro_batch_size),
         )
 
+    def min_samples(self) -> int:
+        """The fewest samples a step can train on: one train micro batch per data-parallel actor."""
+        return self.train_micro_batch * self.data_parallel
+
     def keep_unit(self) -> int:
         """Kept samples come in multiples of this: whole groups, and equal rollout micro batches per actor."""
         if self.data_parallel == 1:
@@ -89,13 +93,20 @@ def screen_rewards(samples: list, rules: RewardPolicy, step: int) -> tuple[list,
     if rules.policy != "drop":
         raise NonFiniteRewardError(f"{what}. Fix the reward, or pass {DROP_FLAG} to drop their prompt groups "
                                    "and go on.")
-    groups = {i // rules.group_size for i in bad}
-    kept = [s for i, s in enumerate(samples) if i // rules.group_size not in groups]
-    unit = rules.keep_unit()
-    kept = kept[: len(kept) // unit * unit]
-    if len(kept) < rules.train_micro_batch * rules.data_parallel:
+    kept = keep_groups(len(samples), bad, rules)
+    if len(kept) < rules.min_samples():
         raise NonFiniteRewardError(f"{what}. {DROP_FLAG} leaves {len(kept)} samples, fewer than one "
                                    f"--train.micro_batch_size ({rules.train_micro_batch}) for each of "
                                    f"{rules.data_parallel} data-parallel actor(s).")
     metrics["reward/dropped_samples"] = float(len(samples) - len(kept))
-    return kept, metrics
+    return [samples[i] for i in kept], metrics
+
+
+def keep_groups(num_samples: int, bad: Sequence[int], rules: RewardPolicy) -> list[int]:
+    """Positions left after removing every prompt group holding a `bad` position, trimmed to whole
+    `keep_unit`s. Shared by reward screening and the staleness bound (trainer/staleness.py).
+    """
+    groups = {i // rules.group_size for i in bad}
+    kept = [i for i in range(num_samples) if i // rules.group_size not in groups]
+    unit = rules.keep_unit()
+    return kept[: len(kept) // unit * unit]

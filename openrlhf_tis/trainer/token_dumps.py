@@ -25,6 +25,7 @@ from openrlhf.utils.loss_utils import _get_dp_group
 from openrlhf_tis.correction import CorrectionConfig, compute_correction
 from openrlhf_tis.runs.schema import mask_reason_codes
 from openrlhf_tis.runs.tokens import flatten_response_tokens
+from openrlhf_tis.trainer.staleness import LAG
 
 
 @dataclass(frozen=True)
@@ -237,7 +238,8 @@ class TokenDumpCollector:
         ids = torch.tensor([int(i) for i in experience.index])
         prompts = ids // max(self.plan.group_size, 1) if self.global_ids else torch.full_like(ids, -1)
         reward = experience.rewards if experience.rewards is not None else experience.info.get("reward")
-        per_sample = {"sample_id": ids, "prompt_id": prompts, "reward": _per_sample(reward, batch)}
+        lag = _per_sample(experience.info.get(LAG), batch).nan_to_num(0.0).to(torch.int32)
+        per_sample = {"sample_id": ids, "prompt_id": prompts, "reward": _per_sample(reward, batch), "lag": lag}
         columns = flatten_response_tokens(action_mask, per_token, per_sample, rows=rows)
         reasons = {name[len("reason_"):]: columns.pop(name) for name in list(columns) if name.startswith("reason_")}
         columns["mask_reason"] = mask_reason_codes(len(columns["token_id"]), **reasons)
