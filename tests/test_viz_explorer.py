@@ -285,7 +285,7 @@ def test_executed_notebook_and_its_html_show_the_sample_without_a_kernel(root, t
     assert [s["text"] for s in spans] == ["ok", "bad", " end"]
     assert html.index("Q4: what is 2 + 4?") < html.index('class="tok')  # the prompt, above the response
     assert [background(s) for s in spans] == ["#ffffff", "#2166ac", "#ffffff"]  # coloured as in the widget
-    assert html.count("data:image/png;base64,") == 1  # the step figure: scatter and histograms in one image
+    assert html.count('src="data:image/png;base64,') == 1  # the step figure: scatter and histograms in one image
     rows = pd.read_html(io.StringIO(html.split("Worst tokens of the step", 1)[1]))[0]
     # step 3's worst tokens by |log π_θ − log μ| (TOKENS): +2 ('\n', sample 1), -1.5 ('bad', sample 4), ...
     assert rows["log π_θ − log μ"].tolist()[:2] == ["+2.000", "-1.500"]
