@@ -3,10 +3,11 @@ step figure, and notebooks/token_explorer.ipynb executed by papermill."""
 
 from __future__ import annotations
 
-import io
 import math
+import re
 import subprocess
 import sys
+from html import unescape
 
 import ipywidgets as widgets
 import nbformat
@@ -286,10 +287,13 @@ def test_executed_notebook_and_its_html_show_the_sample_without_a_kernel(root, t
     assert html.index("Q4: what is 2 + 4?") < html.index('class="tok')  # the prompt, above the response
     assert [background(s) for s in spans] == ["#ffffff", "#2166ac", "#ffffff"]  # coloured as in the widget
     assert html.count('src="data:image/png;base64,') == 1  # the step figure: scatter and histograms in one image
-    rows = pd.read_html(io.StringIO(html.split("Worst tokens of the step", 1)[1]))[0]
-    # step 3's worst tokens by |log π_θ − log μ| (TOKENS): +2 ('\n', sample 1), -1.5 ('bad', sample 4), ...
-    assert rows["log π_θ − log μ"].tolist()[:2] == ["+2.000", "-1.500"]
-    assert rows["token"].tolist()[1] == "'bad'" and rows["sample"].tolist()[:2] == [1, 4]
+    table = html.split("Worst tokens of the step", 1)[1].split("</table>", 1)[0]
+    rows = [[unescape(cell) for cell in re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", row, re.DOTALL)]
+            for row in re.findall(r"<tr[^>]*>(.*?)</tr>", table, re.DOTALL)]
+    assert rows[0] == ["log π_θ − log μ", "sample", "position", "μ", "π_θ", "mask", "token"]
+    # step 3's worst tokens by |log π_θ − log μ| (TOKENS): +2 ('\n', sample 1 pos 2), -1.5 ('bad', sample 4 pos 1)
+    assert rows[1][:3] == ["+2.000", "1", "2"] and rows[1][-2:] == ["bounds", "'\\n'"]
+    assert rows[2] == ["-1.500", "4", "1", "0.223", "0.0498", "veto", "'bad'"]
 
 
 def test_a_run_without_dumps_exports_its_notice(root, tmp_path):
