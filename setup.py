@@ -35,7 +35,9 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["openrlhf_tis", "openrlhf_tis.*"]) + ["openrlhf_tis.patches"],
     package_dir={"openrlhf_tis.patches": "patches"},
+    # The notebooks are package data: the pipeline executes them from the installed package (pipeline/execute.py).
     package_data={
+        "openrlhf_tis": ["notebooks/*.ipynb"],
         "openrlhf_tis.patches": ["README.md"],
         # the dashboard's Voilà template (pipeline/voila_server.py)
         "openrlhf_tis.pipeline": ["jupyter/voila/templates/openrlhf_tis/*"],

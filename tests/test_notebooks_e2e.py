@@ -39,7 +39,9 @@ def test_the_good_cell_trained_and_its_notebook_shows_the_curves(sweep):
     assert list(load_metrics(good.run_dir)["step"]) == [1, 2]
     assert "train_ppo_ray" in (good.run_dir / "train.log").read_text()
     images = [o for o in _outputs(good.notebook) if "image/png" in o.get("data", {})]
-    assert len(images) >= 3  # the live curves, then the final curves and the bucket plot
+    assert len(images) == 2  # the final curves and the bucket plot: the live curves gave way to them
+    assert any("steps trained; the curves are drawn below" in o.get("data", {}).get("text/html", "")
+               for o in _outputs(good.notebook))
 
 
 def test_the_failed_cell_is_recorded_with_its_papermill_error_and_the_cause(sweep):

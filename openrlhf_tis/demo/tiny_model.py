@@ -87,3 +87,9 @@ def write_arithmetic_prompts(path: str | Path, n: int, seed: int = 0) -> Path:
             a, b = rng.randint(0, 49), rng.randint(0, 49)
             f.write(json.dumps({"input": f"What is {a} + {b}?", "label": str(a + b)}) + "\n")
     return path
+
+
+if __name__ == "__main__":  # `python -m openrlhf_tis.demo.tiny_model OUT_DIR`: how the pipeline builds it
+    import sys
+
+    print(build_tiny_model(sys.argv[1]))

@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-NOTEBOOKS = REPO / "notebooks"
+# Package data (setup.py), so an installed package finds them wherever it runs; the repository's top-level
+# `notebooks` is a link to this directory for people who open them with Jupyter.
+NOTEBOOKS = Path(str(resources.files("openrlhf_tis") / "notebooks"))
 KERNEL = "python3"  # ipykernel's own spec: the interpreter that runs papermill, i.e. the project's venv
 # The kernel listens on loopback TCP and warns about it at every start, on the console of whoever runs a notebook
 # (the main job's, among others); errors still show.
@@ -21,7 +23,7 @@ KERNEL_ARGS = ["--IPKernelApp.log_level=ERROR"]
 
 
 def notebook_path(name: str) -> Path:
-    """A notebook of the project by name ('train', 'compare', ...)."""
+    """A notebook shipped with the package, by name ('train', 'compare', ...)."""
     path = NOTEBOOKS / f"{name}.ipynb"
     if not path.is_file():
         raise FileNotFoundError(f"no notebook {path}")
@@ -51,6 +53,31 @@ _REMOTE_IMPORT = re.compile(r"<script[^>]*>(?:(?!</script>).)*?import\(\s*\"http
                             re.IGNORECASE | re.DOTALL)
 
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def without_widget_views(nb: Any) -> Any:
+    """`nb` without widget views: an output holding one keeps only its rich twin (text/html, an image), if any.
+
+    A widget view outranks every other representation in nbconvert, but the export has no widget manager
+    (a CDN script): what shows is the static twin (the token explorer's HTML rendering). A widget whose twin
+    is its text/plain repr alone is dropped: that text is the widget at display time (tqdm's bar at 0%). The
+    saved widget state goes too: it would make the page fetch the widget manager.
+    """
+    nb.metadata.pop("widgets", None)
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        for output in cell.outputs:
+            data = output.get("data", {})
+            if WIDGET_VIEW in data:
+                del data[WIDGET_VIEW]
+                if set(data) <= {"text/plain"}:
+                    data.clear()
+        cell.outputs = [o for o in cell.outputs if "data" not in o or o["data"]]
+    return nb
+
+
 def export_html(notebook: str | os.PathLike, html: str | os.PathLike | None = None, hide_code: bool = True) -> Path:
     """Write `notebook` as one HTML file: images embedded, no remote script, code cells hidden by default."""
     import nbformat
@@ -60,7 +87,7 @@ def export_html(notebook: str | os.PathLike, html: str | os.PathLike | None = No
     html = Path(html) if html is not None else notebook.with_suffix(".html")
     exporter = HTMLExporter(template_name="lab", embed_images=True, exclude_input=hide_code,
                             exclude_input_prompt=True, exclude_output_prompt=True)
-    body, _ = exporter.from_notebook_node(nbformat.read(notebook, as_version=4))
+    body, _ = exporter.from_notebook_node(without_widget_views(nbformat.read(notebook, as_version=4)))
     body = _REMOTE_IMPORT.sub("", _REMOTE_SCRIPT.sub("", body))
     from openrlhf_tis.runs.layout import atomic_write
 

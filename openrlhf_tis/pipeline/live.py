@@ -50,5 +50,18 @@ class LiveCurves:
         elif hasattr(self._handle, "update"):
             self._handle.update(displayable(fig))
 
-    def close(self) -> None:
+    def close(self, keep_figure: bool = True) -> None:
+        """Stop the progress bar; unless `keep_figure`, replace the live figure by a one-line note."""
         self._bar.close()
+        if not keep_figure and self._handle is not None and hasattr(self._handle, "update"):
+            from IPython.display import HTML
+
+            self._handle.update(HTML(f"<i>{self.drawn} steps trained; the curves are drawn below.</i>"))
+
+    def __enter__(self) -> LiveCurves:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        # A finished run gets its final curves from the next cell: the live figure, their last redraw, would
+        # show every curve twice in the report. A failed run keeps it: nothing else draws its curves.
+        self.close(keep_figure=exc_type is not None)

@@ -1,10 +1,11 @@
 """`python -m openrlhf_tis.pipeline.main_job`: the project's main job, what `scripts/main_job.sh` runs.
 
 Trains the embedded SmolLM2-135M-Instruct on the demo task (single-digit arithmetic, openrlhf_tis/demo/task.py)
-with INT8 rollouts and token TIS by executing notebooks/train.ipynb with papermill (the executed notebook and its
-HTML export are the report), while the console shows a progress bar and one line per step; every log of Ray,
-vLLM and DeepSpeed goes to `<run_dir>/train.log`. The held-out questions are scored before the first step and
-at the end. Where the CPU emulates bf16 (plain AVX2), the trainer runs in fp32, several times faster there.
+with INT8 rollouts and token TIS by executing openrlhf_tis/notebooks/train.ipynb with papermill (the executed
+notebook and its HTML export are the report), while the console shows a progress bar and one line per step;
+every log of Ray, vLLM and DeepSpeed goes to `<run_dir>/train.log`. The held-out questions are scored before
+the first step and at the end. Where the CPU emulates bf16 (plain AVX2), the trainer runs in fp32, several
+times faster there.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from openrlhf_tis.cpu_features import default_train_dtype, native_bf16
 from openrlhf_tis.demo.task import write_task
 from openrlhf_tis.pipeline.console import follow_run
-from openrlhf_tis.pipeline.execute import REPO, execute, export_html
+from openrlhf_tis.pipeline.execute import execute, export_html
 from openrlhf_tis.pipeline.params import ParameterError, check_params
 from openrlhf_tis.pipeline.train import TRAIN_PARAMS, log_tail
 from openrlhf_tis.runs.reader import load_metrics
@@ -28,7 +30,7 @@ from openrlhf_tis.runs.summary import summary
 from openrlhf_tis.viz.compare import held_out_key
 from openrlhf_tis.viz.curves import held_out
 
-TASK_REWARD = REPO / "openrlhf_tis" / "demo" / "task_reward.py"
+TASK_REWARD = Path(str(resources.files("openrlhf_tis") / "demo" / "task_reward.py"))
 # train.ipynb parameters of the main job on any CPU. The sync check compares the INT8 engine with the trainer
 # on sampled tokens: that gap is the INT8 mismatch itself (0.1-0.5 mean |dlog p| here), so the default
 # tolerance (0.5) would stop a healthy run, while broken weights give several nats; it runs at every 4th sync

@@ -48,11 +48,9 @@ NOTEBOOK_SOURCES = {
         [
             "from openrlhf_tis.pipeline.live import LiveCurves\n"
             "from openrlhf_tis.pipeline.train import run_training\n\n"
-            "live = LiveCurves(params['steps'], title=f\"{params['correction']} / {params['rollout_precision']}\")\n"
-            "try:\n"
-            "    run_dir = run_training(params, on_progress=live)\n"
-            "finally:\n"
-            "    live.close()",
+            "title = f\"{params['correction']} / {params['rollout_precision']}\"\n"
+            "with LiveCurves(params['steps'], title=title) as live:\n"
+            "    run_dir = run_training(params, on_progress=live)",
             "from openrlhf_tis.pipeline.report import show_run\n\n"
             "shown = show_run(run_dir)",
         ],

@@ -10,10 +10,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
 from openrlhf_tis.pipeline.params import Param
+from openrlhf_tis.runs.config import read_run_config
 from openrlhf_tis.runs.reader import load_metrics
 from openrlhf_tis.viz.compare import (
     config_diff,
@@ -73,8 +75,51 @@ def ipython_display() -> Callable[..., Any]:
     return lambda obj, **kwargs: display(displayable(obj), **kwargs)
 
 
+# Who produced a held-out score: the run's metrics hold the rollout engine's (vLLM at the run's rollout precision
+# sampled the answers). Rows for other policies use the same scheme, e.g. KEPT_POLICY for the trainer's weights.
+ROLLOUT_POLICY = "rollout engine ({precision})"
+KEPT_POLICY = "kept policy (trainer weights)"
+
+
+def held_out_label(policy: str, when: str) -> str:
+    """A held-out row of the run table: `held-out · <policy> · <when>` (when: 'before training', 'last')."""
+    return f"held-out · {policy} · {when}"
+
+
+def rollout_policy(run_dir: Path) -> str:
+    """ROLLOUT_POLICY for the run's `--vllm.rollout_precision` (bf16, upstream's default, when not recorded)."""
+    config = (read_run_config(run_dir) or {}).get("config", {})
+    return ROLLOUT_POLICY.format(precision=config.get("vllm.rollout_precision", "bf16"))
+
+
+# final_table column -> its heading in a report: words with spaces, so that a browser can wrap a narrow column.
+HEADINGS = {
+    "steps": "steps", "reward_first": "reward · first tenth of steps", "reward_last": "reward · last tenth of steps",
+    "held_out_first": "{before}", "held_out_last": "{last}", "k3_kl_mean": "k3 KL(μ‖π_old) · mean",
+    "abs_dp_max": "max |Δp|", "masked_frac_mean": "masked fraction · mean",
+    "truncated_frac_mean": "truncated fraction · mean", "entropy_last": "entropy · last tenth of steps",
+    "step_seconds": "seconds per step · mean",
+}
+
+
+def headings(policy: str, first_step: Any = 0) -> dict[str, str]:
+    """HEADINGS with the held-out ones naming `policy` (and the first evaluation's step when not 0)."""
+    before = "before training" if first_step in (0, None) else f"first evaluation (step {first_step})"
+    held = {"before": held_out_label(policy, before), "last": held_out_label(policy, "last evaluation")}
+    return {key: label.format(**held) for key, label in HEADINGS.items()}
+
+
+def run_table(row: pd.Series, policy: str) -> pd.DataFrame:
+    """One run's final_table row as a two-column table (quantity, value) that fits any page width."""
+    def fmt(value: Any) -> str:
+        return "–" if value is None or (isinstance(value, float) and np.isnan(value)) else f"{value:.4g}"
+
+    labels = headings(policy, row["held_out_first_step"])
+    return pd.DataFrame({"value": {label: fmt(row[key]) for key, label in labels.items()}}).rename_axis(row.name)
+
+
 def show_run(run_dir: str | Path, display: Callable[..., Any] | None = None) -> dict[str, Any]:
-    """The final plots of one run (curves, mismatch by bucket) and its result row."""
+    """The final plots of one run (curves, mismatch by bucket) and its results, one quantity a row."""
     display = display or ipython_display()
     run_dir = Path(run_dir)
     metrics = load_metrics(run_dir)
@@ -83,8 +128,9 @@ def show_run(run_dir: str | Path, display: Callable[..., Any] | None = None) -> 
     display(curves)
     display(plot_buckets(buckets))
     table = final_table({run_dir.name: metrics})
-    display(table)
-    return {"metrics": metrics, "buckets": buckets, "table": table}
+    shown = run_table(table.iloc[0], rollout_policy(run_dir))
+    display(shown)
+    return {"metrics": metrics, "buckets": buckets, "table": table, "shown": shown}
 
 
 def _heading(text: str) -> Any:
@@ -145,7 +191,10 @@ def show_comparison(runs: Any, failures: Mapping[str, str] | None = None,
     diff = config_diff(paths, labels)
     display(diff if len(diff) else pd.DataFrame({"note": ["the runs share every flag"]}))
     display(plot_curves(metrics))
-    display(table)
+    # one run a row, under headings that wrap, so the table fits the page
+    policies = sorted({rollout_policy(p) for p in paths})
+    policy = policies[0] if len(policies) == 1 else ROLLOUT_POLICY.format(precision="each run's rollout precision")
+    display(table.drop(columns="held_out_first_step").rename(columns=headings(policy)))
     buckets = {name: bucket_table(frame) for name, frame in metrics.items()}
     display(plot_buckets(buckets))
     return {"failures": failed, "facts": facts, "setting_diff": by_setting, "config_diff": diff, "gains": gains,

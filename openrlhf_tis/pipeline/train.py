@@ -16,8 +16,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from openrlhf_tis.cli.lifetime import PARENT_ENV
 from openrlhf_tis.cli.run_dir import lock_owner
@@ -27,8 +28,7 @@ from openrlhf_tis.pipeline.params import Param, positive
 from openrlhf_tis.rollout.precision import PRECISIONS
 from openrlhf_tis.runs.reader import read_metrics_records
 
-REPO = Path(__file__).resolve().parents[2]
-DEMO_REWARD = REPO / "openrlhf_tis" / "demo" / "reward_func.py"
+DEMO_REWARD = Path(str(resources.files("openrlhf_tis") / "demo" / "reward_func.py"))
 LOG_FILE = "train.log"
 
 
@@ -98,18 +98,36 @@ class TrainingFailed(RuntimeError):
     """The training process exited non-zero; the message carries the tail of its log."""
 
 
-def resolve_model(model: str, cache: Path) -> Path:
-    """The model directory for `model`: built once under `cache` for 'tiny', the embedded one for 'default'."""
+def resolve_model(model: str, cache: Path, log: TextIO) -> Path:
+    """The model directory for `model`: built once under `cache` for 'tiny', the embedded one for 'default'.
+
+    A model is built in a child process writing to `log` (the run's train.log), never in the caller: saving
+    one imports transformers, hence accelerate, hence DeepSpeed, whose import probes its ops by compiling test
+    programs. DeepSpeed silences the compiler through sys.stderr's file descriptor, which in a notebook kernel
+    is not fd 2, so `ld: cannot find -laio` / `collect2: error` would land in the report and on the console.
+    """
     if model == "tiny":
-        from openrlhf_tis.demo.tiny_model import build_tiny_model
-
         path = cache / "tiny_model"
-        return path if (path / "config.json").is_file() else build_tiny_model(path)
-    if model == "default":
-        from openrlhf_tis.demo.default_model import ensure_default_model
+        module = "openrlhf_tis.demo.tiny_model"
+    elif model == "default":
+        from openrlhf_tis.demo.default_model import default_model_dir, is_complete
 
-        return ensure_default_model()
-    return Path(model).expanduser().resolve()
+        path = default_model_dir()
+        if is_complete(path):
+            return path
+        module = "openrlhf_tis.demo.default_model"
+    else:
+        return Path(model).expanduser().resolve()
+    if not (path / "config.json").is_file():
+        log.write(f"$ building the {model} model: python -m {module} {path}\n")
+        log.flush()
+        done = subprocess.run([sys.executable, "-m", module, str(path)], stdin=subprocess.DEVNULL, stdout=log,
+                              stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        if done.returncode != 0:
+            tail = log_tail(Path(log.name))
+            raise TrainingFailed(f"building the {model} model failed (exit {done.returncode}): {cause(tail)}\n"
+                                 f"full log: {log.name}; its tail:\n{tail}")
+    return path
 
 
 def resolve_prompts(prompts: str, run_dir: Path, count: int) -> Path:
@@ -210,11 +228,11 @@ def run_training(
     if owner is not None:  # checked here too, so a second start never truncates the live run's train.log
         raise TrainingFailed(f"{run_dir} is in use by another run (pid {owner}); wait for it to end, stop it, "
                              "or choose another run_dir")
-    model = resolve_model(params["model"], cache or run_dir.parent / ".models")
-    prompts = resolve_prompts(params["prompts"], run_dir, params["prompts_per_step"] * params["steps"])
-    argv = build_argv(params, model, prompts, run_dir)
     log_path = run_dir / LOG_FILE
     with open(log_path, "w") as log:
+        model = resolve_model(params["model"], cache or run_dir.parent / ".models", log)
+        prompts = resolve_prompts(params["prompts"], run_dir, params["prompts_per_step"] * params["steps"])
+        argv = build_argv(params, model, prompts, run_dir)
         log.write("$ " + shlex.join(argv) + "\n")
         log.flush()
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir.parent,

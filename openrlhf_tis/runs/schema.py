@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-SCHEMA_VERSION = 2  # 2: `lag` (async training's staleness)
+SCHEMA_VERSION = 3  # 2: `lag` (async training's staleness); 3: `prompt_text`
 
 # Code -> name. Stable: codes are stored on disk, so add new reasons at the end, never renumber.
 MASK_REASONS: dict[int, str] = {
@@ -49,6 +49,8 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "entropy": (pa.float32(), "training policy entropy at the token"),
     "reward": (pa.float32(), "the sample's reward, repeated on each of its tokens"),
     "lag": (pa.int32(), "policy versions between the sample's rollout policy and π_old (0: on-policy; async)"),
+    "prompt_text": (pa.string(), "the prompt the response answers, repeated on each of its tokens (null when "
+                    "the writer did not give it)"),
 }
 SCHEMA = pa.schema(
     [pa.field(name, dtype) for name, (dtype, _) in COLUMNS.items()],
@@ -56,8 +58,10 @@ SCHEMA = pa.schema(
 )
 # Columns a writer may leave out: `step` is the step written, `token_text` comes from the tokenizer
 # (else null), `old_logprob` is NaN (bypass mode has no π_old), `masked` is `mask_reason != 0`, `lag` is 0
-# (version-1 dumps predate async training: every run was synchronous).
-OPTIONAL_COLUMNS = frozenset({"step", "token_text", "old_logprob", "masked", "lag"})
+# (version-1 dumps predate async training: every run was synchronous), `prompt_text` is null. Text columns are
+# dictionary-encoded on disk: a prompt repeated on every token of its response costs one entry.
+OPTIONAL_COLUMNS = frozenset({"step", "token_text", "old_logprob", "masked", "lag", "prompt_text"})
+TEXT_COLUMNS = ("token_text", "prompt_text")
 REQUIRED_COLUMNS = tuple(name for name in COLUMNS if name not in OPTIONAL_COLUMNS)
 
 

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from openrlhf_tis.runs.layout import atomic_write, token_file
-from openrlhf_tis.runs.schema import COLUMNS, MASK_REASONS, OPTIONAL_COLUMNS, REQUIRED_COLUMNS, SCHEMA
+from openrlhf_tis.runs.schema import COLUMNS, MASK_REASONS, OPTIONAL_COLUMNS, REQUIRED_COLUMNS, SCHEMA, TEXT_COLUMNS
 
 DEFAULT_DUMP_EVERY = 10
 """Dump every 10th step (and step 1): enough points for a mismatch trend, ~1/10 of the per-step cost."""
@@ -28,7 +28,7 @@ DEFAULT_DUMP_SAMPLES = 8
 _FLOAT_COLUMNS = [name for name, (dtype, _) in COLUMNS.items() if pa.types.is_floating(dtype)]
 _PARQUET_OPTIONS: dict[str, Any] = {
     "compression": "zstd",
-    "use_dictionary": ["token_text"],
+    "use_dictionary": list(TEXT_COLUMNS),
     "use_byte_stream_split": _FLOAT_COLUMNS,
     "write_statistics": True,
 }
@@ -135,7 +135,7 @@ class TokenDumpWriter:
                 f"token dump of step {step}: unknown columns {sorted(unknown)}, missing columns {missing}; "
                 f"required: {list(REQUIRED_COLUMNS)}, optional: {sorted(OPTIONAL_COLUMNS)}"
             )
-        arrays = {name: to_numpy(value) for name, value in columns.items() if name != "token_text"}
+        arrays = {name: to_numpy(value) for name, value in columns.items() if name not in TEXT_COLUMNS}
         n = len(arrays["token_id"])
         bad = {name: array.shape for name, array in arrays.items() if array.shape != (n,)}
         if bad:
@@ -156,12 +156,13 @@ class TokenDumpWriter:
         arrays.setdefault("lag", np.zeros(n, dtype=np.int32))
         fields = {}
         for name, (dtype, _) in COLUMNS.items():
-            if name == "token_text":
-                text = columns.get("token_text")
+            if name in TEXT_COLUMNS:
+                text = columns.get(name)
                 fields[name] = (pa.array(list(text), pa.string()) if text is not None
-                                else self._token_text(arrays["token_id"]))
+                                else self._token_text(arrays["token_id"]) if name == "token_text"
+                                else pa.nulls(n, pa.string()))
                 if len(fields[name]) != n:
-                    raise ValueError(f"token dump of step {step}: token_text has {len(fields[name])} rows, not {n}")
+                    raise ValueError(f"token dump of step {step}: {name} has {len(fields[name])} rows, not {n}")
             else:
                 fields[name] = pa.array(arrays[name].astype(dtype.to_pandas_dtype(), copy=False), dtype)
         return pa.Table.from_pydict(fields, schema=SCHEMA)

@@ -23,6 +23,7 @@ widgets are attributes (run, step, sample, show, prob, response, plots, worst, n
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import html
 import math
@@ -57,7 +58,7 @@ FILTERS = {
 }
 TOKEN_COLUMNS = ["sample_id", "position", "token_id", "token_text", "rollout_logprob", "old_logprob",
                  "train_logprob", "is_weight_raw", "is_weight", "mask_reason"]
-SAMPLE_COLUMNS = [*TOKEN_COLUMNS, "prompt_id", "reward", "advantage"]
+SAMPLE_COLUMNS = [*TOKEN_COLUMNS, "prompt_id", "prompt_text", "reward", "advantage"]
 
 
 def _directory(value: str) -> str | None:
@@ -80,6 +81,20 @@ def worst_tokens(frame: pd.DataFrame, n: int = WORST_ROWS) -> pd.DataFrame:
     ratio = log_ratio(frame)
     scored = frame.assign(log_ratio=ratio, abs_log_ratio=np.abs(ratio))[np.isfinite(ratio)]
     return scored.nlargest(n, "abs_log_ratio", keep="first").drop(columns="abs_log_ratio").reset_index(drop=True)
+
+
+def worst_table(worst: pd.DataFrame) -> pd.DataFrame:
+    """The worst-token list as a table for static views: probabilities rather than log-probs, text as repr."""
+    if not len(worst):
+        return pd.DataFrame(columns=["log π_θ − log μ", "sample", "position", "μ", "π_θ", "mask", "token"])
+    return pd.DataFrame({
+        "log π_θ − log μ": worst["log_ratio"].map("{:+.3f}".format),
+        "sample": worst["sample_id"].astype(int), "position": worst["position"].astype(int),
+        "μ": np.exp(worst["rollout_logprob"].astype(float)).map("{:.3g}".format),
+        "π_θ": np.exp(worst["train_logprob"].astype(float)).map("{:.3g}".format),
+        "mask": worst["mask_reason"].astype(str),
+        "token": [_short_text(t, i, width=24) for t, i in zip(worst["token_text"], worst["token_id"], strict=True)],
+    })
 
 
 def _short_text(text: Any, token_id: int, width: int = 14) -> str:
@@ -174,7 +189,20 @@ class TokenExplorer:
 
     # --- display ---------------------------------------------------------------------------------------
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        return self.widget._repr_mimebundle_(**kwargs)
+        """The widget for a live kernel, and beside it `static_html()`: what a saved notebook, its HTML
+        export or any viewer without the kernel shows (pipeline.execute.export_html keeps only that one)."""
+        return {**self.widget._repr_mimebundle_(**kwargs), "text/html": self.static_html()}
+
+    def static_html(self) -> str:
+        """The opened sample as plain HTML: the info line, the coloured response, the step figure as an embedded
+        PNG and the worst-token table; the notice alone when there is nothing to explore."""
+        if not self.steps:
+            return self.notice.value
+        figure = base64.b64encode(bytes(self.plots.value)).decode()
+        worst = worst_table(self.worst_tokens).to_html(index=False, escape=True, border=0)
+        return (f"<div>{self.info.value}</div>{self.response.value}"
+                f'<img alt="step figure" style="max-width:100%" src="data:image/png;base64,{figure}">'
+                "<div><b>Worst tokens of the step</b> (largest |log π_θ − log μ|)</div>" + worst)
 
     @contextlib.contextmanager
     def _quiet(self) -> Iterator[None]:
@@ -304,12 +332,16 @@ class TokenExplorer:
     def _draw_response(self) -> None:
         tokens = self.sample_tokens
         header = f"step {self.current_step} · sample {self.current_sample} · {len(tokens)} tokens"
+        prompt = None
         if len(tokens):
             first = tokens.iloc[0]
             masked = int((tokens["mask_reason"].astype(str) != "kept").sum())
             header += (f" · prompt {int(first['prompt_id'])} · reward {float(first['reward']):.4g}"
                        f" · advantage {float(first['advantage']):.4g} · {masked} masked")
-        self.response.value = render_response(tokens, self.clamp, self.active_positions(), self.focus, header)
+            text = first["prompt_text"]
+            prompt = text if isinstance(text, str) else "(this dump does not hold the prompt's text)"
+        self.response.value = render_response(tokens, self.clamp, self.active_positions(), self.focus, header,
+                                              prompt)
 
 
 def open_explorer(params: dict[str, Any]) -> TokenExplorer:

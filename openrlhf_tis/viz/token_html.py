@@ -36,6 +36,8 @@ _STYLE = """<style>
 .mm-view .tok.masked {text-decoration: line-through; outline: 1px dashed #222; outline-offset: -1px}
 .mm-view .tok.off {color: #999}
 .mm-view .tok.focus {outline: 2px solid #000; outline-offset: 0}
+.mm-prompt {font-family: monospace; white-space: pre-wrap; font-size: 13px; color: #333; background: #f4f4f4;
+             border-left: 3px solid #999; padding: 2px 6px; margin: 4px 0}
 .mm-legend {font-family: sans-serif; font-size: 12px; margin: 4px 0}
 .mm-legend .bar {display: inline-block; width: 160px; height: 12px; vertical-align: middle; margin: 0 4px;
                   border: 1px solid #888}
@@ -133,11 +135,13 @@ def render_response(
     active: Collection[int] | None = None,
     focus: int | None = None,
     header: str = "",
+    prompt: str | None = None,
 ) -> str:
-    """A response (its token rows in position order) as HTML: style, legend, optional header, the spans.
+    """A response (its token rows in position order) as HTML: style, legend, optional header, the prompt, the spans.
 
     active: positions that pass the caller's filters (None: all); the others are drawn uncoloured.
-    focus: a position to outline. header: plain text shown above the tokens (escaped here).
+    focus: a position to outline. header: plain text shown above the tokens (escaped here). prompt: the text the
+    response answers, shown above it (escaped, whitespace kept).
     """
     rows = tokens.sort_values("position", kind="stable") if len(tokens) else tokens
     spans = "".join(
@@ -145,4 +149,6 @@ def render_response(
         for t in rows.itertuples(index=False)
     )
     head = f'<div class="mm-legend"><b>{html.escape(header)}</b></div>' if header else ""
+    if prompt is not None:
+        head += f'<div class="mm-prompt" title="prompt">{html.escape(prompt)}</div>'
     return f'{_STYLE}{legend_html(clamp)}{head}<div class="mm-view">{spans}</div>'
