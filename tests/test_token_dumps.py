@@ -37,6 +37,8 @@ def _experience(seed: int = 0, spread: float = 0.3, first_id: int = 0):
     exp = make_experience(seed=seed, spread=spread)
     exp.index = list(range(first_id, first_id + B))
     exp.rewards = torch.arange(B, dtype=torch.float32) * 0.5 - 1.0
+    exp.prompts = [f"question {i // GROUP}" for i in exp.index]
+    exp.info["staleness_lag"] = torch.tensor([float(i % 3) for i in exp.index])  # as the controller stamps it
     return exp
 
 
@@ -96,6 +98,8 @@ def test_tis_dump_matches_independent_values(tmp_path):
 
     assert token_steps(tmp_path) == [1] and (m["step"] == 1).all()
     assert (m["prompt_id"] == m["sample_id"] // GROUP).all()
+    assert (m["prompt_text"] == "question " + (m["sample_id"] // GROUP).astype(str)).all()
+    assert (m["lag"] == m["sample_id"] % 3).all()
     assert (m["token_id"] == m["token"]).all()
     for column, want in (("rollout_logprob", "rollout"), ("old_logprob", "old"), ("train_logprob", "train"),
                          ("entropy", "ent"), ("advantage", "adv"), ("reward", "rew")):

@@ -240,6 +240,9 @@ class TokenDumpCollector:
         reward = experience.rewards if experience.rewards is not None else experience.info.get("reward")
         lag = _per_sample(experience.info.get(LAG), batch).nan_to_num(0.0).to(torch.int32)
         per_sample = {"sample_id": ids, "prompt_id": prompts, "reward": _per_sample(reward, batch), "lag": lag}
+        texts = getattr(experience, "prompts", None)  # the prompt each response answers, as the engine got it
+        if isinstance(texts, (list, tuple)) and len(texts) == batch:
+            per_sample["prompt_text"] = np.array([str(t) for t in texts], dtype=object)
         columns = flatten_response_tokens(action_mask, per_token, per_sample, rows=rows)
         reasons = {name[len("reason_"):]: columns.pop(name) for name in list(columns) if name.startswith("reason_")}
         columns["mask_reason"] = mask_reason_codes(len(columns["token_id"]), **reasons)
