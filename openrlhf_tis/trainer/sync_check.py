@@ -90,6 +90,20 @@ class SyncRule:
             _check_finite(i, score, "after the sync")
         if self.baseline is None:
             self.baseline = torch.cat([s.gap for s in scores]).mean().item()
+        moves: dict[str, float] = {}
+        if self._last is not None:  # first: an engine that did not move at all is the precise diagnosis
+            engine_moves, trainer_moves = [], []
+            for i, (now, last) in enumerate(zip(scores, self._last, strict=True)):
+                trainer_move = (now.trainer_probe - last.trainer_probe).abs()
+                if torch.equal(now.engine_probe, last.engine_probe) and trainer_move.mean().item() > self.stale_drift:
+                    raise WeightSyncError(
+                        f"weight sync: engine {i} computes bit-identical probe log-probs to the previous check while "
+                        f"the trainer's moved by {trainer_move.mean().item():.4f} mean |dlogp|: the engine kept its "
+                        "old weights")
+                engine_moves.append((now.engine_probe - last.engine_probe).abs())
+                trainer_moves.append(trainer_move)
+            moves = {"sync/vllm_probe_change_mean_abs": torch.cat(engine_moves).mean().item(),
+                     "sync/trainer_probe_change_mean_abs": torch.cat(trainer_moves).mean().item()}
         limit = self.baseline + self.tolerance
         for i, score in enumerate(scores):
             if (gap := score.gap.mean().item()) > limit:
@@ -103,20 +117,7 @@ class SyncRule:
         metrics = {"sync/vllm_vs_trainer_mean_abs_logprob": gap.mean().item(),
                    "sync/vllm_vs_trainer_max_abs_logprob": gap.max().item(),
                    "sync/baseline_mean_abs_logprob": self.baseline,
-                   "sync/vllm_vs_trainer_excess": gap.mean().item() - self.baseline}
-        if self._last is not None:
-            engine_moves, trainer_moves = [], []
-            for i, (now, last) in enumerate(zip(scores, self._last, strict=True)):
-                trainer_move = (now.trainer_probe - last.trainer_probe).abs()
-                if torch.equal(now.engine_probe, last.engine_probe) and trainer_move.mean().item() > self.stale_drift:
-                    raise WeightSyncError(
-                        f"weight sync: engine {i} computes bit-identical probe log-probs to the previous check while "
-                        f"the trainer's moved by {trainer_move.mean().item():.4f} mean |dlogp|: the engine kept its "
-                        "old weights")
-                engine_moves.append((now.engine_probe - last.engine_probe).abs())
-                trainer_moves.append(trainer_move)
-            metrics["sync/vllm_probe_change_mean_abs"] = torch.cat(engine_moves).mean().item()
-            metrics["sync/trainer_probe_change_mean_abs"] = torch.cat(trainer_moves).mean().item()
+                   "sync/vllm_vs_trainer_excess": gap.mean().item() - self.baseline, **moves}
         self._last = scores
         return metrics
 
