@@ -16,7 +16,8 @@ prompt formatted by upstream's `preprocess_data`, prompt + response decoded with
      "after": {...same, "model": <run_dir>/model}}
 `per_question` is each question's mean reward over its samples, in file order; `pass1` their mean;
 `passk` the mean over questions of the best of the k = n_samples rewards (upstream's `pass{n}`).
-The base model's score is cached under `cache_dir` keyed by everything it depends on (model files and
+The base model's score is cached under `cache_dir` (pipeline/train.py: ~/.cache/openrlhf_tis/heldout, or
+$OPENRLHF_TIS_CACHE/heldout) keyed by everything it depends on (model files and
 their mtimes, eval file, reward file, n, seed, dtype, temperature, max tokens), so every cell of a study
 seed shares one evaluation.
 
@@ -89,7 +90,8 @@ def score_model(model: Path, questions: list[tuple[str, str]], reward_func, *, d
               distributed_executor_backend="uni")
     ids = [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt, _ in questions]
     # One seed per question: its samples are drawn from the same random stream whichever model is scored.
-    params = [SamplingParams(n=n, temperature=temperature, max_tokens=max_new_tokens, seed=seed * 100_003 + i,
+    # vLLM gives the j-th of n samples seed + j, so questions are n seeds apart: no stream is shared.
+    params = [SamplingParams(n=n, temperature=temperature, max_tokens=max_new_tokens, seed=seed * 1_000_003 + i * n,
                              skip_special_tokens=False) for i in range(len(questions))]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
     del llm

@@ -29,7 +29,6 @@ REPO = Path(__file__).resolve().parents[2]
 DEMO_REWARD = REPO / "openrlhf_tis" / "demo" / "reward_func.py"
 LOG_FILE = "train.log"
 EVAL_TEMPERATURE = 1.0  # held-out samples are drawn as in training, so pass1 is the training reward's held-out twin
-HELDOUT_CACHE = ".heldout_cache"  # beside the run directories: base-model held-out scores every cell shares
 
 
 def _existing_file_or_empty(value: str) -> str | None:
@@ -153,7 +152,14 @@ def kept_eval_argv(params: dict[str, Any], model_dir: Path, run_dir: Path) -> li
             "--reward", str(reward_file(params)), "--dtype", train_dtype(params),
             "--n_samples", str(params["eval_samples"]), "--seed", str(params["seed"]),
             "--temperature", str(EVAL_TEMPERATURE), "--max_new_tokens", str(params["max_new_tokens"]),
-            "--max_len", str(max_len(params)), "--cache_dir", str(run_dir.parent / HELDOUT_CACHE)]
+            "--max_len", str(max_len(params)), "--cache_dir", str(heldout_cache_dir())]
+
+
+def heldout_cache_dir() -> Path:
+    """Where base-model held-out scores are shared by every run (and every sweep cell) that asks the same question:
+    `$OPENRLHF_TIS_CACHE/heldout`, by default ~/.cache/openrlhf_tis/heldout. Safe to share: an entry is keyed by
+    the model's files and mtimes, the eval and reward files and every sampling setting."""
+    return Path(os.environ.get("OPENRLHF_TIS_CACHE", Path.home() / ".cache" / "openrlhf_tis")).expanduser() / "heldout"
 
 
 def build_argv(params: dict[str, Any], model_dir: Path, prompts: Path, run_dir: Path) -> list[str]:
