@@ -82,3 +82,24 @@ def test_a_run_without_a_saved_model_is_refused(tiny_model_dir, held_out_files, 
     with pytest.raises(FileNotFoundError, match="saved no final model"):
         evaluate_kept(tmp_path / "run", tiny_model_dir, questions, reward, dtype="fp32", n=1, seed=0,
                       temperature=1.0, max_new_tokens=4, max_len=64, cache_dir=tmp_path / "cache")
+
+
+def test_the_notebook_job_asks_for_the_runs_own_settings(tmp_path, monkeypatch):
+    """pipeline/train.py's command line for the kept-policy evaluation: the run's dtype, samples, seed, eval
+    temperature and lengths, parsed by heldout's own parser."""
+    from openrlhf_tis.pipeline.heldout import build_parser
+    from openrlhf_tis.pipeline.params import check_params
+    from openrlhf_tis.pipeline.train import DEMO_REWARD, TRAIN_PARAMS, kept_eval_argv
+
+    monkeypatch.setenv("OPENRLHF_TIS_CACHE", str(tmp_path / "cache"))
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"input": "1 + 1?", "label": "2"}\n')
+    params = check_params({"eval_prompts": str(questions), "eval_samples": 4, "seed": 9, "train_dtype": "fp32",
+                           "max_new_tokens": 20}, TRAIN_PARAMS, where="test")
+    argv = kept_eval_argv(params, tmp_path / "base", tmp_path / "run")
+    assert argv[1:3] == ["-m", "openrlhf_tis.pipeline.heldout"]
+    args = build_parser().parse_args(argv[3:])
+    assert (args.dtype, args.n_samples, args.seed, args.temperature, args.max_new_tokens, args.max_len) == (
+        "fp32", 4, 9, 1.0, 20, 148)
+    assert args.reward == str(DEMO_REWARD) and args.eval_prompts == str(questions)
+    assert args.cache_dir == str(tmp_path / "cache" / "heldout") and args.run_dir == str(tmp_path / "run")

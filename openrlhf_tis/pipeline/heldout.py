@@ -141,7 +141,7 @@ def evaluate_kept(run_dir: Path, base: Path, eval_prompts: Path, reward: Path, *
     return result
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="heldout", description=__doc__.split("\n")[0])
     parser.add_argument("--run_dir", required=True, help="the finished run (its final model under model/)")
     parser.add_argument("--base", required=True, help="the model the run started from")
@@ -155,6 +155,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max_len", type=int, required=True, help="prompt + response budget (--data.max_len)")
     parser.add_argument("--cache_dir", required=True, help="where base-model scores are shared between runs")
     parser.add_argument("--no_chat_template", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     for flag, path in (("--eval_prompts", args.eval_prompts), ("--reward", args.reward)):
         if not Path(path).is_file():
