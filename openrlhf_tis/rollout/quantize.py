@@ -6,8 +6,9 @@ from and re-quantize the trainer's weights at every sync, so both produce bit-id
 Format (compressed-tensors "int-quantized", as vLLM's CompressedTensorsW8A8Int8 scheme expects):
 - every decoder projection `<...>.{q,k,v,o,gate,up,down}_proj.weight` becomes an int8 tensor
   q = clamp(round(w / s), -Q-1, Q) with one fp32 scale per output channel, s = max_j |w_ij| / Q,
-  stored as `<...>.weight_scale` of shape [N, 1]; Q = 127 (8-bit weights), or 63 (7-bit weights in
-  int8 storage) for CPUs whose int8 GEMM saturates full-range weights (int8_weight_bits);
+  stored as `<...>.weight_scale` of shape [N, 1]; Q = 2^(b-1) - 1 for a b-bit grid in int8 storage:
+  127 (8 bits), 63 (7 bits, for CPUs whose int8 GEMM saturates full-range weights), or the coarser
+  31, 15, 7 (6, 5, 4 bits: W6A8..W4A8, the mismatch dose axis) -- the same kernel runs them all;
 - activations are quantized by the engine either per token at run time ("dynamic", symmetric), or
   with one calibrated per-tensor scale per projection ("static": `<...>.input_scale`, shape [1], fp32,
   q = clamp(round(x / s_x), -128, 127));
@@ -32,8 +33,10 @@ from typing import NamedTuple
 import torch
 
 INT8_MIN, INT8_MAX = -128, 127
-WEIGHT_BITS = (8, 7)  # 7: int8 storage, values in [-64, 63] (see int8_weight_bits)
-WEIGHT_BITS_CHOICES = ("auto", "8", "7")  # --vllm.int8_weight_bits
+# Weight grids in int8 storage: 7 bits (values in [-64, 63]) where 8-bit weights saturate the GEMM
+# (int8_weight_bits); 6, 5, 4 bits are coarser grids on the same kernel, a mismatch dose axis.
+WEIGHT_BITS = (8, 7, 6, 5, 4)
+WEIGHT_BITS_CHOICES = ("auto", *map(str, WEIGHT_BITS))  # --vllm.int8_weight_bits
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _QUANTIZED = re.compile(r"^.*\.layers\.\d+\.(?:self_attn|mlp)\.(?:" + "|".join(PROJECTIONS) + r")\.weight$")
 # Which norm feeds which projections: only these can absorb a smoothing factor exactly.
@@ -87,7 +90,8 @@ def int8_gemm_saturates_8bit_weights(cuda: bool) -> bool:
 
 
 def int8_weight_bits(requested: str | int = "auto", *, cuda: bool = False) -> int:
-    """The weight grid an INT8 rollout model uses: 8 bits, or 7 where 8-bit weights saturate the GEMM."""
+    """The weight grid an INT8 rollout model uses: `auto` is 8 bits, or 7 where 8-bit weights saturate the GEMM;
+    an explicit 4..8 is taken as is (precision.check_rollout_precision refuses 8 where it saturates)."""
     if str(requested) not in WEIGHT_BITS_CHOICES:
         raise ValueError(f"int8 weight bits must be one of {WEIGHT_BITS_CHOICES}, got {requested!r}")
     if str(requested) == "auto":
@@ -96,7 +100,7 @@ def int8_weight_bits(requested: str | int = "auto", *, cuda: bool = False) -> in
 
 
 def weight_qmax(bits: int) -> int:
-    """Largest quantized weight value of a `bits`-bit symmetric grid: 127 for 8 bits, 63 for 7."""
+    """Largest quantized weight value of a `bits`-bit symmetric grid: 127 for 8 bits, 63 for 7, ..., 7 for 4."""
     if bits not in WEIGHT_BITS:
         raise ValueError(f"weight bits must be one of {WEIGHT_BITS}, got {bits!r}")
     return 2 ** (bits - 1) - 1
@@ -138,7 +142,7 @@ def _quantize_in_place(w: torch.Tensor, scale: torch.Tensor | None, qmax: int) -
     """quantize_per_channel on an fp32 tensor it may overwrite (a sync's hot path: ~7 passes, not ~16).
 
     round() and division by s > 0 are monotone, so a row's extreme quotients bound all of its values:
-    only rows whose extremes round outside [-128, 127] can saturate, and only those are counted.
+    only rows whose extremes round outside [-Q-1, Q] can saturate, and only those are counted.
     """
     lo, hi = _row_extremes(w)
     w_absmax = float(torch.maximum(hi, -lo).max().clamp(min=1e-30))
@@ -191,7 +195,7 @@ class Int8Plan:
     `input_scales` maps an input_scale name to its calibrated static activation scale (shape [1]),
     emitted with every static projection when `activations == "static"`; `dynamic_projections` names
     the projection modules the calibration kept on per-token activations (they get no input scale);
-    `weight_bits` is the weight grid (8, or 7 where the engine's int8 GEMM saturates 8-bit weights).
+    `weight_bits` is the weight grid (8; 7 where the engine's int8 GEMM saturates 8-bit weights; 6..4 coarser).
     """
 
     scale_mode: str = "recompute"

@@ -1,7 +1,7 @@
 """`openrlhf-tis-runs`: list the runs under a directory, or summarise one run, in the terminal.
 
     openrlhf-tis-runs list [ROOT]            one line per run (default ROOT: ./runs)
-    openrlhf-tis-runs show RUN [--root ROOT] steps, reward and mismatch trends, masked fraction
+    openrlhf-tis-runs show RUN [--root ROOT] steps, reward and mismatch trends, masked fraction, kept held-out
     openrlhf-tis-runs show RUN --json        the same summary as JSON (for scripts)
 
 Damaged files are reported by name (yellow, on stderr) and the rest is still shown.
@@ -123,6 +123,9 @@ def cmd_show(run: str, root: str, as_json: bool, console: Console) -> int:
                           _fmt(series["slope"], 2), sparkline(series["values"], 20))
         else:
             table.add_row(f"{label}\n[dim]{series['source']}[/dim]", "-", _fmt(series["last"], 3), "-", "")
+    if kept := info.get("held_out_kept"):  # first = base model, last = the saved final model
+        table.add_row(f"held-out pass1\n[dim]{kept['label']}[/dim]", _fmt(kept["pass1_before"], 3),
+                      _fmt(kept["pass1_after"], 3), "-", "")
     console.print(table)
     tokens = info.get("tokens")
     if tokens:

@@ -1,15 +1,16 @@
-"""The held-out score of the policy a user keeps: `<run_dir>/heldout_kept.json`, read back.
+"""The held-out score of the policy a user keeps: `<run_dir>/heldout_kept.json`, its arithmetic, labels and readers.
 
-The training run scores the held-out questions with the trainer's own weights in the trainer's dtype before
-the first step and after the last (what a user deploys), beside the rollout engine's score in metrics.jsonl
-(`eval_start/*`, `eval/*`: the possibly quantized rollout policy). Schema 1:
+pipeline/heldout.py writes it after a run: the trainer's saved weights in the trainer's dtype (what a user
+deploys) and the base model, scored on the held-out questions, beside the rollout engine's in-run score in
+metrics.jsonl (`eval_start/*`, `eval/*`: the possibly quantized rollout policy). Schema 1:
 
-    {"schema": 1, "policy": "trainer weights", "dtype": "fp32", "n_samples": 4, "seed": S,
+    {"schema": 1, "policy": "trainer weights", "dtype": "fp32", "n_samples": 4, "seed": S, ...,
      "before": {"model": PATH, "pass1": X, "passk": Y, "per_question": [mean reward per question, file order]},
      "after": {... the same ...}}
 
-A run without the file (older runs, or a run that stopped before scoring) is not an error: readers fall
-back to the engine's score and say so. A damaged file is warned about by name and treated as absent.
+`read_kept` returns the raw record (the summary, the console); `read_kept_heldout` a checked, typed one for
+statistics, and treats a damaged file as absent, warning by name: an older run, or one that stopped before
+scoring, is not an error, and readers fall back to the engine's score and say so.
 """
 
 from __future__ import annotations
@@ -18,15 +19,50 @@ import json
 import math
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from openrlhf_tis.runs.layout import RunStoreWarning
 
+SCHEMA = 1
 KEPT_FILE = "heldout_kept.json"
-KEPT_SCHEMA = 1
+
+
+def pass_at_k(rewards: Sequence[Sequence[float]]) -> dict[str, Any]:
+    """pass1 (mean over questions of the mean reward), passk (mean over questions of the best of the k
+    samples, upstream's `pass{k}`) and each question's mean reward, for k samples per question."""
+    if not rewards or any(len(r) != len(rewards[0]) or not r for r in rewards):
+        raise ValueError("every question needs the same, non-zero number of samples")
+    per_question = [sum(r) / len(r) for r in rewards]
+    return {"pass1": sum(per_question) / len(per_question), "passk": sum(max(r) for r in rewards) / len(rewards),
+            "k": len(rewards[0]), "per_question": per_question}
+
+
+def kept_label(kept: dict[str, Any]) -> str:
+    """How a report names the policy heldout_kept.json scored, e.g. 'kept policy (trainer weights, fp32)'."""
+    return f"kept policy ({kept['policy']}, {kept['dtype']})"
+
+
+def engine_label(precision: str) -> str:
+    """How a report names the in-run held-out score, e.g. 'rollout engine (int8)'."""
+    return f"rollout engine ({precision})"
+
+
+def read_kept(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """A run's heldout_kept.json, or None when it has none; ValueError for another schema."""
+    path = Path(run_dir) / KEPT_FILE
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    if data.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: schema {data.get('schema')!r}, this version reads schema {SCHEMA}")
+    return data
 
 
 @dataclass(frozen=True)
@@ -72,11 +108,7 @@ def read_kept_heldout(run_dir: str | os.PathLike) -> KeptHeldOut | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(data, dict):
-            raise ValueError("not a JSON object")
-        if data.get("schema") != KEPT_SCHEMA:
-            raise ValueError(f"schema must be {KEPT_SCHEMA}, got {data.get('schema')!r}")
+        data = read_kept(run_dir)
         before, after = _score(data.get("before"), "before"), _score(data.get("after"), "after")
         if (before.per_question is None) != (after.per_question is None) or (
                 before.per_question is not None and len(before.per_question) != len(after.per_question)):

@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from openrlhf_tis.runs.config import PLANNED_STEPS_KEY, read_run_config
+from openrlhf_tis.runs.heldout import kept_label, read_kept
 from openrlhf_tis.runs.query import mask_reason_counts, token_steps
 from openrlhf_tis.runs.reader import load_metrics, run_info
 
@@ -80,7 +81,8 @@ def summary(run_dir: str | os.PathLike) -> dict[str, Any]:
     `masked` comes from a masked-fraction metric when the run logs one, else from the token dumps
     (with a per-reason breakdown); `values` lists hold the whole series for sparklines. `missing_steps`
     counts the steps of 1..N without a metrics line, N being the steps the run was configured to train
-    (`planned_steps`, recorded by the training CLI) or, when unknown, the last logged step.
+    (`planned_steps`, recorded by the training CLI) or, when unknown, the last logged step. `held_out_kept`
+    holds the kept policy's held-out pass1/passk before and after training (heldout_kept.json) when scored.
     """
     run_dir = Path(run_dir)
     info = run_info(run_dir)
@@ -115,4 +117,14 @@ def summary(run_dir: str | os.PathLike) -> dict[str, Any]:
     else:
         result["tokens"] = None
     result["masked"] = masked
+    result["held_out_kept"] = held_out_kept(run_dir)
     return result
+
+
+def held_out_kept(run_dir: Path) -> dict[str, Any] | None:
+    """The kept policy's held-out scores (heldout_kept.json), labelled; None when the run has none."""
+    kept = read_kept(run_dir)
+    if kept is None:
+        return None
+    return {"label": kept_label(kept), "n_samples": kept["n_samples"], "questions": kept["questions"],
+            **{f"{stat}_{when}": kept[when][stat] for when in ("before", "after") for stat in ("pass1", "passk")}}

@@ -146,7 +146,10 @@ class ForkController:
             if dropped:
                 print(f"[openrlhf_tis] run store: dropped {dropped} record(s) after step {states['global_step']}, "
                       "which this run trains again")
-        # fit() calls this before its first rollout: the one point where a fresh run's policy is untrained.
+        # fit() calls this before its first rollout: the one point where a fresh run's policy is untrained,
+        # and where engines and trainer hold the same weights (the sync check's baseline).
+        if states["global_step"] == 0 and self._sync_checker is not None:
+            self._sync_metrics.update(self._sync_checker.start())
         if states["global_step"] == 0 and self._eval_due(None):
             t0 = time.perf_counter()
             logs = self.evaluate(0, **self._eval_generate_kwargs())

@@ -2,14 +2,26 @@
 
 A sync can fail silently (docs/design.md §5: a disabled NCCL group leaves NaN weights, a stale tied lm_head,
 per-tensor loads that never reach packed CPU kernels) and the run still exits 0. So after a sync the
-engines score a fixed probe text, and the trainer scores the same tokens:
+engines score a fixed probe text and sample a few tokens after it, and the trainer scores the same tokens.
 
-- `sync/vllm_vs_trainer_mean_abs_logprob` (and `_max_`): |log mu - log pi| on tokens each engine
-  sampled after the sync, at the rollout temperature (the same processed log-probs rollouts use);
-  it should be at the level of the rollout mismatch (bf16 vs bf16 kernels), not larger.
-- `sync/vllm_logprob_change_mean_abs`: how far the engine's prompt log-probs moved through the sync;
-  zero with a training step that changed the weights means the engine kept its old weights.
-A non-finite score or a mean gap above `--vllm.sync_check_tolerance` stops the run.
+A fixed tolerance on the engine-vs-trainer gap cannot tell a failed sync from a coarse rollout precision:
+a W4A8 engine that loaded the right weights differs from the trainer by ~2 nats a token, more than a bf16
+engine holding garbage. So the check is relative to what this precision costs (SyncRule):
+
+- baseline: the gap measured when both sides hold the same weights (before the first step, `start`);
+- a sync fails when its gap exceeds the baseline by more than `--vllm.sync_check_tolerance`, when any
+  log-prob is non-finite, or when the engine computes bit-identical probe log-probs to the previous
+  check while the trainer's moved (the engine kept its old weights: a quantized engine still changes at
+  every real step, since its norms, embeddings and scales follow the trainer's weights).
+
+Metrics (per checked sync):
+- `sync/vllm_vs_trainer_mean_abs_logprob` (and `_max_`): |log mu - log pi| on tokens each engine sampled
+  after the sync, at the rollout temperature (the processed log-probs rollouts use);
+- `sync/baseline_mean_abs_logprob`: that gap when both sides held the same weights;
+  `sync/vllm_vs_trainer_excess`: gap minus baseline (what the tolerance bounds);
+- `sync/vllm_logprob_change_mean_abs`: how far the engine's probe log-probs moved through this sync;
+- `sync/vllm_probe_change_mean_abs`, `sync/trainer_probe_change_mean_abs`: how far the engine's and the
+  trainer's probe log-probs moved since the previous check (the same interval on both sides).
 """
 
 from __future__ import annotations
@@ -20,6 +32,10 @@ import ray
 import torch
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. Question: what is 12 + 7? Answer: 19."
+# Mean |dlog p| the trainer's probe log-probs must have moved for an unchanged engine to count as stale. A real
+# engine changes with any weight that crosses its dtype's rounding step, so an unchanged engine after a trainer
+# move this large (a deterministic forward gives 0 on unchanged weights) kept its old weights.
+STALE_DRIFT = 1e-3
 
 
 class WeightSyncError(RuntimeError):
@@ -33,6 +49,87 @@ class SyncProbe:
     prompt_logprobs: list[torch.Tensor]
 
 
+@dataclass
+class ProbeScore:
+    """One engine's side of a check: what SyncRule judges.
+
+    `gap`: |log mu - log pi| per sampled token; `engine_probe` / `trainer_probe`: each side's log-probs of the
+    probe text's own tokens (teacher-forced, so the same tokens at every check; each side in its own
+    temperature convention, compared only with itself).
+    """
+
+    gap: torch.Tensor
+    engine_probe: torch.Tensor
+    trainer_probe: torch.Tensor
+
+
+class SyncRule:
+    """Decides from log-probs alone whether a sync put the trainer's weights into every engine."""
+
+    def __init__(self, tolerance: float, stale_drift: float = STALE_DRIFT):
+        self.tolerance = tolerance
+        self.stale_drift = stale_drift
+        self.baseline: float | None = None
+        self._last: list[ProbeScore] | None = None
+
+    def start(self, scores: list[ProbeScore]) -> dict[str, float]:
+        """Both sides hold the same weights: the gap measured now is what the rollout precision costs."""
+        for i, score in enumerate(scores):
+            _check_finite(i, score, "before training")
+        self.baseline = torch.cat([s.gap for s in scores]).mean().item()
+        self._last = scores
+        return {"sync/baseline_mean_abs_logprob": self.baseline}
+
+    def judge(self, scores: list[ProbeScore]) -> dict[str, float]:
+        """Metrics of a checked sync; WeightSyncError when an engine does not compute with the new weights.
+
+        Without a baseline (a resumed run: the engines start from the base model, the trainer from its
+        checkpoint) this check's gap becomes the baseline and only the finiteness test applies.
+        """
+        for i, score in enumerate(scores):
+            _check_finite(i, score, "after the sync")
+        if self.baseline is None:
+            self.baseline = torch.cat([s.gap for s in scores]).mean().item()
+        moves: dict[str, float] = {}
+        if self._last is not None:  # first: an engine that did not move at all is the precise diagnosis
+            engine_moves, trainer_moves = [], []
+            for i, (now, last) in enumerate(zip(scores, self._last, strict=True)):
+                trainer_move = (now.trainer_probe - last.trainer_probe).abs()
+                if torch.equal(now.engine_probe, last.engine_probe) and trainer_move.mean().item() > self.stale_drift:
+                    raise WeightSyncError(
+                        f"weight sync: engine {i} computes bit-identical probe log-probs to the previous check while "
+                        f"the trainer's moved by {trainer_move.mean().item():.4f} mean |dlogp|: the engine kept its "
+                        "old weights")
+                engine_moves.append((now.engine_probe - last.engine_probe).abs())
+                trainer_moves.append(trainer_move)
+            moves = {"sync/vllm_probe_change_mean_abs": torch.cat(engine_moves).mean().item(),
+                     "sync/trainer_probe_change_mean_abs": torch.cat(trainer_moves).mean().item()}
+        limit = self.baseline + self.tolerance
+        for i, score in enumerate(scores):
+            if (gap := score.gap.mean().item()) > limit:
+                raise WeightSyncError(
+                    f"weight sync: engine {i} and the trainer disagree by {gap:.4f} mean |dlogp| on the probe after "
+                    f"a sync, {gap - self.baseline:.4f} more than when both held the same weights "
+                    f"({self.baseline:.4f}; "
+                    f"tolerance {self.tolerance}, --vllm.sync_check_tolerance): the engine does not compute with "
+                    "the trained weights")
+        gap = torch.cat([s.gap for s in scores])
+        metrics = {"sync/vllm_vs_trainer_mean_abs_logprob": gap.mean().item(),
+                   "sync/vllm_vs_trainer_max_abs_logprob": gap.max().item(),
+                   "sync/baseline_mean_abs_logprob": self.baseline,
+                   "sync/vllm_vs_trainer_excess": gap.mean().item() - self.baseline, **moves}
+        self._last = scores
+        return metrics
+
+
+def _check_finite(i: int, score: ProbeScore, when: str) -> None:
+    if not all(torch.isfinite(t).all() for t in (score.gap, score.engine_probe, score.trainer_probe)):
+        raise WeightSyncError(
+            f"weight sync: engine {i} or the trainer gives non-finite log-probs on the probe {when} "
+            f"(gap {score.gap.tolist()}, engine probe {score.engine_probe.tolist()}): the engine did not load "
+            "the weights")
+
+
 def _prompt_logprobs(output) -> torch.Tensor:
     ids = output.prompt_token_ids
     return torch.tensor([output.prompt_logprobs[i][tok].logprob for i, tok in enumerate(ids) if i > 0])
@@ -44,64 +141,69 @@ def _sampled_logprobs(output) -> tuple[list[int], torch.Tensor]:
     return ids, torch.tensor([completion.logprobs[i][tok].logprob for i, tok in enumerate(ids)])
 
 
+def probe_score(output, trainer_logprobs: torch.Tensor) -> ProbeScore:
+    """A ProbeScore from an engine's probe output and the trainer's log-probs of the probe + sampled tokens
+    (every token after the first, as `trainer_sequence` lays them out)."""
+    _, engine_lp = _sampled_logprobs(output)
+    trainer_logprobs = trainer_logprobs.float()
+    split = len(trainer_logprobs) - len(engine_lp)
+    return ProbeScore(gap=(engine_lp - trainer_logprobs[split:]).abs(), engine_probe=_prompt_logprobs(output),
+                      trainer_probe=trainer_logprobs[:split])
+
+
+def probe_sampling_params(temperature: float, max_tokens: int):
+    """The probe's sampling: the rollout temperature, a fixed seed, prompt and sampled log-probs."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, prompt_logprobs=0, logprobs=0, seed=1234,
+                          ignore_eos=True)
+
+
+def trainer_sequence(output) -> tuple[torch.Tensor, int]:
+    """The probe plus the engine's sampled tokens as one sequence, and how many tokens to score (all but the first)."""
+    new_ids, _ = _sampled_logprobs(output)
+    sequence = torch.tensor([list(output.prompt_token_ids) + new_ids])
+    return sequence, sequence.shape[1] - 1
+
+
 class SyncChecker:
-    """Scores the probe on the engines before a sync and on engines + trainer after it."""
+    """Scores the probe on the engines and the trainer at the start, before a sync and after it."""
 
     def __init__(self, tokenizer, vllm_engines, actor_group, temperature: float, tolerance: float, new_tokens: int = 8):
         self.prompt_ids = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
         self.engines = vllm_engines
         self.actor_group = actor_group
         self.temperature = temperature
-        self.tolerance = tolerance
+        self.rule = SyncRule(tolerance)
         self.new_tokens = new_tokens
 
     def _score(self, max_tokens: int) -> list:
-        from vllm import SamplingParams
-
-        params = SamplingParams(
-            temperature=self.temperature, max_tokens=max_tokens, prompt_logprobs=0, logprobs=0, seed=1234,
-            ignore_eos=True,
-        )
+        params = probe_sampling_params(self.temperature, max_tokens)
         return ray.get([engine.generate.remote(self.prompt_ids, params) for engine in self.engines])
+
+    def _probe_scores(self) -> tuple[list, list[ProbeScore]]:
+        outputs = self._score(max_tokens=self.new_tokens)
+        scores = []
+        for output in outputs:
+            sequence, n = trainer_sequence(output)
+            trainer_lp = ray.get(self.actor_group.async_run_method(
+                method_name="forward", sequences=sequence, action_mask=torch.ones(1, n, dtype=torch.bool),
+                attention_mask=torch.ones_like(sequence)))[0][0]
+            scores.append(probe_score(output, trainer_lp))
+        return outputs, scores
+
+    def start(self) -> dict[str, float]:
+        """Measure the baseline gap; call where engines and trainer hold the same weights (before the first step)."""
+        return self.rule.start(self._probe_scores()[1])
 
     def before_sync(self) -> SyncProbe:
         return SyncProbe([_prompt_logprobs(o) for o in self._score(max_tokens=1)])
 
     def after_sync(self, probe: SyncProbe | None) -> dict[str, float]:
-        outputs = self._score(max_tokens=self.new_tokens)
-        gaps, changes = [], []
-        for i, output in enumerate(outputs):
-            new_ids, engine_lp = _sampled_logprobs(output)
-            sequence = torch.tensor([self.prompt_ids + new_ids])
-            action_mask = torch.ones(1, len(new_ids), dtype=torch.bool)
-            trainer_lp = ray.get(
-                self.actor_group.async_run_method(
-                    method_name="forward",
-                    sequences=sequence,
-                    action_mask=action_mask,
-                    attention_mask=torch.ones_like(sequence),
-                )
-            )[0][0].float()
-            gap = (engine_lp - trainer_lp).abs()
-            if not torch.isfinite(gap).all():
-                raise WeightSyncError(
-                    f"weight sync: engine {i} gives non-finite log-probs after the sync "
-                    f"(engine {engine_lp.tolist()}, trainer {trainer_lp.tolist()}): the engine did not load the weights"
-                )
-            if gap.mean().item() > self.tolerance:
-                raise WeightSyncError(
-                    f"weight sync: engine {i} and the trainer disagree by {gap.mean().item():.4f} mean |dlogp| on the "
-                    f"probe after a sync (tolerance {self.tolerance}, --vllm.sync_check_tolerance): the engine does "
-                    "not compute with the trained weights"
-                )
-            gaps.append(gap)
-            if probe is not None:
-                changes.append((_prompt_logprobs(output) - probe.prompt_logprobs[i]).abs())
-        gap = torch.cat(gaps)
-        metrics = {
-            "sync/vllm_vs_trainer_mean_abs_logprob": gap.mean().item(),
-            "sync/vllm_vs_trainer_max_abs_logprob": gap.max().item(),
-        }
-        if changes:
+        outputs, scores = self._probe_scores()
+        metrics = self.rule.judge(scores)
+        if probe is not None:
+            changes = [(_prompt_logprobs(o) - before).abs() for o, before in zip(outputs, probe.prompt_logprobs,
+                                                                                  strict=True)]
             metrics["sync/vllm_logprob_change_mean_abs"] = torch.cat(changes).mean().item()
         return metrics

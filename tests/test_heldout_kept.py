@@ -1,0 +1,105 @@
+"""Held-out accuracy of the kept policy (pipeline/heldout.py): the pass@k arithmetic, and a real engine run
+that scores a base model and a "trained" one on the same questions and samples, with the base cached."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _support import save_as_source, trainer_model
+
+from openrlhf_tis.pipeline.heldout import cache_key, evaluate_kept
+from openrlhf_tis.runs.heldout import kept_label, pass_at_k, read_kept
+
+
+def test_pass_at_k_against_a_hand_computed_case():
+    # 3 questions x 4 samples: means 0.5, 0, 0.75 -> pass1 1.25 / 3; best-of-4 1, 0, 1 -> passk 2 / 3.
+    scored = pass_at_k([[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 0, 1]])
+    assert scored == {"pass1": pytest.approx(1.25 / 3), "passk": pytest.approx(2 / 3), "k": 4,
+                      "per_question": [0.5, 0.0, 0.75]}
+    assert pass_at_k([[0.25], [1.0]]) == {"pass1": 0.625, "passk": 0.625, "k": 1, "per_question": [0.25, 1.0]}
+    for bad in ([], [[1, 0], [1]], [[]]):
+        with pytest.raises(ValueError, match="same, non-zero number of samples"):
+            pass_at_k(bad)
+
+
+# The demo task's questions with a reward that varies on a random model: 1 for an even-length response. It checks
+# the query as upstream builds it (prompt + response, special tokens kept), which the demo reward relies on.
+REWARD = '''
+def reward_func(queries, prompts, labels):
+    assert len(queries) == 1 and queries[0].startswith(prompts[0]) and "<|im_start|>assistant" in prompts[0]
+    return {"rewards": float(len(queries[0][len(prompts[0]):]) % 2 == 0)}
+'''
+
+
+@pytest.fixture()
+def held_out_files(tmp_path):
+    questions = tmp_path / "heldout.jsonl"
+    questions.write_text("".join(json.dumps({"input": f"What is {a} + {b}?", "label": str(a + b)}) + "\n"
+                                 for a, b in [(1, 2), (3, 4), (5, 1), (2, 2), (7, 0)]))
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    return questions, reward
+
+
+def test_kept_policy_and_base_are_scored_on_the_same_samples_and_the_base_is_cached(
+        tiny_model_dir, held_out_files, tmp_path):
+    questions, reward = held_out_files
+    settings = {"dtype": "fp32", "n": 3, "seed": 7, "temperature": 1.0, "max_new_tokens": 12, "max_len": 140,
+                "cache_dir": tmp_path / "cache"}
+    # A run whose kept model is the base model itself: same weights, same seeds -> the same samples, so the
+    # same scores to the last question (and the cache must not be consulted for "after").
+    same = tmp_path / "runs" / "same"
+    save_as_source(trainer_model(tiny_model_dir), tiny_model_dir, same / "model")
+    first = evaluate_kept(same, tiny_model_dir, questions, reward, **settings)
+    assert read_kept(same) == first and kept_label(first) == "kept policy (trainer weights, fp32)"
+    assert first["schema"] == 1 and first["questions"] == 5 and first["n_samples"] == 3 and first["seed"] == 7
+    before, after = first["before"], first["after"]
+    assert before["model"] == str(tiny_model_dir) and after["model"] == str(same / "model")
+    assert not before["cached"] and not after["cached"]
+    assert len(before["per_question"]) == 5 and before["k"] == 3
+    assert after["per_question"] == before["per_question"] and after["passk"] == before["passk"]
+    assert 0 < before["pass1"] < 1  # the reward varies, so equality above is not 0 == 0
+    # A second cell of the same seed with a trained model: the base comes from the cache, unchanged.
+    trained = tmp_path / "runs" / "trained"
+    model = trainer_model(tiny_model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)  # far from the base: other responses
+    save_as_source(model, tiny_model_dir, trained / "model")
+    second = evaluate_kept(trained, tiny_model_dir, questions, reward, **settings)
+    assert second["before"] == {**before, "cached": True}
+    assert second["after"]["per_question"] != before["per_question"]
+    # Every setting is part of the cache key.
+    key = cache_key(tiny_model_dir, questions, reward, {"n": 3})
+    assert key != cache_key(tiny_model_dir, questions, reward, {"n": 4})
+    assert key == cache_key(tiny_model_dir, questions, reward, {"n": 3})
+
+
+def test_a_run_without_a_saved_model_is_refused(tiny_model_dir, held_out_files, tmp_path):
+    questions, reward = held_out_files
+    with pytest.raises(FileNotFoundError, match="saved no final model"):
+        evaluate_kept(tmp_path / "run", tiny_model_dir, questions, reward, dtype="fp32", n=1, seed=0,
+                      temperature=1.0, max_new_tokens=4, max_len=64, cache_dir=tmp_path / "cache")
+
+
+def test_the_notebook_job_asks_for_the_runs_own_settings(tmp_path, monkeypatch):
+    """pipeline/train.py's command line for the kept-policy evaluation: the run's dtype, samples, seed, eval
+    temperature and lengths, parsed by heldout's own parser."""
+    from openrlhf_tis.pipeline.heldout import build_parser
+    from openrlhf_tis.pipeline.params import check_params
+    from openrlhf_tis.pipeline.train import DEMO_REWARD, TRAIN_PARAMS, kept_eval_argv
+
+    monkeypatch.setenv("OPENRLHF_TIS_CACHE", str(tmp_path / "cache"))
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"input": "1 + 1?", "label": "2"}\n')
+    params = check_params({"eval_prompts": str(questions), "eval_samples": 4, "seed": 9, "train_dtype": "fp32",
+                           "max_new_tokens": 20}, TRAIN_PARAMS, where="test")
+    argv = kept_eval_argv(params, tmp_path / "base", tmp_path / "run")
+    assert argv[1:3] == ["-m", "openrlhf_tis.pipeline.heldout"]
+    args = build_parser().parse_args(argv[3:])
+    assert (args.dtype, args.n_samples, args.seed, args.temperature, args.max_new_tokens, args.max_len) == (
+        "fp32", 4, 9, 1.0, 20, 148)
+    assert args.reward == str(DEMO_REWARD) and args.eval_prompts == str(questions)
+    assert args.cache_dir == str(tmp_path / "cache" / "heldout") and args.run_dir == str(tmp_path / "run")
