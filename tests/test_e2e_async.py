@@ -72,9 +72,10 @@ def test_lags_are_measured_and_bounded_by_the_queue(async_run):
     for s in steps:
         shares = [v for k, v in s.items() if k.startswith("staleness/lag_")]
         assert sum(shares) == pytest.approx(1.0) and 0 <= s["staleness/mean"] <= s["staleness/max"] <= QUEUE, s
-        assert s["timing/queue_wait"] >= 0
+        assert s.get("timing/queue_wait", 0.0) >= 0  # absent on a process's first step: nothing was waited for
     # the generator runs ahead of the trainer: some batch was sampled by an older policy than it trained
     assert max(s["staleness/max"] for s in steps) >= 1
+    assert sum("timing/queue_wait" in s for s in steps) >= TOTAL_STEPS - 2
     tokens = query_tokens(work / "run")
     assert token_steps(work / "run") == list(range(1, TOTAL_STEPS + 1))
     by_step = {s["step"]: s for s in steps}

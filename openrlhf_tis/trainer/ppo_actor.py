@@ -282,13 +282,17 @@ class _CorrectionPolicyModelActor(_UpstreamPolicyModelActor):
         self.trainer.token_dump_plan = plan
 
     def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
-        super().save_checkpoint(tag, client_states, metric_value=metric_value, metric_key=metric_key)
         # Stamp the checkpoint with the run it belongs to, so no later history resumes from it (runs/identity.py).
+        # Before DeepSpeed writes it: DeepSpeed points `latest` at a tag only once the tag is whole, so a kill at any
+        # moment leaves either the previous checkpoint current or this one current and stamped, never unstamped.
         args = self.strategy.args
         run_id = getattr(args.logger, "run_id", None)
         if run_id and not self.disable_ds_ckpt and self.strategy.is_rank_0():
             step = (client_states or {}).get("global_step", 0)
-            write_checkpoint_identity(Path(args.ckpt.path) / "_actor" / tag, run_id, step)
+            tag_dir = Path(args.ckpt.path) / "_actor" / tag
+            tag_dir.mkdir(parents=True, exist_ok=True)
+            write_checkpoint_identity(tag_dir, run_id, step)
+        super().save_checkpoint(tag, client_states, metric_value=metric_value, metric_key=metric_key)
 
 
 PolicyModelActor = ray.remote(num_gpus=1)(_CorrectionPolicyModelActor)
