@@ -57,6 +57,8 @@ def _write_step(writer: TokenDumpWriter, step: int) -> None:
     n = len(rows)
     # step 3 carries the prompts' text (a writer given it), step 1 does not (an older or text-less writer)
     prompts = {"prompt_text": [f"Q{s}: what is 2 + {s}?\n" for s in sample]} if step == 3 else {}
+    if step == 3:  # sample 4 was generated one policy version back (async training); step 1's dump has no lag column
+        prompts["lag"] = np.array([1 if s == 4 else 0 for s in sample])
     writer.write_step(step, {**prompts,
         "sample_id": np.array(sample), "prompt_id": np.array(sample) // 2, "position": np.array(position),
         "token_id": np.arange(n) + 100, "token_text": text, "rollout_logprob": np.array(rollout),
@@ -133,6 +135,16 @@ def test_show_filter(root, show, sample1, sample4, step_rows):
     ex.sample.value = 4
     assert active(ex) == sample4
     assert len(shown(ex)) == 3  # filtered-out tokens stay as uncoloured context
+
+
+def test_lag_filter(root):
+    ex = TokenExplorer(root / "a")
+    ex.lag.value = (1, None)  # stale samples only: sample 4's three tokens
+    assert active(ex) == [] and len(ex.step_tokens) == 3 and set(ex.step_tokens["sample_id"]) == {4}
+    ex.lag.value = (0, 0)
+    assert active(ex) == [0, 1, 2, 3] and len(ex.step_tokens) == 4
+    ex.select(step=1, sample=0)  # a dump without the column reads lag 0: on-policy
+    assert active(ex) == [0, 1]
 
 
 def test_probability_range(root):

@@ -58,6 +58,7 @@ FILTERS = {
 }
 TOKEN_COLUMNS = ["sample_id", "position", "token_id", "token_text", "rollout_logprob", "old_logprob",
                  "train_logprob", "is_weight_raw", "is_weight", "mask_reason"]
+LAG_FILTERS = [("any", None), ("0 (on-policy)", (0, 0)), ("≥ 1 (stale)", (1, None))]  # query_tokens' lags
 SAMPLE_COLUMNS = [*TOKEN_COLUMNS, "prompt_id", "prompt_text", "reward", "advantage"]
 
 
@@ -154,6 +155,8 @@ class TokenExplorer:
         self.step = widgets.Dropdown(description="step", layout=widgets.Layout(width="180px"))
         self.sample = widgets.Dropdown(description="sample", layout=widgets.Layout(width="180px"))
         self.show = widgets.Dropdown(description="show", options=[(label, key) for key, label in FILTERS.items()])
+        # Staleness of the sample (policy versions behind π_old; async training); a synchronous run is all lag 0.
+        self.lag = widgets.Dropdown(description="lag", options=LAG_FILTERS, layout=widgets.Layout(width="200px"))
         self.prob = widgets.FloatRangeSlider(description="log10 μ", min=PROB_SLIDER_MIN, max=0.0, step=0.1,
                                              value=(PROB_SLIDER_MIN, 0.0), readout_format=".1f",
                                              continuous_update=False, layout=widgets.Layout(width="360px"))
@@ -165,7 +168,7 @@ class TokenExplorer:
         self.worst.add_class("mm-worst")
         worst_style = widgets.HTML("<style>.mm-worst select {font-family: monospace; font-size: 12px}</style>")
         self.body = widgets.VBox([
-            widgets.HBox([self.step, self.sample, self.show, self.prob]), self.info, self.response,
+            widgets.HBox([self.step, self.sample, self.show, self.lag, self.prob]), self.info, self.response,
             self.plots, widgets.HTML("<b>Worst tokens of the step</b> (largest |log π_θ − log μ|; choose one to "
                                      "jump to it)"), worst_style, self.worst,
         ])
@@ -174,7 +177,7 @@ class TokenExplorer:
         self.step.observe(self._on(lambda value: self.select(step=value)), "value")
         self.sample.observe(self._on(self._pick_sample), "value")
         self.worst.observe(self._on(self._jump), "value")
-        for control in (self.show, self.prob):
+        for control in (self.show, self.lag, self.prob):
             control.observe(self._on(lambda _: self._refilter()), "value")
         self.run.observe(self._on(self.open), "value")
 
@@ -294,6 +297,8 @@ class TokenExplorer:
             args["reasons"] = ["kept"]
         elif show != "all":
             args["reasons"] = [show]
+        if self.lag.value is not None:
+            args["lags"] = self.lag.value
         lo, hi = self.prob.value
         bounds = (None if lo <= self.prob.min else 10.0 ** lo, None if hi >= self.prob.max else 10.0 ** hi)
         if bounds != (None, None):
@@ -317,14 +322,14 @@ class TokenExplorer:
             self.worst.options = [(worst_label(t), (int(t.sample_id), int(t.position)))
                                   for t in self.worst_tokens.itertuples(index=False)]
             self.worst.index = None
-        filtered = self.show.value != "all" or "prob_range" in self.filter_args()
+        filtered = bool(self.filter_args())
         self.info.value = (f"{html.escape(self.run_dir.name)} · step {step} · {len(self.samples)} samples dumped"
                            + (f" · {len(frame):,} tokens match the filter in {frame['sample_id'].nunique()} samples"
                               if filtered else f" · {len(frame):,} tokens"))
 
     def active_positions(self) -> set[int] | None:
         """Positions of the current sample that pass the filters (None: no filter, all of them)."""
-        if self.show.value == "all" and "prob_range" not in self.filter_args():
+        if not self.filter_args():
             return None
         frame = self.step_tokens
         return set(frame.loc[frame["sample_id"] == self.current_sample, "position"].tolist())
