@@ -31,11 +31,9 @@ from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
 
 pytestmark = [
     pytest.mark.e2e,
-    # Seen on 2026-11-25: the job's driver started, but its vLLM engine came up as a separate EngineCore process and
-    # never finished starting: the job's runtime env replaced the fork's (its env vars and patch hook) under
-    # RAY_OVERRIDE_JOB_RUNTIME_ENV, which cli/ray_cluster.py no longer sets. Merging a job's runtime env with the
-    # fork's is the open part of issue 23; this test is the acceptance check for it.
-    pytest.mark.skip(reason="ray job submit with a job runtime env: open (issue 23), see the comment above"),
+    # Unverified: its only run on 2026-11-25 reached training and then hung in start-up at the same time as every
+    # other run on that machine, the previous session's known-good code included (see that session's closing note).
+    pytest.mark.skip(reason="ray job submit: not yet verified (issue 23), see the comment above"),
 ]
 REWARD = Path(__file__).resolve().parents[1] / "openrlhf_tis" / "demo" / "reward_func.py"
 RAY = Path(sys.executable).with_name("ray")

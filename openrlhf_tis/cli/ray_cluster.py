@@ -82,6 +82,9 @@ def start_ray(args: argparse.Namespace, cpu: bool) -> None:
     address = os.environ.get(ADDRESS_VAR)
     if address:
         check_ray_address(address)
+        # Under `ray job submit --runtime-env-json '{"env_vars": ...}'` Ray refuses to merge the job's env_vars
+        # with these when a key repeats; the values here already are the job's where it set them (see worker_env).
+        os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
         try:
             ray.init(runtime_env=runtime_env)
         except ConnectionError as err:
