@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-NOTEBOOKS = ["compare", "sweep", "token_explorer", "train"]
+NOTEBOOKS = ["compare", "dashboard", "sweep", "token_explorer", "train"]
 CONSOLE_SCRIPTS = {
     "openrlhf-tis-train": "openrlhf_tis.cli.train_ppo_ray:main",
     "openrlhf-tis-runs": "openrlhf_tis.runs.cli:main",
     "openrlhf-tis-sweep": "openrlhf_tis.pipeline.sweep:main",
+    "openrlhf-tis-dashboard": "openrlhf_tis.pipeline.dashboard:main",
 }
 
 
