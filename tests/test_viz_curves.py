@@ -192,6 +192,7 @@ def test_the_comparison_table_headings_wrap_and_name_the_policy(tmp_path):
         _write_run(tmp_path / name / "run", _records(2), {"vllm.rollout_precision": precision})
     shown = []
     show_comparison([str(tmp_path / "*" / "run")], display=shown.append)
-    (table,) = [obj for obj in shown if isinstance(obj, pd.DataFrame) and "steps" in obj.columns]
+    # the per-run final table comes last (the seed-averaged one, by setting, is shown before it)
+    table = [obj for obj in shown if isinstance(obj, pd.DataFrame) and "steps" in obj.columns][-1]
     assert all(" " in heading or heading == "steps" for heading in table.columns)  # a browser can wrap them
     assert "held-out · rollout engine (each run's rollout precision) · last evaluation" in table.columns
