@@ -83,6 +83,27 @@ def read_steps(run: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def kill_and_resume(argv: list[str], work: Path, total_steps: int) -> tuple[str, list[dict]]:
+    """Run `argv` in `work`, SIGKILL its process group after two logged steps, run it again to the end;
+    returns the resumed run's log and every metrics line (both runs' logs are kept beside the run)."""
+    import signal
+    import subprocess
+
+    env = {**os.environ, "RAY_DEDUP_LOGS": "0"}
+    with open(work / "killed.log", "w") as log:
+        proc = subprocess.Popen(argv, cwd=work, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        wait_for(lambda: len(read_steps(work / "run")) >= 2, proc)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    killed_at = len(read_steps(work / "run"))
+    assert 2 <= killed_at < total_steps, (killed_at, (work / "killed.log").read_text()[-4000:])
+    proc = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=900, env=env)
+    log = proc.stdout + proc.stderr
+    (work / "resumed.log").write_text(log)
+    assert proc.returncode == 0, log[-6000:]
+    return log, read_steps(work / "run")
+
+
 def wait_for(predicate, proc, timeout: float = 600, poll: float = 0.2) -> bool:
     """Poll `predicate()` until it holds, `proc` exits or `timeout` seconds pass; returns the predicate's value."""
     import time

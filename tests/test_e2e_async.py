@@ -7,13 +7,11 @@ takes partial rollouts (generation paused, not locked, for each weight sync)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from _support import read_steps, train_argv
+from _support import kill_and_resume, read_steps, train_argv
 
 from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
 from openrlhf_tis.runs import query_tokens, token_steps
@@ -44,22 +42,8 @@ def async_run(tiny_model_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("e2e_async")
     _prepare(work, TOTAL_STEPS)
     argv = _async_argv(tiny_model_dir, work, TOTAL_STEPS)
-    env = {**os.environ, "RAY_DEDUP_LOGS": "0"}
-    with open(work / "killed.log", "w") as log:
-        proc = subprocess.Popen(argv, cwd=work, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + 600
-        while len(read_steps(work / "run")) < 2 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    killed_at = len(read_steps(work / "run"))
-    assert 2 <= killed_at < TOTAL_STEPS, (killed_at, (work / "killed.log").read_text()[-4000:])
-
-    proc = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=900, env=env)
-    log = proc.stdout + proc.stderr
-    (work / "resumed.log").write_text(log)
-    assert proc.returncode == 0, log[-6000:]
-    return work, read_steps(work / "run")
+    log, steps = kill_and_resume(argv, work, TOTAL_STEPS)
+    return work, steps
 
 
 def test_every_step_is_logged_once_across_the_kill(async_run):

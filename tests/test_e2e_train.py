@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from _support import read_steps, train_argv, wait_for
+from _support import kill_and_resume, train_argv
 from safetensors.torch import load_file
 
 from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
@@ -42,21 +39,9 @@ def finished_run(tiny_model_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("e2e")
     write_arithmetic_prompts(work / "prompts.jsonl", 4 * TOTAL_STEPS)
     argv = train_argv(tiny_model_dir, work, TOTAL_STEPS, DUMP_EVERY)
-    env = {**os.environ, "RAY_DEDUP_LOGS": "0"}
-    with open(work / "killed.log", "w") as log:
-        proc = subprocess.Popen(argv, cwd=work, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        wait_for(lambda: len(read_steps(work / "run")) >= 2, proc)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    killed_at = len(read_steps(work / "run"))
-    assert 2 <= killed_at < TOTAL_STEPS, (killed_at, (work / "killed.log").read_text()[-4000:])
-
-    proc = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=900, env=env)
-    log = proc.stdout + proc.stderr
-    (work / "resumed.log").write_text(log)
-    assert proc.returncode == 0, log[-6000:]
+    log, steps = kill_and_resume(argv, work, TOTAL_STEPS)
     assert "Loading the checkpoint" in log
-    return work, read_steps(work / "run")
+    return work, steps
 
 
 def test_resumed_run_has_every_step_once(finished_run):
