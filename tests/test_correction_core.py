@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_correction_reference import reference, reference_metrics, reference_weight_metrics
 
@@ -113,6 +113,8 @@ def test_opsm_matches_reference(batch, delta):
 
 @SETTINGS
 @given(batches())
+# Probabilities that barely vary (CI found it): a one-pass E[x²] − E[x]² cancelled to a correlation of 1 + 2e-6.
+@example(([[-1.0, -1.0, -1.0, -1.0, -1.0, -0.99999]], [[-1.0, -1.0, -1.0, -1.0, -1.0, -0.001]], [[0, 0, 0, 0, 1, 1]]))
 def test_metrics_match_reference(batch):
     old, roll, am = batch
     if not any(any(r) for r in am):

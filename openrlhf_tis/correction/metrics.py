@@ -107,7 +107,11 @@ def metric_sums(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor |
     abs_lr = lr.abs()  # 0 off V
     mean_roll, mean_old = roll.sum(-1) / nf, old.sum(-1) / nf
     p_old, p_roll = old.exp_().mul_(valid), roll.exp_().mul_(valid)  # probabilities on V, 0 off V
-    pearson = torch.stack([p_old.sum(), p_roll.sum(), dot(p_old, p_old), dot(p_roll, p_roll), dot(p_old, p_roll)])
+    # Moments about the batch means (on the device, no sync): raw E[x²] − E[x]² cancels catastrophically when
+    # the probabilities barely vary, and a correlation must stay within [−1, 1].
+    d_old = (p_old - p_old.sum() / n_valid.clamp_min(1)).mul_(valid)
+    d_roll = (p_roll - p_roll.sum() / n_valid.clamp_min(1)).mul_(valid)
+    pearson = torch.stack([d_old.sum(), d_roll.sum(), dot(d_old, d_old), dot(d_roll, d_roll), dot(d_old, d_roll)])
     abs_dp = p_old.sub_(p_roll).abs_()  # p_old is not needed any more
     per_seq = torch.stack([torch.exp(-mean_roll), torch.exp(-mean_old), torch.exp(mean_roll - mean_old),
                            mean_roll - mean_old])
@@ -186,10 +190,10 @@ def metrics_from_sums(s: Sums, cfg: CorrectionConfig) -> dict[str, float]:
     sum_dp, max_dp, sum_dl, max_dl = s["gaps"]
     out.update({"mismatch/abs_dp_max": max_dp, "mismatch/abs_dp_mean": sum_dp / n,
                 "mismatch/abs_dlogp_mean": sum_dl / n, "mismatch/abs_dlogp_max": max_dl})
-    so, sr, soo, srr, sor = (v / n for v in s["pearson"])  # one pass: cov = E[xy] − E[x]E[y] (probabilities are O(1))
+    so, sr, soo, srr, sor = (v / n for v in s["pearson"])  # about the means: so, sr ≈ 0, no cancellation
     var_o, var_r = max(soo - so * so, 0.0), max(srr - sr * sr, 0.0)
     den = math.sqrt(var_o * var_r)
-    out["mismatch/pearson_p"] = (sor - so * sr) / den if den > 0 else 0.0
+    out["mismatch/pearson_p"] = min(1.0, max(-1.0, (sor - so * sr) / den)) if den > 0 else 0.0
 
     at_or_above = [*s["bucket_at_or_above"], 0.0]
     for b, (bucket, gap) in enumerate(zip(bucket_names(), s["bucket_gaps"], strict=True)):
