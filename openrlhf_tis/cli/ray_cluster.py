@@ -16,6 +16,7 @@ import sys
 
 import ray
 
+from openrlhf_tis.cli.build_locks import clear_stale_build_locks
 from openrlhf_tis.cli.lifetime import reap_when_gone
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.patches import ENV_FLAG
@@ -78,6 +79,7 @@ def start_ray(args: argparse.Namespace, cpu: bool) -> None:
     """
     env = worker_env(cpu)
     os.environ.update(env)
+    clear_stale_build_locks(env)  # before any worker could wait on one
     runtime_env = {"env_vars": env, "worker_process_setup_hook": "openrlhf_tis.patches.ray_worker_setup"}
     address = os.environ.get(ADDRESS_VAR)
     if address:

@@ -1,0 +1,54 @@
+"""A build lock left by a killed run is removed before the next run starts; a live build's lock is kept."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+from torch.utils.file_baton import FileBaton
+
+from openrlhf_tis.cli.build_locks import STALE_AFTER_S, build_lock_files, clear_stale_build_locks
+
+
+def _lock(root, op: str, age_s: float):
+    path = root / op / "lock"
+    path.parent.mkdir(parents=True)
+    path.touch()
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+    return path
+
+
+def test_a_killed_runs_lock_is_removed_and_torch_can_take_it_again(tmp_path, capsys):
+    stale = _lock(tmp_path, "fused_adam", STALE_AFTER_S + 5)
+    # torch's own baton: while the file exists no process can take it, and a waiter waits forever
+    assert not FileBaton(str(stale)).try_acquire()
+    assert clear_stale_build_locks({"TORCH_EXTENSIONS_DIR": str(tmp_path)}) == [stale]
+    baton = FileBaton(str(stale))
+    assert baton.try_acquire()
+    baton.release()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(stale) in err and "killed run" in err
+
+
+def test_a_fresh_lock_and_a_compiling_ops_lock_are_kept(tmp_path):
+    fresh = _lock(tmp_path, "cpu_adam", 1)
+    compiling = _lock(tmp_path, "fused_adam", 10 * STALE_AFTER_S)
+    stale = _lock(tmp_path, "deepspeed_shm_comm", 10 * STALE_AFTER_S)
+    # ninja compiles an op with its build directory as working directory
+    ninja = subprocess.Popen(["sleep", "60"], cwd=compiling.parent)
+    try:
+        assert clear_stale_build_locks({"TORCH_EXTENSIONS_DIR": str(tmp_path)}) == [stale]
+    finally:
+        ninja.kill()
+        ninja.wait()
+    assert fresh.exists() and compiling.exists() and not stale.exists()
+
+
+def test_without_the_variable_torchs_default_root_is_searched(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # torch's default root follows the user cache dir
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    stale = _lock(tmp_path / "torch_extensions" / "py311_cpu", "fused_adam", STALE_AFTER_S + 5)
+    assert build_lock_files({}) == [stale]
+    assert build_lock_files({"TORCH_EXTENSIONS_DIR": str(tmp_path / "elsewhere")}) == []
