@@ -218,20 +218,3 @@ def engine_input_scales(llm) -> dict[str, float]:
                 if getattr(module, "input_scale", None) is not None}
 
     return llm.collective_rpc(read)[0]
-
-
-def tiny_train_args(model_dir, work, steps: int, reward) -> list[str]:
-    """The training CLI's flags for `steps` GRPO steps of the tiny model (4 prompts x 2 samples a step, one vLLM
-    engine, ZeRO-2, no KL, no token dumps, no eval), everything under `work`; prompts.jsonl must hold 4*steps."""
-    return [
-        "--actor.model_name_or_path", str(model_dir), "--reward.remote_url", str(reward),
-        "--data.prompt_dataset", str(work / "prompts.jsonl"), "--data.input_key", "input",
-        "--data.label_key", "label", "--data.apply_chat_template", "--vllm.num_engines", "1",
-        "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
-        "--rollout.n_samples_per_prompt", "2", "--rollout.batch_size", "4", "--rollout.micro_batch_size", "8",
-        "--train.batch_size", "8", "--train.micro_batch_size", "8", "--data.max_len", "128",
-        "--rollout.max_new_tokens", "16", "--data.max_samples", str(4 * steps), "--ds.zero_stage", "2",
-        "--actor.adam.lr", "1e-3", "--actor.lr_warmup_ratio", "0", "--eval.steps", "-1", "--train.seed", "7",
-        "--ckpt.path", str(work / "ckpt"), "--ckpt.output_dir", str(work / "final"),
-        "--logger.run_dir", str(work / "run"), "--logger.token_dump_steps", "0",
-    ]

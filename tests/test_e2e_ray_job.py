@@ -25,17 +25,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-from _support import free_port, tiny_train_args
+from _support import free_port, train_argv
 
 from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
 
 pytestmark = [
     pytest.mark.e2e,
-    # Unverified: its only run on 2026-11-25 reached training and then hung in start-up at the same time as every
-    # other run on that machine, the previous session's known-good code included (see that session's closing note).
-    pytest.mark.skip(reason="ray job submit: not yet verified (issue 23), see the comment above"),
 ]
-REWARD = Path(__file__).resolve().parents[1] / "openrlhf_tis" / "demo" / "reward_func.py"
 RAY = Path(sys.executable).with_name("ray")
 STEPS = 2
 # Logical slots the tiny run's placement asks for (cli/ray_cluster.declared_gpus: 1 actor + 1 vLLM engine; no
@@ -112,8 +108,7 @@ def test_ray_job_submit_trains_on_an_existing_cluster(tiny_model_dir, tmp_path):
     # Each dashboard module gets 30 s to start by default; on a loaded 2-core machine some took longer.
     env["RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT"] = str(START_S)
     with ray_cluster(env, work / "ray_head.log") as address:
-        args = tiny_train_args(tiny_model_dir, work, STEPS, REWARD)
-        train = ["python", "-m", "openrlhf_tis.cli.train_ppo_ray", *args]
+        train = train_argv(tiny_model_dir, work, STEPS, 0, save_steps=STEPS, load=False)
         # env_vars the job sets that the fork sets too (upstream's README passes a runtime env the same way)
         job_env = json.dumps({"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
         submit = [str(RAY), "job", "submit", "--address", address, "--runtime-env-json", job_env, "--", *train]
