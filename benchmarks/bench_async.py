@@ -20,6 +20,7 @@ Time it alone: Ray workers run at nice 15, so anything else on the machine slows
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -29,7 +30,9 @@ from pathlib import Path
 from openrlhf_tis.pipeline.main_job import job_params
 from openrlhf_tis.pipeline.params import check_params
 from openrlhf_tis.pipeline.train import TRAIN_PARAMS, run_training
+from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.runs.reader import read_metrics_records
+from openrlhf_tis.viz.stats import t_interval
 
 MODES: dict[str, tuple[dict, list[str]]] = {  # name -> (train.ipynb parameters, extra training flags)
     "sync": ({}, []),
@@ -40,38 +43,48 @@ MODES: dict[str, tuple[dict, list[str]]] = {  # name -> (train.ipynb parameters,
 PARTS = [("generation", "timing/generation"), ("make exp.", "timing/make_experience"),
          ("ppo train", "timing/ppo_train"), ("sync", "timing/broadcast"), ("sync check", "sync/check_s"),
          ("dump", "run_store/token_dump_s"), ("queue wait", "timing/queue_wait")]
+RUN_TIMES = "run_seconds.json"  # under --out: each finished mode's whole-run wall time, so a re-run resumes
 
 
 def run_mode(name: str, model: str, steps: int, out: Path) -> dict[str, float]:
-    """Train one mode; its mean step wall time and parts (steps 2..N), and the whole run's wall time."""
-    overrides, flags = MODES[name]
-    base = job_params(out / "task", model)
-    params = check_params({**base, **overrides, "steps": steps, "eval_prompts": "", "run_dir": str(out / name),
-                           "extra_args": [*base["extra_args"], *flags]}, TRAIN_PARAMS, where=name)
-    started = time.perf_counter()
-    run_dir = run_training(params, cache=out / ".models")
-    total = time.perf_counter() - started
+    """Train one mode (unless `out` already holds its finished run: the benchmark resumes); its step wall times
+    and parts (steps 2..N), mean response length and the whole run's wall time."""
+    run_dir, times = out / name, out / RUN_TIMES
+    run_s = json.loads(times.read_text()) if times.is_file() else {}
+    if name not in run_s or len(read_metrics_records(run_dir)) < steps:
+        overrides, flags = MODES[name]
+        base = job_params(out / "task", model)
+        params = check_params({**base, **overrides, "steps": steps, "eval_prompts": "", "run_dir": str(run_dir),
+                               "extra_args": [*base["extra_args"], *flags]}, TRAIN_PARAMS, where=name)
+        started = time.perf_counter()
+        run_training(params, cache=out / ".models")
+        run_s[name] = time.perf_counter() - started
+        atomic_write(times, json.dumps(run_s, indent=1))
     records = read_metrics_records(run_dir)
     walls = [b["wall_time"] - a["wall_time"] for a, b in zip(records, records[1:], strict=False)]
-    row = {"run_s": total, "steps": float(len(records)), "step_s": statistics.fmean(walls) if walls else float("nan")}
+    row = {"run_s": run_s[name], "step": t_interval(walls),
+           "resp. len": statistics.fmean(r["response_length"] for r in records[1:])}
     for label, key in PARTS:
         values = [r[key] for r in records[1:] if key in r]
         row[label] = statistics.fmean(values) if values else float("nan")
     return row
 
 
-def table(rows: dict[str, dict[str, float]]) -> str:
-    """Markdown: one row per mode, the step wall time as a ratio to sync, then where a step goes."""
-    ref = rows.get("sync", {}).get("step_s")
-    head = ["mode", "s / step", "vs sync", *[label for label, _ in PARTS], "run (s)"]
+def table(rows: dict[str, dict]) -> str:
+    """Markdown: one row per mode, the step wall time with its 95% t-interval over steps and as a ratio to sync,
+    the mean response length (steps of longer responses take longer), then where a step goes."""
+    ref = rows["sync"]["step"].estimate if "sync" in rows else None
+    head = ["mode", "s / step (95% CI)", "vs sync", "resp. len", *[label for label, _ in PARTS], "run (s)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, row in rows.items():
-        ratio = f"{row['step_s'] / ref:.2f}x" if ref else "-"
+        step = row["step"]
+        ratio = f"{step.estimate / ref:.2f}x" if ref else "-"
         parts = [f"{row[label]:.2f}" if row[label] == row[label] else "-" for label, _ in PARTS]
-        lines.append(f"| {name} | {row['step_s']:.2f} | {ratio} | " + " | ".join(parts) + f" | {row['run_s']:.0f} |")
+        lines.append(f"| {name} | {step.estimate:.1f} ({step.low:.1f}–{step.high:.1f}) | {ratio} | "
+                     f"{row['resp. len']:.1f} | " + " | ".join(parts) + f" | {row['run_s']:.0f} |")
     if ref and "bare" in rows:
-        lines.append(f"\nfork cost (sync with the main job's features / bare): {ref / rows['bare']['step_s']:.3f}x "
-                     "per step")
+        bare = rows["bare"]["step"].estimate
+        lines.append(f"\nfork cost (sync with the main job's features / bare): {ref / bare:.3f}x per step")
     return "\n".join(lines)
 
 
@@ -80,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or 'tiny'")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--modes", default="sync,async1,async2,bare")
-    parser.add_argument("--out", default=None, help="working directory (default: a temporary one)")
+    parser.add_argument("--out", default=None, help="working directory (default: a temporary one); a mode whose "
+                        "finished run it holds is not run again")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
