@@ -116,19 +116,26 @@ def _score(gap, engine, trainer) -> list[ProbeScore]:
 def test_the_rule_on_hand_made_numbers():
     rule = SyncRule(tolerance=0.5)
     assert rule.start(_score([2.0, 1.0], [-1.0, -2.0], [-1.1, -2.1])) == {"sync/baseline_mean_abs_logprob": 1.5}
-    metrics = rule.judge(_score([1.9, 2.0], [-1.2, -2.0], [-1.3, -2.1]))  # mean 1.95 <= 1.5 + 0.5
+    metrics = rule.judge(_score([1.9, 2.0], [-1.2, -2.0], [-1.3, -2.1]))  # mean 1.95 <= 1.5 + 0.5 * 1.5
     assert metrics == pytest.approx({
         "sync/vllm_vs_trainer_mean_abs_logprob": 1.95, "sync/vllm_vs_trainer_max_abs_logprob": 2.0,
         "sync/baseline_mean_abs_logprob": 1.5, "sync/vllm_vs_trainer_excess": 0.45,
         "sync/vllm_probe_change_mean_abs": 0.1, "sync/trainer_probe_change_mean_abs": 0.1})
-    with pytest.raises(WeightSyncError, match="disagree by 2.0500"):
-        rule.judge(_score([2.1, 2.0], [-1.0, -2.0], [-1.3, -2.1]))
+    rule.judge(_score([2.3, 2.1], [-1.0, -2.0], [-1.3, -2.1]))  # 2.2: within 1.5 + 0.5 x 1.5 (the gap is noisy)
+    with pytest.raises(WeightSyncError, match="disagree by 2.3000"):
+        rule.judge(_score([2.4, 2.2], [-1.1, -2.0], [-1.3, -2.1]))
     # Engine unchanged: stale only when the trainer moved beyond STALE_DRIFT (a frozen actor does not).
     rule.judge(_score([1.9, 2.0], [-1.2, -2.0], [-1.3, -2.1]))
     with pytest.raises(WeightSyncError, match="kept its old weights"):
         rule.judge(_score([1.9, 2.0], [-1.2, -2.0], [-1.3, -2.2]))
     with pytest.raises(WeightSyncError, match="non-finite"):
         rule.judge(_score([float("nan"), 2.0], [-1.0, -2.0], [-1.3, -2.1]))
+    # Below one nat the tolerance is absolute: 0.2 + 0.5.
+    exact = SyncRule(tolerance=0.5)
+    exact.start(_score([0.2], [-1.0], [-1.0]))
+    exact.judge(_score([0.69], [-1.1], [-1.0]))
+    with pytest.raises(WeightSyncError, match="disagree by 0.7100"):
+        exact.judge(_score([0.71], [-1.2], [-1.0]))
     # A resumed run has no baseline: its first check's gap becomes the baseline.
     resumed = SyncRule(tolerance=0.5)
     assert resumed.judge(_score([3.0], [-1.0], [-1.0]))["sync/baseline_mean_abs_logprob"] == 3.0
