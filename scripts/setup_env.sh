@@ -49,7 +49,8 @@ pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
 # DeepSpeed JIT-builds its CPU Adam and shm-comm ops on first use (~90 s): build them once now, into
 # the venv (the CLI points every process there), so two checkouts never rebuild over each other.
-TORCH_EXTENSIONS_DIR="$VENV/torch_extensions" "$VENV/bin/python" - <<'PY'
+# With the venv's ninja, as every run uses (cli/ray_cluster.py path_with_venv_first): another ninja rebuilds them.
+PATH="$VENV/bin:$PATH" TORCH_EXTENSIONS_DIR="$VENV/torch_extensions" "$VENV/bin/python" - <<'PY'
 from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
 from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 for b in (CPUAdamBuilder(), FusedAdamBuilder(), ShareMemCommBuilder()):

@@ -1,14 +1,19 @@
-"""A build lock left by a killed run is removed before the next run starts; a live build's lock is kept."""
+"""DeepSpeed's JIT ops neither hang nor rebuild: a killed run's build lock is removed before the next run starts (a live
+build's lock is kept), and every run builds with the ninja the set-up used."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 from torch.utils.file_baton import FileBaton
 
 from openrlhf_tis.cli.build_locks import STALE_AFTER_S, build_lock_files, clear_stale_build_locks
+from openrlhf_tis.cli.ray_cluster import worker_env
 
 
 def _lock(root, op: str, age_s: float):
@@ -52,3 +57,11 @@ def test_without_the_variable_torchs_default_root_is_searched(tmp_path, monkeypa
     stale = _lock(tmp_path / "torch_extensions" / "py311_cpu", "fused_adam", STALE_AFTER_S + 5)
     assert build_lock_files({}) == [stale]
     assert build_lock_files({"TORCH_EXTENSIONS_DIR": str(tmp_path / "elsewhere")}) == []
+
+
+def test_every_run_builds_with_the_venvs_ninja(monkeypatch):
+    venv_bin = str(Path(sys.executable).parent)
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", venv_bin, "/bin"]))
+    path = worker_env(cpu=True)["PATH"]
+    assert path.split(os.pathsep) == [venv_bin, "/usr/bin", "/bin"]  # first, once, the rest in order
+    assert shutil.which("ninja", path=path) == str(Path(venv_bin) / "ninja")  # the one the set-up built with

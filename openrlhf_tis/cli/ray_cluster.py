@@ -35,12 +35,27 @@ CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 
 
 def worker_env(cpu: bool) -> dict[str, str]:
-    """Environment for the driver and every Ray worker; values the user already set win."""
+    """Environment for the driver and every Ray worker; values the user already set win, except that the venv's
+    own tools come first on PATH (see `path_with_venv_first`)."""
     defaults = {**UPSTREAM_ENV, **RAY_START_ENV, **(CPU_ENV if cpu else {}), ENV_FLAG: "1"}
     prebuilt_ops = os.path.join(sys.prefix, "torch_extensions")  # scripts/setup_env.sh builds DeepSpeed's here
     if os.path.isdir(prebuilt_ops):
         defaults["TORCH_EXTENSIONS_DIR"] = prebuilt_ops
-    return {key: os.environ.get(key, value) for key, value in defaults.items()}
+    env = {key: os.environ.get(key, value) for key, value in defaults.items()}
+    env["PATH"] = path_with_venv_first(os.environ.get("PATH", ""))
+    return env
+
+
+def path_with_venv_first(path: str) -> str:
+    """`path` with this interpreter's bin directory first.
+
+    torch builds DeepSpeed's ops with the first `ninja` on PATH, and ninja 1.11 (Debian's) and 1.13 (the venv's, a
+    dependency of deepspeed and vllm) hash a build command differently: a run that finds the other one rebuilds
+    every op (~90 s each on 2 cores) and holds their build locks meanwhile. The set-up builds with the venv's.
+    """
+    venv_bin = os.path.dirname(sys.executable)
+    rest = [entry for entry in path.split(os.pathsep) if entry and entry != venv_bin]
+    return os.pathsep.join([venv_bin, *rest])
 
 
 def declared_gpus(args: argparse.Namespace) -> int:
