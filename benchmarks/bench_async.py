@@ -27,6 +27,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from openrlhf_tis.correction.names import (
+    QUEUE_WAIT,
+    SYNC_CHECK_SECONDS,
+    TIMING_BROADCAST,
+    TIMING_GENERATION,
+    TIMING_MAKE_EXPERIENCE,
+    TIMING_PPO_TRAIN,
+    TOKEN_DUMP_SECONDS,
+)
 from openrlhf_tis.pipeline.main_job import job_params
 from openrlhf_tis.pipeline.params import check_params
 from openrlhf_tis.pipeline.train import TRAIN_PARAMS, run_training
@@ -40,9 +49,9 @@ MODES: dict[str, tuple[dict, list[str]]] = {  # name -> (train.ipynb parameters,
     "async2": ({}, ["--train.async_enable", "--train.async_queue_size", "2"]),
     "bare": ({"correction": "off", "token_dump_every": 0}, ["--vllm.sync_check_steps", "0"]),
 }
-PARTS = [("generation", "timing/generation"), ("make exp.", "timing/make_experience"),
-         ("ppo train", "timing/ppo_train"), ("sync", "timing/broadcast"), ("sync check", "sync/check_s"),
-         ("dump", "run_store/token_dump_s"), ("queue wait", "timing/queue_wait")]
+PARTS = [("generation", TIMING_GENERATION), ("make exp.", TIMING_MAKE_EXPERIENCE), ("ppo train", TIMING_PPO_TRAIN),
+         ("sync", TIMING_BROADCAST), ("sync check", SYNC_CHECK_SECONDS), ("dump", TOKEN_DUMP_SECONDS),
+         ("queue wait", QUEUE_WAIT)]
 RUN_TIMES = "run_seconds.json"  # under --out: each finished mode's whole-run wall time, so a re-run resumes
 
 

@@ -16,16 +16,26 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from openrlhf_tis.correction.names import (
+    ABS_DP_MAX,
+    ENTROPY_KEYS,
+    EVAL_PREFIX,
+    K3_KL,
+    MASKED_FRAC,
+    MISMATCH_KEYS,
+    REWARD_KEYS,
+    STEP_SECONDS,
+    TRUNCATED_FRAC,
+)
 from openrlhf_tis.runs.config import read_run_config
 from openrlhf_tis.runs.layout import is_run_dir, readable_dir_name
 from openrlhf_tis.runs.reader import find_runs, load_metrics
-from openrlhf_tis.runs.summary import MISMATCH_KEYS, REWARD_KEYS, pick_key
+from openrlhf_tis.runs.summary import pick_key
 from openrlhf_tis.viz.curves import SEED_IN_NAME, held_out
 
 # Paths that differ between any two runs without making them different experiments.
 _INCIDENTAL = ("logger.run_dir", "ckpt.path", "ckpt.output_dir", "data.prompt_dataset", "actor.model_name_or_path")
 SEED_FLAGS = ("train.seed", "seed")  # runs that differ only here are seeds of one setting
-K3_KEY = "mismatch/k3_kl"
 
 
 def resolve_runs(runs: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:
@@ -93,7 +103,7 @@ def _column(frame: pd.DataFrame, key: str, how: str) -> float:
 
 def held_out_key(frame: pd.DataFrame) -> str | None:
     """The run's main held-out metric: the first `eval/*pass1` key, else the first `eval/` score-like key."""
-    keys = sorted(k for k in frame.columns if k.startswith("eval/") and not k.endswith("seconds"))
+    keys = sorted(k for k in frame.columns if k.startswith(EVAL_PREFIX) and not k.endswith("seconds"))
     return next((k for k in keys if k.endswith("pass1")), keys[0] if keys else None)
 
 
@@ -119,11 +129,11 @@ def final_table(metrics: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
             "held_out_last": float(held_values[-1]) if len(held_values) else float("nan"),
             "held_out_first_step": int(held_steps[0]) if len(held_steps) else None,
             "k3_kl_mean": _column(frame, pick_key(frame, MISMATCH_KEYS) or "", "mean"),
-            "abs_dp_max": _column(frame, "mismatch/abs_dp_max", "max"),
-            "masked_frac_mean": _column(frame, "correction/masked_frac", "mean"),
-            "truncated_frac_mean": _column(frame, "correction/truncated_frac", "mean"),
-            "entropy_last": _tail_mean(frame, pick_key(frame, ("mismatch/entropy", "mismatch/entropy_sampled"))),
-            "step_seconds": _column(frame, "timing/step_total", "mean"),
+            "abs_dp_max": _column(frame, ABS_DP_MAX, "max"),
+            "masked_frac_mean": _column(frame, MASKED_FRAC, "mean"),
+            "truncated_frac_mean": _column(frame, TRUNCATED_FRAC, "mean"),
+            "entropy_last": _tail_mean(frame, pick_key(frame, ENTROPY_KEYS)),
+            "step_seconds": _column(frame, STEP_SECONDS, "mean"),
         })
     return pd.DataFrame(rows).set_index("run") if rows else pd.DataFrame()
 
@@ -187,7 +197,7 @@ def run_facts(paths: Sequence[Path], labels: Sequence[str] | None = None,
                                                           strict=True):
         frame = metrics[label] if metrics is not None else load_metrics(path)
         rows.append({"run": label, "setting": names[key], "seed": _seed_of(config, label), "dose": dose,
-                     "correction": correction, "k3_mean": _column(frame, K3_KEY, "mean"), "path": path})
+                     "correction": correction, "k3_mean": _column(frame, K3_KL, "mean"), "path": path})
     return pd.DataFrame(rows).set_index("run")
 
 
