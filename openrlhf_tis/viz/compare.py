@@ -27,6 +27,7 @@ from openrlhf_tis.correction.names import (
     STEP_SECONDS,
     TRUNCATED_FRAC,
 )
+from openrlhf_tis.rollout.precision import PRECISION_FLAG, WEIGHT_BITS_FLAG, dest, rollout_option
 from openrlhf_tis.runs.config import read_run_config
 from openrlhf_tis.runs.layout import is_run_dir, readable_dir_name
 from openrlhf_tis.runs.reader import find_runs, load_metrics
@@ -156,10 +157,9 @@ def dose_of(config: Mapping[str, Any]) -> str:
     trainer's dtype, `int8` for the weight grid the CPU computes exactly (`auto`: 8 bits, 7 without VNNI),
     `w<N>a8` for an explicit grid, else the precision itself; `+q<N>` for async training with a queue of N (stale
     rollouts add to the mismatch); `?` for a run without a config."""
-    precision = config.get("vllm.rollout_precision")
-    if precision is None:
+    if dest(PRECISION_FLAG) not in config:
         return "?"
-    bits = str(config.get("vllm.int8_weight_bits", "auto"))
+    precision, bits = rollout_option(config, PRECISION_FLAG), str(rollout_option(config, WEIGHT_BITS_FLAG))
     dose = "none" if precision == config.get("ds.param_dtype", "bf16") else \
         f"w{bits}a8" if precision == "int8" and bits != "auto" else str(precision)
     return dose + (f"+q{config.get('train.async_queue_size')}" if config.get("train.async_enable") else "")
