@@ -35,7 +35,7 @@ FORK_TRAINER = ("STALENESS_MEAN", "STALENESS_MAX", "STALENESS_SPANNING_SYNC", "S
                 "SYNC_BASELINE", "SYNC_GAP_MEAN", "SYNC_GAP_MAX", "SYNC_EXCESS", "SYNC_VLLM_PROBE_CHANGE",
                 "SYNC_TRAINER_PROBE_CHANGE", "SYNC_VLLM_LOGPROB_CHANGE", "EVAL_PREFIX", "EVAL_START_PREFIX")
 # Groups of names, not keys; their members are checked through the names above.
-NOT_KEYS = ("MISMATCH", "CORRECTION", "PROB_BUCKET_EDGES", "BUCKET_NAMES", "UPSTREAM_ALIASES", "REWARD_KEYS",
+NOT_KEYS = ("MISMATCH", "CORRECTION", "PROB_BUCKET_EDGES", "BUCKET_NAMES", "REWARD_KEYS",
             "RESPONSE_LENGTH_KEYS", "MISMATCH_KEYS", "MASKED_KEYS", "ENTROPY_KEYS", "WEIGHT_RAW_STATS",
             "WEIGHT_STATS", "BUCKET_GAP_KEYS", "BUCKET_FRAC_KEYS")
 
@@ -131,5 +131,3 @@ def test_candidate_lists_hold_only_written_keys():
     for group in (registry.REWARD_KEYS, registry.RESPONSE_LENGTH_KEYS, registry.MISMATCH_KEYS, registry.MASKED_KEYS,
                   registry.ENTROPY_KEYS):
         assert set(group) <= written, group
-    for fork_key, upstream_key in registry.UPSTREAM_ALIASES.items():
-        assert fork_key in written and upstream_key in written

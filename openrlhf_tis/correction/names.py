@@ -69,10 +69,8 @@ TIMING_PPO_TRAIN, TIMING_BROADCAST = "timing/ppo_train", "timing/broadcast"
 UPSTREAM_REWARD, UPSTREAM_RESPONSE_LENGTH = "reward", "response_length"
 """The actor's per-sample means of the same quantities (older runs may hold only these)."""
 UPSTREAM_KL, UPSTREAM_FILTERED = "vllm_kl", "is_filter_ratio"
-"""Upstream's own mismatch metrics, which the fork's policy loss fills with its K1_KL and MASKED_FRAC."""
-UPSTREAM_ALIASES = {K1_KL: UPSTREAM_KL, MASKED_FRAC: UPSTREAM_FILTERED, REWARD_MEAN: UPSTREAM_REWARD,
-                    RESPONSE_LENGTH_MEAN: UPSTREAM_RESPONSE_LENGTH}
-"""Fork or rollout key -> upstream's key for the same value."""
+"""Upstream's own mismatch metrics: aliases of K1_KL and MASKED_FRAC, whose values the fork's policy loss hands
+upstream in their place (trainer/ppo_actor.py)."""
 
 # ── written by the fork's trainer ────────────────────────────────────────────────────────────────────
 STALENESS_MEAN, STALENESS_MAX = "staleness/mean", "staleness/max"
