@@ -54,12 +54,12 @@ def _core_keys() -> set[str]:
 def _everything_on() -> tuple[dict[str, float], CorrectionConfig]:
     """The core's metrics with every option on: rejection, veto, OPSM, self-normalization, both entropies."""
     gen = torch.Generator().manual_seed(0)
-    old = -torch.rand(4, 6, generator=gen, dtype=torch.float64) * 3
-    rollout = old + 0.3 * torch.randn(4, 6, generator=gen, dtype=torch.float64)
+    old = -torch.rand(4, 6, generator=gen) * 3
+    rollout = old + 0.3 * torch.randn(4, 6, generator=gen)
     cfg = CorrectionConfig(mode="mask", lower=0.5, upper=2.0, veto_threshold=1e-3, opsm_delta=0.0,
                            batch_normalize=True, rejection=(RejectionCriterion("k3", "mean", None, 1.0),))
     out = compute_correction(old, rollout, torch.ones(4, 6), cfg, log_probs=old, advantages=-torch.ones(4, 6),
-                             entropy=torch.ones(4, 6, dtype=torch.float64))
+                             entropy=torch.ones(4, 6))
     return out.metrics, cfg
 
 
