@@ -35,6 +35,7 @@ from openrlhf_tis.correction.names import (
     TIMING_MAKE_EXPERIENCE,
     TIMING_PPO_TRAIN,
     TOKEN_DUMP_SECONDS,
+    UPSTREAM_RESPONSE_LENGTH,
 )
 from openrlhf_tis.pipeline.main_job import job_params
 from openrlhf_tis.pipeline.params import check_params
@@ -72,7 +73,7 @@ def run_mode(name: str, model: str, steps: int, out: Path) -> dict[str, float]:
     records = read_metrics_records(run_dir)
     walls = [b["wall_time"] - a["wall_time"] for a, b in zip(records, records[1:], strict=False)]
     row = {"run_s": run_s[name], "step": t_interval(walls),
-           "resp. len": statistics.fmean(r["response_length"] for r in records[1:])}
+           "resp. len": statistics.fmean(r[UPSTREAM_RESPONSE_LENGTH] for r in records[1:])}
     for label, key in PARTS:
         values = [r[key] for r in records[1:] if key in r]
         row[label] = statistics.fmean(values) if values else float("nan")
