@@ -27,6 +27,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from openrlhf_tis.correction.names import (
+    QUEUE_WAIT,
+    SYNC_CHECK_SECONDS,
+    TIMING_BROADCAST,
+    TIMING_GENERATION,
+    TIMING_MAKE_EXPERIENCE,
+    TIMING_PPO_TRAIN,
+    TOKEN_DUMP_SECONDS,
+    UPSTREAM_RESPONSE_LENGTH,
+)
 from openrlhf_tis.pipeline.main_job import job_params
 from openrlhf_tis.pipeline.params import check_params
 from openrlhf_tis.pipeline.train import TRAIN_PARAMS, run_training
@@ -40,9 +50,9 @@ MODES: dict[str, tuple[dict, list[str]]] = {  # name -> (train.ipynb parameters,
     "async2": ({}, ["--train.async_enable", "--train.async_queue_size", "2"]),
     "bare": ({"correction": "off", "token_dump_every": 0}, ["--vllm.sync_check_steps", "0"]),
 }
-PARTS = [("generation", "timing/generation"), ("make exp.", "timing/make_experience"),
-         ("ppo train", "timing/ppo_train"), ("sync", "timing/broadcast"), ("sync check", "sync/check_s"),
-         ("dump", "run_store/token_dump_s"), ("queue wait", "timing/queue_wait")]
+PARTS = [("generation", TIMING_GENERATION), ("make exp.", TIMING_MAKE_EXPERIENCE), ("ppo train", TIMING_PPO_TRAIN),
+         ("sync", TIMING_BROADCAST), ("sync check", SYNC_CHECK_SECONDS), ("dump", TOKEN_DUMP_SECONDS),
+         ("queue wait", QUEUE_WAIT)]
 RUN_TIMES = "run_seconds.json"  # under --out: each finished mode's whole-run wall time, so a re-run resumes
 
 
@@ -63,7 +73,7 @@ def run_mode(name: str, model: str, steps: int, out: Path) -> dict[str, float]:
     records = read_metrics_records(run_dir)
     walls = [b["wall_time"] - a["wall_time"] for a, b in zip(records, records[1:], strict=False)]
     row = {"run_s": run_s[name], "step": t_interval(walls),
-           "resp. len": statistics.fmean(r["response_length"] for r in records[1:])}
+           "resp. len": statistics.fmean(r[UPSTREAM_RESPONSE_LENGTH] for r in records[1:])}
     for label, key in PARTS:
         values = [r[key] for r in records[1:] if key in r]
         row[label] = statistics.fmean(values) if values else float("nan")

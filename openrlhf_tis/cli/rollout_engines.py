@@ -6,6 +6,15 @@ the rollout layer below only writes the directory (`rollout.checkpoint.write_rol
 
 from __future__ import annotations
 
+from openrlhf_tis.rollout.precision import (
+    ACTIVATIONS_FLAG,
+    CALIBRATION_FLAG,
+    FP32_HEAD_FLAG,
+    PRECISION_FLAG,
+    SCALES_FLAG,
+    WEIGHT_BITS_FLAG,
+    rollout_option,
+)
 from openrlhf_tis.runs.layout import ROLLOUT_MODEL_DIR
 
 
@@ -19,22 +28,22 @@ def prepare_rollout_engines(args) -> str | None:
 
     import torch
 
-    precision = getattr(args, "vllm.rollout_precision", "bf16")
-    fp32_head = getattr(args, "vllm.fp32_lm_head", False)
-    if precision == "bf16" and not fp32_head:
+    precision, fp32_head = rollout_option(args, PRECISION_FLAG), rollout_option(args, FP32_HEAD_FLAG)
+    if precision == "bf16" and not fp32_head:  # upstream's engines as they are
         return None
     from openrlhf_tis.patches import rollout_engine
     from openrlhf_tis.rollout.checkpoint import write_rollout_model
     from openrlhf_tis.rollout.quantize import int8_weight_bits
 
     dst = os.path.abspath(os.path.join(getattr(args, "logger.run_dir"), ROLLOUT_MODEL_DIR))
-    bits = int8_weight_bits(getattr(args, "vllm.int8_weight_bits", "auto"), cuda=torch.cuda.is_available())
+    bits = int8_weight_bits(rollout_option(args, WEIGHT_BITS_FLAG), cuda=torch.cuda.is_available())
+    activations = rollout_option(args, ACTIVATIONS_FLAG)
     write_rollout_model(getattr(args, "actor.model_name_or_path"), dst, precision=precision,
-                        scale_mode=getattr(args, "vllm.int8_scales"),
-                        calibration=getattr(args, "vllm.int8_calibration"), fp32_head=fp32_head,
-                        activations=getattr(args, "vllm.int8_activations", "dynamic"), weight_bits=bits)
+                        scale_mode=rollout_option(args, SCALES_FLAG),
+                        calibration=rollout_option(args, CALIBRATION_FLAG), fp32_head=fp32_head,
+                        activations=activations, weight_bits=bits)
     details = [*([f"{bits}-bit weights"] if precision == "int8" else []),
-               *(["static activation scales"] if getattr(args, "vllm.int8_activations", "dynamic") == "static" else []),
+               *(["static activation scales"] if activations == "static" else []),
                *(["fp32 head"] if fp32_head else [])]
     print(f"[openrlhf_tis] rollout model ({', '.join([precision, *details])}) written to {dst}")
     rollout_engine.apply(dst)

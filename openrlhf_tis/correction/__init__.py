@@ -5,7 +5,11 @@
     out.weights, out.mask, out.metrics
 
 docs/correction.md has the formulas, the sources and the bias/variance trade-offs of each option.
+The torch half (weights, losses) loads on first use, so `correction.config` and `correction.names`
+stay importable without torch (notebook kernels, the CLI's checks before Ray starts).
 """
+
+from typing import Any
 
 from .config import (
     PRESETS,
@@ -15,8 +19,22 @@ from .config import (
     from_upstream,
     preset,
 )
-from .losses import PolicyLossOutput, aggregate_loss, policy_loss
-from .weights import CorrectionOutput, compute_correction, kept_weight_totals, metric_names
+
+_LOSSES = ("PolicyLossOutput", "aggregate_loss", "policy_loss")
+_WEIGHTS = ("CorrectionOutput", "compute_correction", "kept_weight_totals", "metric_names")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LOSSES:
+        from . import losses
+
+        return getattr(losses, name)
+    if name in _WEIGHTS:
+        from . import weights
+
+        return getattr(weights, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "PRESETS",

@@ -330,8 +330,47 @@ class CorrectionConfig:
         return cls.from_dict(json.loads(text))
 
 
+def from_upstream(level: str, mode: str = "mask", gating: str = "ratio",
+                  threshold: tuple[float, ...] | list[float] = (0.5, 5.0)) -> CorrectionConfig:
+    """The config equivalent to OpenRLHF 0.11.2's `--algo.advantage.is_correction_{level,mode,gating,threshold}`.
+
+    Upstream gates a statistic per unit (token, or the per-sequence mean) and either clamps the token
+    ratio (clip: token/ratio only) or drops out-of-band units while survivors keep their raw per-token
+    ratio (mask). Its binary_kl/tv gates clamp probabilities to [1e-6, 1 − 1e-6], as ours do.
+    """
+    flag = "--algo.advantage.is_correction_"
+    if level == "off":
+        return CorrectionConfig(mode="none")
+    threshold = list(threshold)
+    if len(threshold) == 1:  # upstream: a single value is an upper bound only
+        threshold = [0.0, threshold[0]]
+    if len(threshold) != 2:
+        raise CorrectionConfigError(flag + "threshold", "takes HIGH or LOW HIGH")
+    low, high = float(threshold[0]), float(threshold[1])
+    if level not in ("token", "seq"):
+        raise CorrectionConfigError(flag + "level", f"{level!r} is not off/token/seq")
+    if mode not in ("mask", "clip"):
+        raise CorrectionConfigError(flag + "mode", f"{mode!r} is not mask/clip")
+    if gating not in ("ratio", "binary_kl", "tv"):
+        raise CorrectionConfigError(flag + "gating", f"{gating!r} is not ratio/binary_kl/tv")
+    if mode == "clip":
+        if level != "token" or gating != "ratio":
+            raise CorrectionConfigError(flag + "mode", "clip requires level token and gating ratio")
+        return CorrectionConfig(level="token", mode="clip", lower=low, upper=high).validate()
+    if gating == "ratio":
+        if level == "token":
+            return CorrectionConfig(level="token", mode="mask", lower=low, upper=high).validate()
+        crit = RejectionCriterion("ratio", "mean", low, high)
+    else:
+        if low > 0:
+            raise CorrectionConfigError(flag + "threshold", f"gating {gating} takes an upper bound only")
+        crit = RejectionCriterion(gating, "token" if level == "token" else "mean", None, high)
+    return CorrectionConfig(level="token", mode="raw", rejection=(crit,)).validate()
+
+
 # ── presets ──────────────────────────────────────────────────────────────────────────────────────────
-# Each preset reproduces one published recipe; overrides on top are allowed (preset(name, upper=3)).
+# Each preset reproduces one published recipe; overrides on top are allowed (preset(name, upper=3)). Upstream's
+# own schemes are what from_upstream maps its flags to, so the table and the flag mapping cannot drift apart.
 
 @dataclass(frozen=True)
 class Preset:
@@ -339,11 +378,12 @@ class Preset:
     source: str = field(default="")
 
 
+_BYPASS_PPO = CorrectionConfig(mode="none", loss="bypass_ppo")
 PRESETS: dict[str, Preset] = {
     # TIS talk ablation baselines (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
     # Off-Policy RL Training"), so its comparison can be reproduced.
-    "off": Preset(CorrectionConfig(mode="none"), "plain PPO, no correction (TIS talk baseline)"),
-    "ppo_is": Preset(CorrectionConfig(mode="none", loss="bypass_ppo"),
+    "off": Preset(from_upstream("off"), "plain PPO, no correction (TIS talk baseline)"),
+    "ppo_is": Preset(_BYPASS_PPO,
                      "μ replaces π_old inside the PPO clip (TIS talk baseline 'PPO-IS'; = verl bypass ppo_clip)"),
     "vanilla_is": Preset(CorrectionConfig(mode="raw"), "untruncated token IS π_old/μ (TIS talk baseline)"),
     "tis": Preset(CorrectionConfig(level="token", mode="truncate", upper=2.0), "token TIS, C = 2 (Yao et al. 2025)"),
@@ -370,16 +410,14 @@ PRESETS: dict[str, Preset] = {
         "token MIS + Geo-RS + per-token k3 cap + veto + self-normalization (Miles mis.yaml, extended)"),
     "opsm": Preset(CorrectionConfig(mode="none", opsm_delta=0.1),
                    "off-policy sequence masking (DeepSeek-V3.2; the paper gives no δ, 0.1 is a starting point)"),
-    "bypass_ppo": Preset(CorrectionConfig(mode="none", loss="bypass_ppo"), "verl bypass mode, PPO clip on π_θ/μ"),
+    "bypass_ppo": Preset(_BYPASS_PPO, "verl bypass mode, PPO clip on π_θ/μ"),
     "bypass_reinforce": Preset(CorrectionConfig(mode="truncate", upper=2.0, loss="bypass_reinforce"),
                                "verl bypass pg_is: −min(π_θ/μ, 2)·A·log π_θ"),
     # OpenRLHF 0.11.2's own schemes (its --algo.advantage.is_correction_* flags, see from_upstream).
-    "upstream_tis": Preset(CorrectionConfig(mode="clip", lower=0.5, upper=5.0),
-                           "OpenRLHF token clip of the ratio into [0.5, 5] (TIS)"),
-    "upstream_icepop": Preset(CorrectionConfig(mode="mask", lower=0.5, upper=5.0),
-                              "OpenRLHF token mask outside [0.5, 5] (ICEPOP)"),
+    "upstream_tis": Preset(from_upstream("token", "clip"), "OpenRLHF token clip of the ratio into [0.5, 5] (TIS)"),
+    "upstream_icepop": Preset(from_upstream("token", "mask"), "OpenRLHF token mask outside [0.5, 5] (ICEPOP)"),
     "upstream_seq_mask_tis": Preset(
-        CorrectionConfig(mode="raw", rejection=(RejectionCriterion("ratio", "mean", 0.5, 5.0),)),
+        from_upstream("seq", "mask"),
         "OpenRLHF seq-mask-tis: keep sequences with geometric-mean ratio in [0.5, 5], token IS weights"),
 }
 
@@ -389,41 +427,3 @@ def preset(name: str, **overrides: Any) -> CorrectionConfig:
     if name not in PRESETS:
         raise CorrectionConfigError(_flag("preset"), f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name].config.replace(**overrides).validate(training=True)
-
-
-def from_upstream(level: str, mode: str = "mask", gating: str = "ratio",
-                  threshold: tuple[float, ...] | list[float] = (0.5, 5.0)) -> CorrectionConfig:
-    """The config equivalent to OpenRLHF 0.11.2's `--algo.advantage.is_correction_{level,mode,gating,threshold}`.
-
-    Upstream gates a statistic per unit (token, or the per-sequence mean) and either clamps the token
-    ratio (clip: token/ratio only) or drops out-of-band units while survivors keep their raw per-token
-    ratio (mask). Its binary_kl/tv gates clamp probabilities to [1e-6, 1 − 1e-6], as ours do.
-    """
-    flag = "--algo.advantage.is_correction_"
-    if level == "off":
-        return PRESETS["off"].config
-    threshold = list(threshold)
-    if len(threshold) == 1:  # upstream: a single value is an upper bound only
-        threshold = [0.0, threshold[0]]
-    if len(threshold) != 2:
-        raise CorrectionConfigError(flag + "threshold", "takes HIGH or LOW HIGH")
-    low, high = float(threshold[0]), float(threshold[1])
-    if level not in ("token", "seq"):
-        raise CorrectionConfigError(flag + "level", f"{level!r} is not off/token/seq")
-    if mode not in ("mask", "clip"):
-        raise CorrectionConfigError(flag + "mode", f"{mode!r} is not mask/clip")
-    if gating not in ("ratio", "binary_kl", "tv"):
-        raise CorrectionConfigError(flag + "gating", f"{gating!r} is not ratio/binary_kl/tv")
-    if mode == "clip":
-        if level != "token" or gating != "ratio":
-            raise CorrectionConfigError(flag + "mode", "clip requires level token and gating ratio")
-        return CorrectionConfig(level="token", mode="clip", lower=low, upper=high).validate()
-    if gating == "ratio":
-        if level == "token":
-            return CorrectionConfig(level="token", mode="mask", lower=low, upper=high).validate()
-        crit = RejectionCriterion("ratio", "mean", low, high)
-    else:
-        if low > 0:
-            raise CorrectionConfigError(flag + "threshold", f"gating {gating} takes an upper bound only")
-        crit = RejectionCriterion(gating, "token" if level == "token" else "mean", None, high)
-    return CorrectionConfig(level="token", mode="raw", rejection=(crit,)).validate()

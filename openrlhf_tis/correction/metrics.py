@@ -34,24 +34,13 @@ import math
 
 import torch
 
+from . import names
 from .config import CorrectionConfig
 from .ops import dot
-
-PROB_BUCKET_EDGES = (1e-3, 1e-2, 0.1, 0.5, 0.9)
-"""Edges of the rollout-probability buckets; docs/measurements.md: the gap is 4–5× larger below 0.01."""
 
 _ABOVE_ANY_WEIGHT = 1e30  # added off a mask before a min; weights and ratios are clamped at e^20
 Sums = dict[str, list[float]]
 """`metric_sums` on the host: each named group of reductions as floats."""
-
-
-def _fmt(x: float) -> str:
-    return f"{x:g}"
-
-
-def bucket_names(edges: tuple[float, ...] = PROB_BUCKET_EDGES) -> list[str]:
-    bounds = (0.0, *edges, 1.0)
-    return [f"p{_fmt(lo)}-{_fmt(hi)}" for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 # ── on the device: reductions only ───────────────────────────────────────────────────────────────────
@@ -74,7 +63,7 @@ def _bucket_sums(p: torch.Tensor, abs_lr: torch.Tensor, n_valid: torch.Tensor) -
     its own, so a small bucket stays exact in float32, through two 0/1 buffers reused in place."""
     in_bucket, above = torch.ones_like(p), torch.empty_like(p)
     at_or_above, gaps = [n_valid], []
-    for edge in PROB_BUCKET_EDGES:
+    for edge in names.PROB_BUCKET_EDGES:
         torch.ge(p, edge, out=above)  # off V, p = 0 lies below every edge
         at_or_above.append(above.sum())
         gaps.append(dot(in_bucket.sub_(above), abs_lr))  # the bucket below this edge
@@ -176,59 +165,60 @@ def metrics_from_sums(s: Sums, cfg: CorrectionConfig) -> dict[str, float]:
     n_seq = max(s["ratio_seq"][0], 1.0)
     sum_lr, sum_lr2 = s["kl"]
     out = {
-        "mismatch/k1_kl": -sum_lr / n,
-        "mismatch/k2_kl": 0.5 * sum_lr2 / n,
-        "mismatch/k3_kl": (s["ratio_token"][3] - sum_lr) / n,  # Σ (r − 1) − Σ log r
-        "mismatch/chi2_token": _chi2(s["ratio_token"]),
-        "mismatch/chi2_seq": _chi2(s["ratio_seq"]),
+        names.K1_KL: -sum_lr / n,
+        names.K2_KL: 0.5 * sum_lr2 / n,
+        names.K3_KL: (s["ratio_token"][3] - sum_lr) / n,  # Σ (r − 1) − Σ log r
+        names.CHI2_TOKEN: _chi2(s["ratio_token"]),
+        names.CHI2_SEQ: _chi2(s["ratio_seq"]),
     }
-    for name, total in zip(("rollout_ppl", "training_ppl", "ppl_ratio", "log_ppl_diff"), s["ppl"], strict=True):
-        out[f"mismatch/{name}"] = total / n_seq  # ppl_ratio: ppl_train / ppl_rollout; log_ppl_diff: their logs
-    out["mismatch/ess_token"] = _summary(s["ratio_token"])[1]
-    out["mismatch/ess_seq"] = _summary(s["ratio_seq"])[1]
+    per_seq_keys = (names.ROLLOUT_PPL, names.TRAINING_PPL, names.PPL_RATIO, names.LOG_PPL_DIFF)
+    for key, total in zip(per_seq_keys, s["ppl"], strict=True):
+        out[key] = total / n_seq  # ppl_ratio: ppl_train / ppl_rollout; log_ppl_diff: their logs
+    out[names.ESS_TOKEN] = _summary(s["ratio_token"])[1]
+    out[names.ESS_SEQ] = _summary(s["ratio_seq"])[1]
 
     sum_dp, max_dp, sum_dl, max_dl = s["gaps"]
-    out.update({"mismatch/abs_dp_max": max_dp, "mismatch/abs_dp_mean": sum_dp / n,
-                "mismatch/abs_dlogp_mean": sum_dl / n, "mismatch/abs_dlogp_max": max_dl})
+    out.update({names.ABS_DP_MAX: max_dp, names.ABS_DP_MEAN: sum_dp / n, names.ABS_DLOGP_MEAN: sum_dl / n,
+                names.ABS_DLOGP_MAX: max_dl})
     so, sr, soo, srr, sor = (v / n for v in s["pearson"])  # about the means: so, sr ≈ 0, no cancellation
     var_o, var_r = max(soo - so * so, 0.0), max(srr - sr * sr, 0.0)
     den = math.sqrt(var_o * var_r)
-    out["mismatch/pearson_p"] = min(1.0, max(-1.0, (sor - so * sr) / den)) if den > 0 else 0.0
+    out[names.PEARSON_P] = min(1.0, max(-1.0, (sor - so * sr) / den)) if den > 0 else 0.0
 
     at_or_above = [*s["bucket_at_or_above"], 0.0]
-    for b, (bucket, gap) in enumerate(zip(bucket_names(), s["bucket_gaps"], strict=True)):
+    for b, (gap_key, frac_key, gap) in enumerate(zip(names.BUCKET_GAP_KEYS, names.BUCKET_FRAC_KEYS, s["bucket_gaps"],
+                                                     strict=True)):
         count = at_or_above[b] - at_or_above[b + 1]  # differences of exact token counts
-        out[f"mismatch/abs_dlogp_{bucket}"] = gap / max(count, 1.0)
-        out[f"mismatch/frac_{bucket}"] = count / n
-    for key in ("entropy", "entropy_sampled"):
-        if key in s:
-            out[f"mismatch/{key}"] = (s[key][0] if key == "entropy" else -s[key][0]) / n
+        out[gap_key] = gap / max(count, 1.0)
+        out[frac_key] = count / n
+    if "entropy" in s:
+        out[names.ENTROPY] = s["entropy"][0] / n
+    if "entropy_sampled" in s:
+        out[names.ENTROPY_SAMPLED] = -s["entropy_sampled"][0] / n
 
     raw_stats, _ = _summary(s["ratio_token"] if cfg.level == "token" else s["raw"])
     weight_stats, ess = _summary(s["weight"])
-    for prefix, stats in (("weight_raw", raw_stats), ("weight", weight_stats)):
-        for stat, value in zip(("mean", "std", "min", "max"), stats, strict=True):
-            out[f"correction/{prefix}_{stat}"] = value
-    out["correction/ess"] = ess
+    out.update(zip(names.WEIGHT_RAW_STATS, raw_stats, strict=True))
+    out.update(zip(names.WEIGHT_STATS, weight_stats, strict=True))
+    out[names.ESS] = ess
 
     # what the correction did, as fractions of action tokens (0 for what this configuration never does)
-    names = ["truncated", "clipped_low", "clipped_high", "bounds_masked", "rejected",
-             *(f"rs_{crit.name}" for crit in cfg.rejection), "vetoed"]
-    for name in names:
-        out[f"correction/{name}_frac"] = s[name][0] / n_act if name in s else 0.0
+    flags = [("truncated", names.TRUNCATED_FRAC), ("clipped_low", names.CLIPPED_LOW_FRAC),
+             ("clipped_high", names.CLIPPED_HIGH_FRAC), ("bounds_masked", names.BOUNDS_MASKED_FRAC),
+             ("rejected", names.REJECTED_FRAC),
+             *((f"rs_{crit.name}", names.rejection_frac_key(crit.name)) for crit in cfg.rejection),
+             ("vetoed", names.VETOED_FRAC)]
+    for name, key in flags:
+        out[key] = s[name][0] / n_act if name in s else 0.0
     vetoed_seqs, action_seqs = s.get("vetoed_seqs", (0.0, 1.0))
-    out["correction/vetoed_seq_frac"] = vetoed_seqs / max(action_seqs, 1.0)
-    out["correction/opsm_frac"] = s["opsm"][0] / n_act if "opsm" in s else 0.0
-    out["correction/nonfinite_frac"] = (n_act_tokens - n_valid) / n_act  # lost to non-finite log-probs
-    out["correction/nonfinite_count"] = n_nonfinite
-    out["correction/masked_frac"] = (n_act_tokens - n_kept) / n_act
-    out["correction/kept_frac"] = n_kept / n_act
-    out["correction/norm_factor"] = 1.0  # replaced by metrics_to_dict under self-normalization
+    out[names.VETOED_SEQ_FRAC] = vetoed_seqs / max(action_seqs, 1.0)
+    out[names.OPSM_FRAC] = s["opsm"][0] / n_act if "opsm" in s else 0.0
+    out[names.NONFINITE_FRAC] = (n_act_tokens - n_valid) / n_act  # lost to non-finite log-probs
+    out[names.NONFINITE_COUNT] = n_nonfinite
+    out[names.MASKED_FRAC] = (n_act_tokens - n_kept) / n_act
+    out[names.KEPT_FRAC] = n_kept / n_act
+    out[names.NORM_FACTOR] = 1.0  # replaced by metrics_to_dict under self-normalization
     return out
-
-
-_SCALED_BY_FACTOR = ("correction/weight_mean", "correction/weight_std", "correction/weight_min",
-                     "correction/weight_max")
 
 
 def metrics_to_dict(vector: torch.Tensor, factor: torch.Tensor | None,
@@ -244,7 +234,7 @@ def metrics_to_dict(vector: torch.Tensor, factor: torch.Tensor | None,
     out = metrics_from_sums(sums, cfg)
     if factor is not None:
         f = values[-1]
-        out["correction/norm_factor"] = f
-        for key in _SCALED_BY_FACTOR:  # w/f scales mean, std, min and max alike
+        out[names.NORM_FACTOR] = f
+        for key in names.WEIGHT_STATS:  # w/f scales mean, std, min and max alike
             out[key] /= f
     return out

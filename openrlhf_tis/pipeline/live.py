@@ -7,6 +7,15 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from openrlhf_tis.correction.names import (
+    ABS_DP_MAX,
+    K3_KL,
+    MASKED_FRAC,
+    REWARD_MEAN,
+    STALENESS_MAX,
+    STALENESS_MEAN,
+    STEP_SECONDS,
+)
 from openrlhf_tis.pipeline.report import displayable, ipython_display
 from openrlhf_tis.viz.curves import plot_curves
 
@@ -18,10 +27,10 @@ def step_line(record: dict[str, Any], total: int) -> str:
         return format(value, spec) if isinstance(value, (int, float)) else "-"
 
     # Lag only where there is any (async training): a synchronous run's line stays as short as before.
-    lag = f"  lag {fmt('staleness/mean', '.2f')}" if record.get("staleness/max") else ""
-    return (f"step {record['step']}/{total}  reward {fmt('rollout/reward_mean', '.3f')}  "
-            f"k3 {fmt('mismatch/k3_kl', '.2e')}  max|Δp| {fmt('mismatch/abs_dp_max', '.3f')}  "
-            f"masked {fmt('correction/masked_frac', '.3f')}{lag}  {fmt('timing/step_total', '.1f')} s")
+    lag = f"  lag {fmt(STALENESS_MEAN, '.2f')}" if record.get(STALENESS_MAX) else ""
+    return (f"step {record['step']}/{total}  reward {fmt(REWARD_MEAN, '.3f')}  "
+            f"k3 {fmt(K3_KL, '.2e')}  max|Δp| {fmt(ABS_DP_MAX, '.3f')}  "
+            f"masked {fmt(MASKED_FRAC, '.3f')}{lag}  {fmt(STEP_SECONDS, '.1f')} s")
 
 
 class LiveCurves:

@@ -15,6 +15,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from openrlhf_tis.pipeline.params import Param
+from openrlhf_tis.rollout.precision import PRECISION_FLAG, rollout_option
 from openrlhf_tis.runs.config import read_run_config
 from openrlhf_tis.runs.reader import load_metrics
 from openrlhf_tis.viz.compare import (
@@ -89,7 +90,7 @@ def held_out_label(policy: str, when: str) -> str:
 def rollout_policy(run_dir: Path) -> str:
     """ROLLOUT_POLICY for the run's `--vllm.rollout_precision` (bf16, upstream's default, when not recorded)."""
     config = (read_run_config(run_dir) or {}).get("config", {})
-    return ROLLOUT_POLICY.format(precision=config.get("vllm.rollout_precision", "bf16"))
+    return ROLLOUT_POLICY.format(precision=rollout_option(config, PRECISION_FLAG))
 
 
 # final_table column -> its heading in a report: words with spaces, so that a browser can wrap a narrow column.

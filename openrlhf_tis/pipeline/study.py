@@ -32,6 +32,7 @@ from openrlhf_tis.cpu_features import native_bf16
 from openrlhf_tis.pipeline.main_job import job_params
 from openrlhf_tis.pipeline.params import ParameterError
 from openrlhf_tis.pipeline.sweep import SweepResult, results_table, run_sweep
+from openrlhf_tis.rollout.precision import PRECISION_FLAG, WEIGHT_BITS_FLAG
 from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.runs.reader import load_metrics
 from openrlhf_tis.viz.compare import final_table, run_facts
@@ -55,7 +56,7 @@ DOSES: dict[str, tuple[dict[str, str], str]] = {
 CORRECTIONS = ("off", "tis", "token_mis", "seq_mis")
 BASELINES = ("ppo_is", "vanilla_is")  # the TIS talk's: PPO-IS (μ inside the clip) and untruncated IS
 SEEDS = (1, 2, 3)
-DOSE_FLAG, INT8_BITS_FLAG = "--doses", "--vllm.int8_weight_bits"
+DOSE_FLAG = "--doses"
 # --quick: a coarse curve with 2 seeds that fits an hour on a 2-core AVX2 CPU (see QUICK_STEPS and CellCost).
 QUICK = {"none": ("off",), "w4a8": ("off", "tis")}
 QUICK_SEEDS = (1, 2)
@@ -96,10 +97,10 @@ def check_doses(doses: list[str], weight_bits_choices: tuple[str, ...], fp8_runs
     for dose in doses:
         bits = DOSES[dose][0].get("int8_weight_bits")
         if bits is not None and bits not in weight_bits_choices:
-            raise ParameterError(f"{DOSE_FLAG} {dose}: this build's {INT8_BITS_FLAG} takes only "
+            raise ParameterError(f"{DOSE_FLAG} {dose}: this build's {WEIGHT_BITS_FLAG} takes only "
                                  f"{list(weight_bits_choices)}, not {bits}")
         if dose == "fp8" and not fp8_runs:
-            raise ParameterError(f"{DOSE_FLAG} fp8: no FP8 kernel runs on this machine (--vllm.rollout_precision fp8)")
+            raise ParameterError(f"{DOSE_FLAG} fp8: no FP8 kernel runs on this machine ({PRECISION_FLAG} fp8)")
 
 
 def dose_params(dose: str, trainer_dtype: str) -> dict[str, str]:

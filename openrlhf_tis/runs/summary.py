@@ -1,8 +1,8 @@
 """A one-run summary: how far it got, where reward and mismatch went, how much was masked.
 
-Metric names differ between upstream (`vllm_kl`, `is_filter_ratio`, `rollout/reward_mean`) and the
-fork (`mismatch/k3_kl`, `correction/...`), and older runs lack some: each quantity takes the first key
-of its candidate list that the run has, and says which one it used.
+Metric names differ between upstream (`vllm_kl`, `is_filter_ratio`, `reward`) and the fork
+(`mismatch/k3_kl`, `correction/...`), and older runs lack some: each quantity takes the first key of its
+candidate list (correction/names.py) that the run has, and says which one it used.
 """
 
 from __future__ import annotations
@@ -16,14 +16,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from openrlhf_tis.correction.names import MASKED_KEYS, MISMATCH_KEYS, REWARD_KEYS
 from openrlhf_tis.runs.config import PLANNED_STEPS_KEY, read_run_config
 from openrlhf_tis.runs.heldout import kept_label, read_kept
 from openrlhf_tis.runs.query import mask_reason_counts, token_steps
 from openrlhf_tis.runs.reader import load_metrics, run_info
 
-REWARD_KEYS = ("rollout/reward_mean", "reward", "reward_mean", "avg_reward")
-MISMATCH_KEYS = ("mismatch/k3_kl", "mismatch/k1_kl", "mismatch/kl", "vllm_kl")
-MASKED_KEYS = ("correction/masked_frac", "correction/masked_fraction", "mismatch/masked_frac", "is_filter_ratio")
 _MASKED_PATTERN = re.compile(r"mask.*(frac|ratio|rate)")
 
 

@@ -35,6 +35,7 @@ from openrlhf.trainer.ray.ppo_actor import PolicyModelActor as _UpstreamActorCla
 from openrlhf.utils.loss_utils import _get_dp_group
 
 from openrlhf_tis.correction import CorrectionConfig, compute_correction, kept_weight_totals, policy_loss
+from openrlhf_tis.correction.names import K1_KL, MASKED_FRAC, TOKEN_DUMP_SECONDS, TOKEN_DUMP_TOKENS
 from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.runs.identity import write_checkpoint_identity
 from openrlhf_tis.runs.tokens import TokenDumpWriter
@@ -112,8 +113,8 @@ class CorrectionPolicyLoss:
         if not metrics:
             return out.loss, out.clip_ratio, out.ppo_kl, None, None
         # Upstream's own names keep their meaning: KL(μ‖π_old) by k1, and the share of filtered tokens.
-        vllm_kl = torch.tensor(metrics["mismatch/k1_kl"])
-        filtered = torch.tensor(metrics["correction/masked_frac"])
+        vllm_kl = torch.tensor(metrics[K1_KL])
+        filtered = torch.tensor(metrics[MASKED_FRAC])
         return out.loss, out.clip_ratio, out.ppo_kl, vllm_kl, filtered
 
 
@@ -233,7 +234,7 @@ class CorrectionActorPPOTrainer(ActorPPOTrainer):
                 writer = self._token_writer = TokenDumpWriter(dump.plan.run_dir, getattr(self, "tokenizer", None))
             writer.write_step(dump.plan.step, columns, part=part)
         dump.seconds += time.perf_counter() - started
-        return {"run_store/token_dump_s": dump.seconds, "run_store/token_dump_tokens": float(rows)}
+        return {TOKEN_DUMP_SECONDS: dump.seconds, TOKEN_DUMP_TOKENS: float(rows)}
 
     @torch.no_grad()
     def _replay_buffer_normalizer(self) -> torch.Tensor | None:

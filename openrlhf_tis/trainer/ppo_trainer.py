@@ -43,6 +43,15 @@ from openrlhf.trainer.ppo_trainer_async import PPOTrainerAsync as _UpstreamAsync
 from openrlhf.trainer.ppo_trainer_async import TrainingActor as _UpstreamTrainingClass
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
+from openrlhf_tis.correction.names import (
+    EVAL_PREFIX,
+    EVAL_START_PREFIX,
+    INT8_SYNC_PREFIX,
+    LOGPROB_COVERAGE,
+    QUEUE_WAIT,
+    SYNC_CHECK_SECONDS,
+    SYNC_WEIGHTS_SECONDS,
+)
 from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.rollout.checkpoint import read_last_sync_stats
 from openrlhf_tis.runs.layout import ROLLOUT_MODEL_DIR
@@ -153,7 +162,7 @@ class ForkController:
         if states["global_step"] == 0 and self._eval_due(None):
             t0 = time.perf_counter()
             logs = self.evaluate(0, **self._eval_generate_kwargs())
-            self._eval_start = eval_metrics(logs, "eval_start/", time.perf_counter() - t0)
+            self._eval_start = eval_metrics(logs, EVAL_START_PREFIX, time.perf_counter() - t0)
         return states
 
     def _eval_due(self, step: int | None) -> bool:
@@ -172,7 +181,7 @@ class ForkController:
         if self._held_line is not None and self._held_line[0] == global_step:
             step, line = self._held_line
             self._held_line = None
-            self._run.append_metrics(step, {**line, **eval_metrics(logs, "eval/", time.perf_counter() - t0)})
+            self._run.append_metrics(step, {**line, **eval_metrics(logs, EVAL_PREFIX, time.perf_counter() - t0)})
         return logs
 
     def broadcast_to_vllm(self) -> None:
@@ -187,8 +196,8 @@ class ForkController:
         t2 = time.perf_counter()
         if due:
             self._sync_metrics.update(self._sync_checker.after_sync(probe))
-            self._sync_metrics["sync/check_s"] = t1 - t0 + time.perf_counter() - t2
-        self._sync_metrics["sync/weights_s"] = t2 - t1
+            self._sync_metrics[SYNC_CHECK_SECONDS] = t1 - t0 + time.perf_counter() - t2
+        self._sync_metrics[SYNC_WEIGHTS_SECONDS] = t2 - t1
         self._sync_metrics.update(self._quantized_sync_metrics())
 
     def _quantized_sync_metrics(self) -> dict[str, float]:
@@ -198,12 +207,12 @@ class ForkController:
         record = read_last_sync_stats(os.path.join(self.args.logger.run_dir, ROLLOUT_MODEL_DIR))
         if record is None:
             return {}
-        return {f"rollout/int8_{key}": float(record[key])
+        return {INT8_SYNC_PREFIX + key: float(record[key])
                 for key in ("saturated_fraction", "max_rel_error", "quantize_s") if key in record}
 
     def _compute_rollout_stats(self, experiences) -> dict:
         stats = super()._compute_rollout_stats(experiences)
-        stats["rollout/logprob_coverage"] = rollout_logprob_coverage(experiences)
+        stats[LOGPROB_COVERAGE] = rollout_logprob_coverage(experiences)
         return stats
 
     def train_step(self, rollout_samples, global_step: int):
@@ -224,7 +233,7 @@ class ForkController:
         status.update(staleness_metrics(lags, spanning))
         status.update(stale_metrics)
         if waited is not None and isinstance(self, TrainerSideEval):
-            status["timing/queue_wait"] = waited  # async: blocked on the rollout queue (sync fit sums timing/*)
+            status[QUEUE_WAIT] = waited  # async: blocked on the rollout queue (sync fit sums timing/*)
         status.update(self._sync_metrics)
         self._sync_metrics = {}
         return status, global_step

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from openrlhf_tis.correction.names import REWARD_DROPPED, REWARD_NONFINITE
+
 DROP_FLAG = "--reward.nonfinite drop"
 
 
@@ -85,7 +87,7 @@ def describe_samples(samples: Sequence, positions: Sequence[int], group_size: in
 def screen_rewards(samples: list, rules: RewardPolicy, step: int) -> tuple[list, dict[str, float]]:
     """The samples to train on at `step` and the `reward/*` counts; raises NonFiniteRewardError (see module doc)."""
     bad = nonfinite_samples(samples)
-    metrics = {"reward/nonfinite_samples": float(len(bad)), "reward/dropped_samples": 0.0}
+    metrics = {REWARD_NONFINITE: float(len(bad)), REWARD_DROPPED: 0.0}
     if not bad:
         return samples, metrics
     what = (f"step {step}: the reward from {rules.source} is NaN or inf for {len(bad)} of {len(samples)} samples: "
@@ -98,7 +100,7 @@ def screen_rewards(samples: list, rules: RewardPolicy, step: int) -> tuple[list,
         raise NonFiniteRewardError(f"{what}. {DROP_FLAG} leaves {len(kept)} samples, fewer than one "
                                    f"--train.micro_batch_size ({rules.train_micro_batch}) for each of "
                                    f"{rules.data_parallel} data-parallel actor(s).")
-    metrics["reward/dropped_samples"] = float(len(samples) - len(kept))
+    metrics[REWARD_DROPPED] = float(len(samples) - len(kept))
     return [samples[i] for i in kept], metrics
 
 

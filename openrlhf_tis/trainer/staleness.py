@@ -16,6 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from openrlhf_tis.correction.names import (
+    STALENESS_DROPPED,
+    STALENESS_MAX,
+    STALENESS_MEAN,
+    STALENESS_SPANNING_SYNC,
+    staleness_lag_key,
+)
 from openrlhf_tis.rollout.versions import VERSION_FIRST, VERSION_LAST
 from openrlhf_tis.trainer.rewards import RewardPolicy, keep_groups
 
@@ -50,11 +57,11 @@ def staleness_metrics(lags: Sequence[int], partial: Sequence[int] = ()) -> dict[
     """
     n = max(len(lags), 1)
     top = max(lags, default=0)
-    metrics = {"staleness/mean": sum(lags) / n, "staleness/max": float(top)}
+    metrics = {STALENESS_MEAN: sum(lags) / n, STALENESS_MAX: float(top)}
     for k in range(top + 1):
-        metrics[f"staleness/lag_{k}"] = sum(1 for lag in lags if lag == k) / n
+        metrics[staleness_lag_key(k)] = sum(1 for lag in lags if lag == k) / n
     if partial:
-        metrics["staleness/spanning_sync"] = sum(1 for p in partial if p) / n
+        metrics[STALENESS_SPANNING_SYNC] = sum(1 for p in partial if p) / n
     return metrics
 
 
@@ -87,7 +94,7 @@ def drop_stale(samples: list, lags: Sequence[int], max_lag: int | None, rules: R
         return samples, list(lags), {}
     stale = [i for i, lag in enumerate(lags) if lag > max_lag]
     if not stale:
-        return samples, list(lags), {"staleness/dropped_samples": 0.0}
+        return samples, list(lags), {STALENESS_DROPPED: 0.0}
     kept_positions = keep_groups(len(samples), stale, rules)
     if len(kept_positions) < rules.min_samples():
         raise StalenessError(
@@ -95,4 +102,4 @@ def drop_stale(samples: list, lags: Sequence[int], max_lag: int | None, rules: R
             f"(lags up to {max(lags)}), and dropping their prompt groups leaves fewer than one train micro batch "
             f"per actor. Raise {MAX_LAG_FLAG} or lower --train.async_queue_size.")
     return ([samples[i] for i in kept_positions], [lags[i] for i in kept_positions],
-            {"staleness/dropped_samples": float(len(samples) - len(kept_positions))})
+            {STALENESS_DROPPED: float(len(samples) - len(kept_positions))})

@@ -34,6 +34,16 @@ from dataclasses import dataclass
 import ray
 import torch
 
+from openrlhf_tis.correction.names import (
+    SYNC_BASELINE,
+    SYNC_EXCESS,
+    SYNC_GAP_MAX,
+    SYNC_GAP_MEAN,
+    SYNC_TRAINER_PROBE_CHANGE,
+    SYNC_VLLM_LOGPROB_CHANGE,
+    SYNC_VLLM_PROBE_CHANGE,
+)
+
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. Question: what is 12 + 7? Answer: 19."
 # Mean |dlog p| the trainer's probe log-probs must have moved for an unchanged engine to count as stale. A real
 # engine changes with any weight that crosses its dtype's rounding step, so an unchanged engine after a trainer
@@ -81,7 +91,7 @@ class SyncRule:
             _check_finite(i, score, "before training")
         self.baseline = torch.cat([s.gap for s in scores]).mean().item()
         self._last = scores
-        return {"sync/baseline_mean_abs_logprob": self.baseline}
+        return {SYNC_BASELINE: self.baseline}
 
     def judge(self, scores: list[ProbeScore]) -> dict[str, float]:
         """Metrics of a checked sync; WeightSyncError when an engine does not compute with the new weights.
@@ -105,8 +115,8 @@ class SyncRule:
                         "old weights")
                 engine_moves.append((now.engine_probe - last.engine_probe).abs())
                 trainer_moves.append(trainer_move)
-            moves = {"sync/vllm_probe_change_mean_abs": torch.cat(engine_moves).mean().item(),
-                     "sync/trainer_probe_change_mean_abs": torch.cat(trainer_moves).mean().item()}
+            moves = {SYNC_VLLM_PROBE_CHANGE: torch.cat(engine_moves).mean().item(),
+                     SYNC_TRAINER_PROBE_CHANGE: torch.cat(trainer_moves).mean().item()}
         limit = self.baseline + self.tolerance * max(1.0, self.baseline)
         for i, score in enumerate(scores):
             if (gap := score.gap.mean().item()) > limit:
@@ -117,10 +127,8 @@ class SyncRule:
                     "--vllm.sync_check_tolerance): the engine does not compute with "
                     "the trained weights")
         gap = torch.cat([s.gap for s in scores])
-        metrics = {"sync/vllm_vs_trainer_mean_abs_logprob": gap.mean().item(),
-                   "sync/vllm_vs_trainer_max_abs_logprob": gap.max().item(),
-                   "sync/baseline_mean_abs_logprob": self.baseline,
-                   "sync/vllm_vs_trainer_excess": gap.mean().item() - self.baseline, **moves}
+        metrics = {SYNC_GAP_MEAN: gap.mean().item(), SYNC_GAP_MAX: gap.max().item(), SYNC_BASELINE: self.baseline,
+                   SYNC_EXCESS: gap.mean().item() - self.baseline, **moves}
         self._last = scores
         return metrics
 
@@ -208,5 +216,5 @@ class SyncChecker:
         if probe is not None:
             changes = [(_prompt_logprobs(o) - before).abs() for o, before in zip(outputs, probe.prompt_logprobs,
                                                                                   strict=True)]
-            metrics["sync/vllm_logprob_change_mean_abs"] = torch.cat(changes).mean().item()
+            metrics[SYNC_VLLM_LOGPROB_CHANGE] = torch.cat(changes).mean().item()
         return metrics

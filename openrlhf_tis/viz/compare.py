@@ -16,16 +16,27 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from openrlhf_tis.correction.names import (
+    ABS_DP_MAX,
+    ENTROPY_KEYS,
+    EVAL_PREFIX,
+    K3_KL,
+    MASKED_FRAC,
+    MISMATCH_KEYS,
+    REWARD_KEYS,
+    STEP_SECONDS,
+    TRUNCATED_FRAC,
+)
+from openrlhf_tis.rollout.precision import PRECISION_FLAG, WEIGHT_BITS_FLAG, dest, rollout_option
 from openrlhf_tis.runs.config import read_run_config
 from openrlhf_tis.runs.layout import is_run_dir, readable_dir_name
 from openrlhf_tis.runs.reader import find_runs, load_metrics
-from openrlhf_tis.runs.summary import MISMATCH_KEYS, REWARD_KEYS, pick_key
+from openrlhf_tis.runs.summary import pick_key
 from openrlhf_tis.viz.curves import SEED_IN_NAME, held_out
 
 # Paths that differ between any two runs without making them different experiments.
 _INCIDENTAL = ("logger.run_dir", "ckpt.path", "ckpt.output_dir", "data.prompt_dataset", "actor.model_name_or_path")
 SEED_FLAGS = ("train.seed", "seed")  # runs that differ only here are seeds of one setting
-K3_KEY = "mismatch/k3_kl"
 
 
 def resolve_runs(runs: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:
@@ -93,7 +104,7 @@ def _column(frame: pd.DataFrame, key: str, how: str) -> float:
 
 def held_out_key(frame: pd.DataFrame) -> str | None:
     """The run's main held-out metric: the first `eval/*pass1` key, else the first `eval/` score-like key."""
-    keys = sorted(k for k in frame.columns if k.startswith("eval/") and not k.endswith("seconds"))
+    keys = sorted(k for k in frame.columns if k.startswith(EVAL_PREFIX) and not k.endswith("seconds"))
     return next((k for k in keys if k.endswith("pass1")), keys[0] if keys else None)
 
 
@@ -119,11 +130,11 @@ def final_table(metrics: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
             "held_out_last": float(held_values[-1]) if len(held_values) else float("nan"),
             "held_out_first_step": int(held_steps[0]) if len(held_steps) else None,
             "k3_kl_mean": _column(frame, pick_key(frame, MISMATCH_KEYS) or "", "mean"),
-            "abs_dp_max": _column(frame, "mismatch/abs_dp_max", "max"),
-            "masked_frac_mean": _column(frame, "correction/masked_frac", "mean"),
-            "truncated_frac_mean": _column(frame, "correction/truncated_frac", "mean"),
-            "entropy_last": _tail_mean(frame, pick_key(frame, ("mismatch/entropy", "mismatch/entropy_sampled"))),
-            "step_seconds": _column(frame, "timing/step_total", "mean"),
+            "abs_dp_max": _column(frame, ABS_DP_MAX, "max"),
+            "masked_frac_mean": _column(frame, MASKED_FRAC, "mean"),
+            "truncated_frac_mean": _column(frame, TRUNCATED_FRAC, "mean"),
+            "entropy_last": _tail_mean(frame, pick_key(frame, ENTROPY_KEYS)),
+            "step_seconds": _column(frame, STEP_SECONDS, "mean"),
         })
     return pd.DataFrame(rows).set_index("run") if rows else pd.DataFrame()
 
@@ -146,10 +157,9 @@ def dose_of(config: Mapping[str, Any]) -> str:
     trainer's dtype, `int8` for the weight grid the CPU computes exactly (`auto`: 8 bits, 7 without VNNI),
     `w<N>a8` for an explicit grid, else the precision itself; `+q<N>` for async training with a queue of N (stale
     rollouts add to the mismatch); `?` for a run without a config."""
-    precision = config.get("vllm.rollout_precision")
-    if precision is None:
+    if dest(PRECISION_FLAG) not in config:
         return "?"
-    bits = str(config.get("vllm.int8_weight_bits", "auto"))
+    precision, bits = rollout_option(config, PRECISION_FLAG), str(rollout_option(config, WEIGHT_BITS_FLAG))
     dose = "none" if precision == config.get("ds.param_dtype", "bf16") else \
         f"w{bits}a8" if precision == "int8" and bits != "auto" else str(precision)
     return dose + (f"+q{config.get('train.async_queue_size')}" if config.get("train.async_enable") else "")
@@ -187,7 +197,7 @@ def run_facts(paths: Sequence[Path], labels: Sequence[str] | None = None,
                                                           strict=True):
         frame = metrics[label] if metrics is not None else load_metrics(path)
         rows.append({"run": label, "setting": names[key], "seed": _seed_of(config, label), "dose": dose,
-                     "correction": correction, "k3_mean": _column(frame, K3_KEY, "mean"), "path": path})
+                     "correction": correction, "k3_mean": _column(frame, K3_KL, "mean"), "path": path})
     return pd.DataFrame(rows).set_index("run")
 
 

@@ -22,7 +22,28 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from openrlhf_tis.correction.metrics import bucket_names
+from openrlhf_tis.correction.names import (
+    ABS_DP_MAX,
+    BUCKET_FRAC_KEYS,
+    BUCKET_GAP_KEYS,
+    BUCKET_NAMES,
+    ENTROPY_KEYS,
+    EVAL_PREFIX,
+    EVAL_START_PREFIX,
+    MASKED_KEYS,
+    MISMATCH_KEYS,
+    REJECTED_FRAC,
+    RESPONSE_LENGTH_KEYS,
+    REWARD_KEYS,
+    STALENESS_MAX,
+    STALENESS_MEAN,
+    TRUNCATED_FRAC,
+    VETOED_FRAC,
+    WEIGHT_MAX,
+    WEIGHT_RAW_MAX,
+    WEIGHT_RAW_MEAN,
+    WEIGHT_RAW_MIN,
+)
 from openrlhf_tis.viz.stats import t_band
 
 
@@ -39,19 +60,16 @@ def _one(*keys: str) -> tuple[tuple[str, ...], ...]:
 
 
 PANELS: tuple[Panel, ...] = (
-    Panel("reward", (("rollout/reward_mean", "reward"),)),
-    Panel("held-out reward", (), pattern=r"^eval/.*(reward|score|pass|correct)"),
-    Panel("response length", (("rollout/response_length_mean", "response_length"),)),
-    Panel("entropy", (("mismatch/entropy", "mismatch/entropy_sampled"),)),
-    Panel("k3 KL(μ ‖ π_old)", (("mismatch/k3_kl", "vllm_kl"),), log=True),
-    Panel("max |Δp|", (("mismatch/abs_dp_max",),)),
-    Panel("IS weight", _one("correction/weight_raw_max", "correction/weight_max", "correction/weight_raw_mean",
-                            "correction/weight_raw_min"), log=True),
-    Panel("masked / truncated", (("correction/masked_frac", "is_filter_ratio"),
-                                 *_one("correction/truncated_frac", "correction/vetoed_frac",
-                                       "correction/rejected_frac"))),
+    Panel("reward", (REWARD_KEYS,)),
+    Panel("held-out reward", (), pattern=rf"^{EVAL_PREFIX}.*(reward|score|pass|correct)"),
+    Panel("response length", (RESPONSE_LENGTH_KEYS,)),
+    Panel("entropy", (ENTROPY_KEYS,)),
+    Panel("k3 KL(μ ‖ π_old)", (MISMATCH_KEYS,), log=True),
+    Panel("max |Δp|", _one(ABS_DP_MAX)),
+    Panel("IS weight", _one(WEIGHT_RAW_MAX, WEIGHT_MAX, WEIGHT_RAW_MEAN, WEIGHT_RAW_MIN), log=True),
+    Panel("masked / truncated", (MASKED_KEYS, *_one(TRUNCATED_FRAC, VETOED_FRAC, REJECTED_FRAC))),
     # Policy versions between a batch's rollout policy and π_old: 0 throughout a synchronous run.
-    Panel("staleness (lag)", _one("staleness/mean", "staleness/max")),
+    Panel("staleness (lag)", _one(STALENESS_MEAN, STALENESS_MAX)),
 )
 
 
@@ -83,7 +101,7 @@ def held_out(frame: pd.DataFrame, key: str) -> tuple[np.ndarray, np.ndarray]:
     steps = frame["step"].to_numpy()
     ok = np.isfinite(values)
     steps, values = steps[ok], values[ok]
-    start = "eval_start/" + key.removeprefix("eval/")
+    start = EVAL_START_PREFIX + key.removeprefix(EVAL_PREFIX)
     if start in frame:
         first = pd.to_numeric(frame[start], errors="coerce").dropna()
         if len(first):
@@ -137,7 +155,7 @@ def plot_curves(runs: pd.DataFrame | list[dict] | Mapping[str, pd.DataFrame | li
         for name, frame in frames.items():
             keys = panel_keys(frame, panel)
             for key in keys[:1] if many else keys:
-                steps, values = held_out(frame, key) if key.startswith("eval/") else \
+                steps, values = held_out(frame, key) if key.startswith(EVAL_PREFIX) else \
                     (frame["step"].to_numpy(), frame[key].to_numpy())
                 _draw(ax, steps, values, name if many else key, panel.log, **styles[name])
                 drawn += 1
@@ -165,7 +183,7 @@ def _run_series(frame: pd.DataFrame, panel: Panel) -> pd.Series | None:
     keys = panel_keys(frame, panel)
     if not keys:
         return None
-    steps, values = held_out(frame, keys[0]) if keys[0].startswith("eval/") else \
+    steps, values = held_out(frame, keys[0]) if keys[0].startswith(EVAL_PREFIX) else \
         (frame["step"].to_numpy(), pd.to_numeric(frame[keys[0]], errors="coerce").to_numpy(dtype=float))
     return pd.Series(values, index=steps).groupby(level=0).last()
 
@@ -225,8 +243,7 @@ def bucket_table(metrics: pd.DataFrame | list[dict]) -> pd.DataFrame:
     """
     frame = as_frame(metrics)
     rows = []
-    for bucket in bucket_names():
-        gap_key, frac_key = f"mismatch/abs_dlogp_{bucket}", f"mismatch/frac_{bucket}"
+    for bucket, gap_key, frac_key in zip(BUCKET_NAMES, BUCKET_GAP_KEYS, BUCKET_FRAC_KEYS, strict=True):
         if gap_key not in frame or frac_key not in frame:
             continue
         gap = pd.to_numeric(frame[gap_key], errors="coerce").to_numpy(dtype=float)

@@ -3,11 +3,10 @@
 Drawn on a bare `matplotlib.figure.Figure` (no pyplot: no global figure registry, no backend choice
 forced on the caller's kernel) and returned as PNG bytes for an ipywidgets.Image, which re-renders
 faster than an Output widget replaying a figure. Buckets are those of the logged metrics
-(`mismatch/abs_dlogp_pA-B`, correction/metrics.py), so the figure and the curves agree.
+(`mismatch/abs_dlogp_pA-B`, edges from correction/names.py), so the figure and the curves agree.
 
-Nothing here imports torch (hence the bucket edges are restated, and a test keeps them equal to
-correction.metrics'): torch more than doubles a kernel's live objects (121k -> 261k measured), and every
-full garbage collection then takes ~135 ms instead of ~44, enough to push an interaction past 300 ms.
+Nothing here imports torch: torch more than doubles a kernel's live objects (121k -> 261k measured), and
+every full garbage collection then takes ~135 ms instead of ~44, enough to push an interaction past 300 ms.
 """
 
 from __future__ import annotations
@@ -19,10 +18,10 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from openrlhf_tis.correction.names import PROB_BUCKET_EDGES
+
 MAX_POINTS = 5000
 """Scatter points drawn at most (a uniform subsample beyond): enough to see the shape, cheap to render."""
-PROB_BUCKET_EDGES = (1e-3, 1e-2, 0.1, 0.5, 0.9)
-"""Edges of the rollout-probability buckets: correction.metrics.PROB_BUCKET_EDGES (see the module docstring)."""
 _LOG10 = np.log(10.0)
 
 

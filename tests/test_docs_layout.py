@@ -1,0 +1,100 @@
+"""docs/design.md §2 and README's layout against the tree: every module, benchmark and doc is listed, and
+nothing listed is gone. A module added without a line in the map fails here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "openrlhf_tis"
+
+
+def _code_block(path: Path, heading: str) -> str:
+    text = path.read_text(encoding="utf-8")
+    start = text.index("```\n", text.index(heading)) + 4
+    return text[start:text.index("```", start)]
+
+
+DESIGN = _code_block(REPO / "docs" / "design.md", "## §2 Layers and data flow")
+README = _code_block(REPO / "README.md", "## Layout")
+
+
+def _sections(block: str) -> dict[str, str]:
+    """The map's sections: a line at column 0 that starts with `name/` opens one; indented lines continue it.
+    Lines at column 0 without a slash (the top-level modules) fall in section ''."""
+    sections: dict[str, str] = {"": ""}
+    current = ""
+    for line in block.splitlines():
+        if line and not line[0].isspace():
+            head = line.split()[0]
+            current = head if head.endswith("/") else ""
+        sections[current] = sections.get(current, "") + line + "\n"
+    return sections
+
+
+def _modules() -> list[Path]:
+    """Every module of the package (patches/ lives outside it and has its own table in patches/README.md)."""
+    return sorted(p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py")
+                  if p.name != "__init__.py" and "patches" not in p.relative_to(PACKAGE).parts)
+
+
+def _packages() -> list[str]:
+    return sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py") if p.parent.name != "patches")
+
+
+def _listed(section: str, name: str) -> bool:
+    """`name` starts a line of the section (a module's own line in the map)."""
+    return re.search(rf"^\s*{re.escape(name)}\s", section, re.M) is not None
+
+
+def test_the_tree_is_what_the_test_expects():
+    # guards the test itself: it sees the package, the benchmarks and the docs
+    assert Path("correction/names.py") in _modules() and "trainer" in _packages()
+    assert (REPO / "benchmarks" / "bench_correction.py").is_file() and (REPO / "docs" / "design.md").is_file()
+
+
+@pytest.mark.parametrize("module", _modules(), ids=str)
+def test_design_lists_every_module(module):
+    section = _sections(DESIGN)[f"{module.parent}/" if module.parent != Path() else ""]
+    assert _listed(section, module.name), f"docs/design.md §2: add a line for {module} under its package"
+
+
+def test_design_lists_nothing_that_is_gone():
+    sections = _sections(DESIGN)
+    for package in [*_packages(), ""]:
+        for name in re.findall(r"^\s*(\w+\.py)\s", sections.get(f"{package}/" if package else "", ""), re.M):
+            assert (PACKAGE / package / name).is_file(), f"docs/design.md §2 lists {package}/{name}, which is gone"
+    for name in re.findall(r"^\s*(\w+\.py)\s", sections["benchmarks/"], re.M):
+        assert (REPO / "benchmarks" / name).is_file(), f"docs/design.md §2 lists benchmarks/{name}, which is gone"
+
+
+def test_readme_lists_every_package_and_top_level_module():
+    for package in _packages():
+        assert f"openrlhf_tis/{package}/" in README, f"README layout: add openrlhf_tis/{package}/"
+    for module in _modules():
+        if module.parent == Path():
+            assert module.name in README, f"README layout: add {module.name}"
+
+
+def _benchmarks() -> list[str]:
+    return sorted(p.name for p in (REPO / "benchmarks").glob("*.py"))
+
+
+def _docs() -> list[str]:
+    docs = REPO / "docs"
+    return sorted([p.name for p in docs.glob("*.md")] + [f"{p.name}/" for p in docs.iterdir() if p.is_dir()])
+
+
+def test_every_benchmark_is_listed_in_both():
+    for name in _benchmarks():
+        assert _listed(_sections(DESIGN)["benchmarks/"], name), f"docs/design.md §2: add benchmarks/{name}"
+        assert name in README, f"README layout: add benchmarks/{name}"
+
+
+def test_every_doc_is_listed_in_both():
+    for name in _docs():
+        assert name in _sections(DESIGN)["docs/"], f"docs/design.md §2: add docs/{name}"
+        assert name in README, f"README layout: add docs/{name}"
