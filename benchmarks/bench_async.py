@@ -26,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from openrlhf_tis.params import check_params
 from openrlhf_tis.pipeline.main_job import job_params
-from openrlhf_tis.pipeline.params import check_params
 from openrlhf_tis.pipeline.train import TRAIN_PARAMS, run_training
 from openrlhf_tis.runs.reader import read_metrics_records
 
