@@ -55,9 +55,11 @@ def test_committed_notebooks_are_the_generated_ones():
 
 
 @pytest.mark.parametrize("name", sorted(NOTEBOOK_SOURCES))
-def test_each_notebook_checks_its_parameters_against_its_own_spec(name):
+def test_each_notebook_checks_its_parameters_against_its_own_spec(name, tmp_path, monkeypatch):
     """Run a notebook's parameters cell and check cell (no kernel): the check accepts every default, so it
     imported the spec the parameters cell was generated from, and refuses a name that spec lacks."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sweep.toml").write_text("[grid]\nseed = [1]\n")  # the sweep's default grid file
     cells = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4).cells
     parameters, check = cells[1].source, cells[2].source
     defaults = {}
