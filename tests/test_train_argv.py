@@ -152,5 +152,5 @@ def test_an_unknown_correction_option_is_refused_naming_it():
     with pytest.raises(ParameterError) as err:
         check_params({"correction_options": {"upper": 3, "uper": 2}}, TRAIN_PARAMS, where="train")
     first = str(err.value).splitlines()[0]
-    assert first.startswith("train: correction_options = ") and "'uper' is no CorrectionConfig field" in first
+    assert first.startswith("train: correction_options = ") and "'uper' is not a CorrectionConfig field" in first
     assert check_params({"correction_options": {"upper": 3}}, TRAIN_PARAMS)["correction_options"] == {"upper": 3}

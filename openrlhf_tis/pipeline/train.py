@@ -54,7 +54,7 @@ CORRECTION_FIELDS = tuple(f.name for f in dataclasses.fields(CorrectionConfig)) 
 
 def _options(value: dict) -> str | None:
     unknown = [k for k in value if k not in CORRECTION_FIELDS]
-    return f"{unknown[0]!r} is no CorrectionConfig field; known: {', '.join(CORRECTION_FIELDS)}" if unknown else None
+    return f"{unknown[0]!r} is not a CorrectionConfig field; known: {', '.join(CORRECTION_FIELDS)}" if unknown else None
 
 
 # Each parameter names the training CLI flag it becomes (build_argv derives the command from them); the four without
