@@ -37,8 +37,8 @@ from openrlhf_tis.correction.names import (
     TOKEN_DUMP_SECONDS,
     UPSTREAM_RESPONSE_LENGTH,
 )
+from openrlhf_tis.params import check_params
 from openrlhf_tis.pipeline.main_job import job_params
-from openrlhf_tis.pipeline.params import check_params
 from openrlhf_tis.pipeline.train import TRAIN_PARAMS, run_training
 from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.runs.reader import read_metrics_records

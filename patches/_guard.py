@@ -2,11 +2,15 @@
 
 Every patch is written against one upstream release. When upstream moves, a patch must stop the run
 with a message that names the package, the version found and the supported range, never half-apply.
+This module imports nothing of the fork: the fork's classes that re-class live upstream objects (`reclass`)
+use it from any layer without importing a patch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+from collections.abc import Iterator
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
@@ -79,3 +83,43 @@ def upstream_original(owner: Any, attr: str) -> Any:
 def unpatched(owner: Any, attr: str) -> Any:
     """owner.attr as upstream defines it, whether or not `replace` has run (for a wrapper built before it)."""
     return owner.__dict__.get("__openrlhf_tis_originals__", {}).get(attr) or getattr(owner, attr)
+
+
+@contextlib.contextmanager
+def swapped(owner: Any, attr: str, new: Any, *, patch: str) -> Iterator[Any]:
+    """owner.attr = new inside the block only (upstream's restored after it, even on error); yields upstream's.
+
+    For a change upstream's code must see while one call of it runs, and nothing else afterwards.
+    """
+    if not hasattr(owner, attr):
+        name = getattr(owner, "__name__", repr(owner))
+        raise PatchTargetMissingError(f"patch {patch!r}: {name}.{attr} no longer exists upstream")
+    missing = object()
+    own = owner.__dict__.get(attr, missing)
+    original = getattr(owner, attr)
+    setattr(owner, attr, new)
+    try:
+        yield original
+    finally:
+        if own is missing:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, own)
+
+
+def reclass(obj: Any, fork_class: type, *, supported: str, patch: str) -> None:
+    """Make the live OpenRLHF object `obj` an instance of `fork_class`, keeping every attribute its constructor set.
+
+    For an object upstream builds where it offers no factory: `fork_class` subclasses the exact class upstream
+    built and adds or overrides methods only (its own set-up, if any, is the caller's next call). Idempotent.
+    Refuses an openrlhf outside `supported` and an object of any other class than the one `fork_class` extends.
+    """
+    require_version("openrlhf", supported, patch=patch)
+    if isinstance(obj, fork_class):
+        return
+    if type(obj) not in fork_class.__bases__:
+        raise PatchTargetMissingError(
+            f"patch {patch!r}: upstream built a {type(obj).__module__}.{type(obj).__qualname__}, not the "
+            f"{' or '.join(base.__qualname__ for base in fork_class.__bases__)} that {fork_class.__qualname__} "
+            "extends; review the patch")
+    obj.__class__ = fork_class

@@ -6,9 +6,9 @@ platform it computes `F.linear(h.float(), lm_head.weight.float())`: the whole vo
 weight is cast afresh at every forward. For SmolLM2-135M that is 28 M values per decode step, and
 it made `--vllm.fp32_lm_head` rollouts ~45% slower on CPU (`torch.mm(out_dtype=...)` has no CPU
 kernel in torch 2.13). This patch casts once and reuses the copy; the logits are bit-identical
-(the same F.linear on the same fp32 values). The copy is dropped whenever the fork reloads weights
-(`forget_fp32_heads`, called by openrlhf_tis.rollout.cpu_worker_extension.reload_into_engine) and
-whenever the weight tensor itself is replaced, so a sync can never leave a stale head
+(the same F.linear on the same fp32 values). The copy (openrlhf_tis.rollout.fp32_head) is dropped whenever
+the fork reloads weights (`forget_fp32_heads`, called by openrlhf_tis.rollout.cpu_worker_extension.reload_into_engine)
+and whenever the weight tensor itself is replaced, so a sync can never leave a stale head
 (tests/test_weight_sync_vllm.py).
 """
 
@@ -17,28 +17,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from openrlhf_tis.rollout.fp32_head import fp32_head_weight
+
 from ._guard import replace, require_version, unpatched
 from ._import_hooks import after_import
 
 NAME = "cpu_fp32_head"
 TARGET = "vllm.model_executor.layers.logits_processor"
-_CACHE = "_openrlhf_tis_fp32_weight"  # (source data_ptr, fp32 copy) on the lm_head module
-
-
-def fp32_head_weight(lm_head: torch.nn.Module) -> torch.Tensor:
-    """The lm_head weight in fp32, cast on first use after a (re)load."""
-    weight = lm_head.weight
-    cached = lm_head.__dict__.get(_CACHE)
-    if cached is None or cached[0] != weight.data_ptr():
-        cached = (weight.data_ptr(), weight.detach().to(torch.float32))
-        lm_head.__dict__[_CACHE] = cached  # a plain attribute: not a parameter or buffer vLLM would load
-    return cached[1]
-
-
-def forget_fp32_heads(model: torch.nn.Module) -> None:
-    """Drop every cached fp32 head copy of `model` (its weights were just reloaded in place)."""
-    for module in model.modules():
-        module.__dict__.pop(_CACHE, None)
 
 
 def _patch_logits_processor(module) -> None:

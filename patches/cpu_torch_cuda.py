@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._guard import replace
+from ._guard import replace, require_version
 
 NAME = "cpu_torch_cuda"
 
@@ -34,6 +34,8 @@ def _cpu_device() -> torch.device:
 def apply() -> bool:
     if torch.cuda.is_available():
         return False
+    require_version("openrlhf", "==0.11.2", patch=NAME)  # the calls it makes harmless
+    require_version("torch", ">=2.13,<2.14", patch=NAME)  # the attributes it replaces
     for attr, stand_in in (
         ("set_device", _noop("set_device")),
         ("synchronize", _noop("synchronize")),

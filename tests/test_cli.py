@@ -11,7 +11,7 @@ from _support import refused
 
 from openrlhf_tis.cli import train_ppo_ray
 from openrlhf_tis.cli.checks import CPU_DEFAULTS, explicit_dests
-from openrlhf_tis.cli.upstream import upstream_parser
+from openrlhf_tis.patches.upstream_cli import upstream_parser
 
 
 @pytest.fixture(scope="module")

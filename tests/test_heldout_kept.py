@@ -87,8 +87,8 @@ def test_a_run_without_a_saved_model_is_refused(tiny_model_dir, held_out_files, 
 def test_the_notebook_job_asks_for_the_runs_own_settings(tmp_path, monkeypatch):
     """pipeline/train.py's command line for the kept-policy evaluation: the run's dtype, samples, seed, eval
     temperature and lengths, parsed by heldout's own parser."""
+    from openrlhf_tis.params import check_params
     from openrlhf_tis.pipeline.heldout import build_parser
-    from openrlhf_tis.pipeline.params import check_params
     from openrlhf_tis.pipeline.train import DEMO_REWARD, TRAIN_PARAMS, kept_eval_argv
 
     monkeypatch.setenv("OPENRLHF_TIS_CACHE", str(tmp_path / "cache"))

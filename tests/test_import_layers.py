@@ -7,6 +7,12 @@ from the interpreter, it does not remove the dependency. Relative imports are re
 importing module. An import of a package is an edge to its `__init__`; `from openrlhf_tis.a import b`
 is an edge to `openrlhf_tis.a.b` when `b` is a submodule, to `openrlhf_tis.a` otherwise.
 
+A dependency written as a string counts the same: a string constant naming a module of the package
+(`"openrlhf_tis.demo.tiny_model"` run with `python -m`, a `"module:attribute"` or `"module.attribute"`
+reference such as Ray's setup hook) is an edge, and a call of `importlib.import_module`, `__import__`,
+`runpy.run_module` or `runpy.run_path` whose target is not such a literal is refused outright: it would
+hide an edge from this test.
+
 Package `__init__` files that re-export their own submodules (`from .config import X` in
 `correction/__init__.py`) are the standard Python pattern, and a submodule importing a sibling never goes
 through its package's `__init__` here (edges point at the submodule itself), so such re-exports create no
@@ -16,6 +22,7 @@ cycle unless a submodule imports its own package by name, which is then reported
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,12 +55,63 @@ def _known(name: str) -> str | None:
     return None
 
 
+_MODULE_STRING = re.compile(r"openrlhf_tis(\.[A-Za-z_]\w*)+(:[A-Za-z_]\w*)?")
+_DYNAMIC_IMPORTS = {"import_module", "__import__", "run_module", "run_path"}
+
+
+def _tree(module: str) -> ast.Module:
+    path, _ = MODULES[module]
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def _string_target(text: str) -> str | None:
+    """The module of the package a string names (itself, or the owner of its last `.attr` / `:attr`), or None."""
+    if not _MODULE_STRING.fullmatch(text):
+        return None
+    name = text.split(":")[0]
+    if name in MODULES:
+        return name
+    owner = name.rpartition(".")[0]
+    return owner if ":" not in text and owner in MODULES else None
+
+
+def _constants(tree: ast.Module) -> dict[str, str]:
+    """Module-level `NAME = "text"` assignments, to resolve a dynamic import's target named by a constant."""
+    return {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+            for target in node.targets if isinstance(target, ast.Name)}
+
+
+def _dynamic_targets(tree: ast.Module) -> list[str | None]:
+    """The target of every dynamic import call in a module: its string, or None where no literal names it."""
+    constants = _constants(tree)
+    targets = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not node.args:
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+        if name not in _DYNAMIC_IMPORTS:
+            continue
+        arg = node.args[0]
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            targets.append(arg.value)
+        else:
+            targets.append(constants.get(arg.id) if isinstance(arg, ast.Name) else None)
+    return targets
+
+
 def _imports(module: str) -> set[str]:
-    """Modules of the package that `module` imports, anywhere in its file."""
-    path, is_package = MODULES[module]
+    """Modules of the package that `module` imports, anywhere in its file, or names in a string."""
+    _, is_package = MODULES[module]
     package = module if is_package else module.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+    for node in ast.walk(_tree(module)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            target = _string_target(node.value)
+            if target is not None and target != module:
+                found.add(target)
+            continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -116,6 +174,26 @@ def test_graph_sees_the_package():
     assert "openrlhf_tis.correction.config" in MODULES and "openrlhf_tis.patches" in MODULES
     assert "openrlhf_tis.correction.config" in GRAPH["openrlhf_tis.correction"]  # relative, from the __init__
     assert "openrlhf_tis.runs.layout" in GRAPH["openrlhf_tis.runs.store"]
+    assert "openrlhf_tis.demo.tiny_model" in GRAPH["openrlhf_tis.pipeline.train"]  # a `python -m` string
+    assert "openrlhf_tis.patches" in GRAPH["openrlhf_tis.cli.ray_cluster"]  # "openrlhf_tis.patches.ray_worker_setup"
+
+
+def test_strings_naming_modules_are_edges():
+    assert _string_target("openrlhf_tis.pipeline.train:TRAIN_PARAMS") == "openrlhf_tis.pipeline.train"
+    assert _string_target("openrlhf_tis.rollout.cpu_worker_extension.CPUWorkerExtension") == \
+        "openrlhf_tis.rollout.cpu_worker_extension"
+    assert _string_target("openrlhf_tis.viz") == "openrlhf_tis.viz"
+    assert _string_target("openrlhf_tis.token_dump.schema_version") is None  # a key, not a module
+    assert _string_target("openrlhf_tis.cli.train_ppo_ray: error: ") is None
+    tree = ast.parse("import importlib, runpy\nM = 'openrlhf_tis.viz'\nimportlib.import_module(M)\n"
+                     "runpy.run_module(f'{M}.x')\n__import__('openrlhf_tis.runs')\n")
+    assert _dynamic_targets(tree) == ["openrlhf_tis.viz", None, "openrlhf_tis.runs"]
+
+
+def test_no_dynamic_import_hides_a_dependency():
+    """importlib / runpy / __import__ on anything but a literal would be an edge this test cannot see."""
+    hidden = [m for m in MODULES for target in _dynamic_targets(_tree(m)) if target is None]
+    assert not hidden, f"dynamic imports without a literal target in: {sorted(set(hidden))}"
 
 
 def test_find_cycle_finds_cycles():
@@ -137,6 +215,32 @@ def test_core_layers_import_nothing_above_them():
 
 def test_library_layers_import_no_entry_point():
     upward = _upward(("openrlhf_tis.rollout", "openrlhf_tis.trainer"), ("openrlhf_tis.cli", "openrlhf_tis.pipeline"))
+    assert not upward, "\n".join(upward)
+
+
+def test_viz_imports_no_pipeline():
+    """The plots and widgets sit below the notebook pipelines: a notebook's parameter table sits with its code and
+    the checks are the bottom layer's (openrlhf_tis.params)."""
+    upward = _upward(("openrlhf_tis.viz",), ("openrlhf_tis.pipeline", "openrlhf_tis.cli"))
+    assert not upward, "\n".join(upward)
+
+
+def test_patches_import_rollout_never_the_reverse():
+    """Patches wire the fork's rollout classes into upstream; the rollout layer uses no patch, only the guards
+    (patches/_guard.py, which imports nothing of the fork) for its re-classed upstream object."""
+    upward = [edge for edge in _upward(("openrlhf_tis.rollout",), ("openrlhf_tis.patches",))
+              if not edge.endswith(" imports openrlhf_tis.patches._guard")]
+    assert not upward, "\n".join(upward)
+    assert not GRAPH["openrlhf_tis.patches._guard"]
+    assert "openrlhf_tis.rollout.fp32_head" in GRAPH["openrlhf_tis.patches.cpu_fp32_head"]  # guards the test
+
+
+def test_bottom_modules_import_only_each_other():
+    """The top-level modules (errors, params, model_files, ...) are the layer every other may use."""
+    bottom = {m for m, (path, is_package) in MODULES.items()
+              if m.count(".") == 1 and not is_package and m != "openrlhf_tis.patches"}
+    assert {"openrlhf_tis.errors", "openrlhf_tis.params"} <= bottom
+    upward = sorted(f"{m} imports {t}" for m in bottom for t in GRAPH[m] - bottom)
     assert not upward, "\n".join(upward)
 
 

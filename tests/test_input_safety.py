@@ -93,7 +93,7 @@ class _UpstreamAccepted(Exception):
 
 def _upstream_refuses(argv: list[str], monkeypatch) -> bool:
     """Reference: run upstream's own __main__ checks; its train() starts with ray.init, stopped here."""
-    from openrlhf_tis.cli.upstream import run_upstream_main
+    from openrlhf_tis.patches.upstream_cli import run_upstream_main
 
     def stop(*_args, **_kwargs):
         raise _UpstreamAccepted

@@ -16,8 +16,10 @@ from openrlhf_tis.patches import _import_hooks, flash_attn_standin
 from openrlhf_tis.patches._guard import (
     PatchTargetMissingError,
     UnsupportedUpstreamError,
+    reclass,
     replace,
     require_version,
+    swapped,
 )
 
 
@@ -54,6 +56,76 @@ def test_replace_fails_loudly_when_upstream_moved():
     assert replace(owner, "present", 2, patch="demo") == 1
     assert replace(owner, "present", 3, patch="demo") == 1  # idempotent: first replacement stays
     assert owner.present == 2
+
+
+def test_swapped_restores_upstream_after_the_block_even_on_error():
+    class Owner:
+        def own(self):
+            return "upstream"
+
+    class Child(Owner):
+        pass
+
+    with swapped(Owner, "own", lambda self: "fork", patch="demo") as original:
+        assert Owner().own() == "fork" and original(Owner()) == "upstream"
+    assert Owner().own() == "upstream"
+    with pytest.raises(KeyError), swapped(Child, "own", lambda self: "fork", patch="demo"):  # inherited, not own
+        assert Child().own() == "fork"
+        raise KeyError
+    assert "own" not in vars(Child) and Child().own() == "upstream"
+    with pytest.raises(PatchTargetMissingError, match="demo.*gone"), swapped(Owner, "gone", 1, patch="demo"):
+        pass
+
+
+def test_upstream_cli_leaves_argparse_as_it_found_it():
+    import argparse
+
+    from openrlhf_tis.patches.upstream_cli import upstream_parser
+
+    before = argparse.ArgumentParser.parse_args
+    parser = upstream_parser()
+    assert argparse.ArgumentParser.parse_args is before and "parse_args" in vars(argparse.ArgumentParser)
+    assert parser.parse_args(["--train.seed", "7"]).__dict__["train.seed"] == 7
+
+
+class _Upstream:
+    def __init__(self):
+        self.built = True
+
+    def who(self):
+        return "upstream"
+
+
+class _Fork(_Upstream):
+    def who(self):
+        return "fork"
+
+
+def test_reclass_keeps_the_state_and_refuses_another_class():
+    obj = _Upstream()
+    reclass(obj, _Fork, supported="==0.11.2", patch="demo")
+    assert type(obj) is _Fork and obj.who() == "fork" and obj.built
+    reclass(obj, _Fork, supported="==0.11.2", patch="demo")  # idempotent
+    assert type(obj) is _Fork
+
+    class Other(_Upstream):  # upstream now builds a class the fork does not extend
+        pass
+
+    with pytest.raises(PatchTargetMissingError, match=r"'demo'.*Other.*not the _Upstream that _Fork extends"):
+        reclass(Other(), _Fork, supported="==0.11.2", patch="demo")
+    with pytest.raises(UnsupportedUpstreamError, match="openrlhf==0.0.1"):
+        reclass(_Upstream(), _Fork, supported="==0.0.1", patch="demo")
+
+
+def test_torch_cuda_patch_is_version_guarded(monkeypatch):
+    import importlib.metadata
+
+    from openrlhf_tis.patches import cpu_torch_cuda
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.99.0" if name == "torch" else real(name))
+    with pytest.raises(UnsupportedUpstreamError, match=r"'cpu_torch_cuda' supports torch>=2.13,<2.14"):
+        cpu_torch_cuda.apply()
 
 
 def test_flash_attn_standin_is_invisible_outside_openrlhf():
@@ -160,7 +232,7 @@ def test_fp32_training_patch_maps_fp32_and_keeps_upstream_choices():
 
 def test_the_cli_adds_fp32_to_upstreams_training_dtypes():
     from openrlhf_tis.cli.fork_flags import allow_fp32_training
-    from openrlhf_tis.cli.upstream import upstream_parser
+    from openrlhf_tis.patches.upstream_cli import upstream_parser
 
     parser = upstream_parser()
     allow_fp32_training(parser)

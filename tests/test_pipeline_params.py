@@ -7,9 +7,9 @@ import json
 import nbformat
 import pytest
 
+from openrlhf_tis.params import Param, ParameterError, check_params, notebook_params, positive
 from openrlhf_tis.pipeline.execute import NOTEBOOKS
 from openrlhf_tis.pipeline.notebooks import NOTEBOOK_SOURCES
-from openrlhf_tis.pipeline.params import Param, ParameterError, check_params, notebook_params, positive
 from openrlhf_tis.pipeline.sweep import Cell, load_grid
 from openrlhf_tis.pipeline.train import TRAIN_PARAMS, build_argv, cause, resolve_prompts
 
@@ -40,9 +40,9 @@ def test_notebook_params_reads_plain_values_only_and_refuses_injected_unknowns()
 
     namespace = {"steps": 3, "os": os, "In": [], "_": 1, "notebook_params": notebook_params, "display": print}
     assert notebook_params({**namespace, **{k: v.default for k, v in TRAIN_PARAMS.items() if k != "steps"}},
-                           "train")["steps"] == 3
+                           TRAIN_PARAMS, "train")["steps"] == 3
     with pytest.raises(ParameterError, match="unknown parameter 'stpes'"):
-        notebook_params({"stpes": 3}, "train")
+        notebook_params({"stpes": 3}, TRAIN_PARAMS, "train")
 
 
 def test_committed_notebooks_are_the_generated_ones():
@@ -52,6 +52,23 @@ def test_committed_notebooks_are_the_generated_ones():
         assert committed == build(), f"notebooks/{name}.ipynb is stale: python -m openrlhf_tis.pipeline.notebooks"
         tagged = [c for c in committed.cells if "parameters" in c.metadata.get("tags", [])]
         assert len(tagged) == 1 and not any(c.get("outputs") for c in committed.cells if c.cell_type == "code")
+
+
+@pytest.mark.parametrize("name", sorted(NOTEBOOK_SOURCES))
+def test_each_notebook_checks_its_parameters_against_its_own_spec(name, tmp_path, monkeypatch):
+    """Run a notebook's parameters cell and check cell (no kernel): the check accepts every default, so it
+    imported the spec the parameters cell was generated from, and refuses a name that spec lacks."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sweep.toml").write_text("[grid]\nseed = [1]\n")  # the sweep's default grid file
+    cells = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4).cells
+    parameters, check = cells[1].source, cells[2].source
+    defaults = {}
+    exec(parameters, {}, defaults)
+    namespace: dict = {}
+    exec(parameters + "\n" + check, namespace)
+    assert namespace["params"] == defaults
+    with pytest.raises(ParameterError, match=f"{name}.ipynb parameters: unknown parameter 'not_a_parameter'"):
+        exec(parameters + "\nnot_a_parameter = 1\n" + check, {})
 
 
 def _grid(tmp_path, text: str, suffix: str = ".toml"):
@@ -158,6 +175,6 @@ def test_the_failure_cause_is_the_last_line_naming_an_error():
 
 def test_rerunning_the_check_cell_ignores_names_later_cells_defined():
     namespace = {"steps": 3}
-    first = notebook_params(namespace, "train")
+    first = notebook_params(namespace, TRAIN_PARAMS, "train")
     namespace.update(params=first, run_dir_result="x", steps=4)  # later cells ran; the user changed steps
-    assert notebook_params(namespace, "train")["steps"] == 4
+    assert notebook_params(namespace, TRAIN_PARAMS, "train")["steps"] == 4

@@ -56,7 +56,7 @@ def test_a_directory_held_by_a_live_process_is_refused_naming_its_pid_and_freed_
 
 
 def test_a_notebook_start_into_a_live_run_leaves_its_log_alone(tmp_path):
-    from openrlhf_tis.pipeline.params import check_params
+    from openrlhf_tis.params import check_params
     from openrlhf_tis.pipeline.train import TRAIN_PARAMS, TrainingFailed, run_training
 
     run = tmp_path / "run"

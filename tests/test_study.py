@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from openrlhf_tis.params import ParameterError, check_params
 from openrlhf_tis.pipeline import study
 from openrlhf_tis.pipeline.main_job import job_params
-from openrlhf_tis.pipeline.params import ParameterError, check_params
 from openrlhf_tis.pipeline.sweep import Cell, CellResult, SweepResult, load_grid
 from openrlhf_tis.pipeline.train import TRAIN_PARAMS, build_argv
 from openrlhf_tis.runs.store import RunWriter

@@ -19,8 +19,8 @@ import pytest
 from papermill.exceptions import PapermillExecutionError
 from test_viz_token_html import Spans, background
 
+from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.execute import WIDGET_VIEW, execute, export_html
-from openrlhf_tis.pipeline.params import ParameterError
 from openrlhf_tis.runs import RunWriter, TokenDumpWriter
 from openrlhf_tis.runs.layout import token_file
 from openrlhf_tis.viz import explorer as explorer_module

@@ -1,8 +1,8 @@
 """The CPU weight sync against a real vLLM-CPU engine: after a reload the engine computes with the
 new weights, including the tied lm_head (docs/design.md §5: vLLM packs Linear weights into oneDNN handles,
 so per-tensor loads cannot reach them, and a tied head keeps a stale packed copy), and an fp32 head's
-cached fp32 weight (patches/cpu_fp32_head.py). The last test drives the same reload the way a training run
-does: through the fork's vLLM worker extension, over the trainer's gloo group."""
+cached fp32 weight (patches/cpu_fp32_head.py, rollout/fp32_head.py). The last test drives the same reload the
+way a training run does: through the fork's vLLM worker extension, over the trainer's gloo group."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def _head_paths(worker):
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
     from openrlhf_tis.patches._guard import upstream_original
-    from openrlhf_tis.patches.cpu_fp32_head import fp32_head_weight
+    from openrlhf_tis.rollout.fp32_head import fp32_head_weight
 
     model = worker.model_runner.model
     processor, head = model.logits_processor, model.lm_head

@@ -1,6 +1,6 @@
 """`python -m openrlhf_tis.cli.train_ppo_ray`: upstream's train_ppo_ray with the fork wired in.
 
-Every upstream flag works unchanged (upstream's own parser is reused, see upstream.py); the fork's
+Every upstream flag works unchanged (upstream's own parser is reused, see patches/upstream_cli.py); the fork's
 flags are added to it. Bad input ends here, naming the flag, before Ray starts.
 """
 
@@ -19,10 +19,10 @@ from openrlhf_tis.cli.lifetime import die_with_parent
 from openrlhf_tis.cli.ray_cluster import CPU_ENV, start_ray
 from openrlhf_tis.cli.rollout_engines import prepare_rollout_engines
 from openrlhf_tis.cli.run_dir import open_run_dir
-from openrlhf_tis.cli.upstream import run_upstream_main, upstream_parser
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.patches import fork_classes
 from openrlhf_tis.patches._guard import UnsupportedUpstreamError
+from openrlhf_tis.patches.upstream_cli import run_upstream_main, upstream_parser
 from openrlhf_tis.runs.reader import last_logged_step
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import ipywidgets as widgets
 import pandas as pd
 
-from openrlhf_tis.pipeline.params import Param, ParamSpec
+from openrlhf_tis.params import Param, ParamSpec
 from openrlhf_tis.pipeline.report import ipython_display, show_comparison
 from openrlhf_tis.runs.layout import METRICS_FILE
 from openrlhf_tis.runs.reader import find_runs, run_info

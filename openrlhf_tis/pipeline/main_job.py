@@ -22,9 +22,9 @@ from typing import Any
 
 from openrlhf_tis.cpu_features import default_train_dtype, native_bf16
 from openrlhf_tis.demo.task import write_task
+from openrlhf_tis.params import ParameterError, check_params
 from openrlhf_tis.pipeline.console import follow_run
 from openrlhf_tis.pipeline.execute import execute, export_html
-from openrlhf_tis.pipeline.params import ParameterError, check_params
 from openrlhf_tis.pipeline.train import TRAIN_PARAMS, log_tail
 from openrlhf_tis.runs.heldout import engine_label
 from openrlhf_tis.runs.reader import load_metrics

@@ -2,21 +2,27 @@
 
 The parameters cell of each notebook is generated from its ParamSpec, so the notebook, the checks and
 the sweep can never disagree on a name or a default; a test fails when a committed notebook differs
-from what this writes. Notebooks hold no logic beyond one call per cell.
+from what this writes. A spec sits in the module whose code the notebook drives, reached here by a real
+import, and the notebook's check cell imports that same module. Notebooks hold no logic beyond one call per cell.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
+from openrlhf_tis.params import ParamSpec
+from openrlhf_tis.pipeline import dashboard_app, report, sweep, train
 from openrlhf_tis.pipeline.execute import NOTEBOOKS
-from openrlhf_tis.pipeline.params import ParamSpec, spec_of
+from openrlhf_tis.viz import explorer
 
-_CHECK = "from openrlhf_tis.pipeline.params import notebook_params\n\nparams = notebook_params(globals(), {name!r})"
+# The module is imported whole: a module in the kernel's globals is never taken for a parameter.
+_CHECK = ("from openrlhf_tis.params import notebook_params\nfrom {package} import {module}\n\n"
+          "params = notebook_params(globals(), {module}.{spec}, {name!r})")
 
 
 def parameters_cell(spec: ParamSpec):
@@ -25,8 +31,11 @@ def parameters_cell(spec: ParamSpec):
     return new_code_cell("\n".join(lines), metadata={"tags": ["parameters"]})
 
 
-def _notebook(name: str, intro: str, body: list[str]) -> nbformat.NotebookNode:
-    cells = [new_markdown_cell(intro), parameters_cell(spec_of(name)), new_code_cell(_CHECK.format(name=name))]
+def _notebook(name: str, module: ModuleType, spec: str, intro: str, body: list[str]) -> nbformat.NotebookNode:
+    """Notebook `name` whose parameters are `module.<spec>`."""
+    package, _, short = module.__name__.rpartition(".")
+    check = _CHECK.format(package=package, module=short, spec=spec, name=name)
+    cells = [new_markdown_cell(intro), parameters_cell(getattr(module, spec)), new_code_cell(check)]
     cells += [new_code_cell(src) for src in body]
     nb = new_notebook(cells=cells, metadata={
         "kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"},
@@ -39,7 +48,7 @@ def _notebook(name: str, intro: str, body: list[str]) -> nbformat.NotebookNode:
 
 NOTEBOOK_SOURCES = {
     "train": lambda: _notebook(
-        "train",
+        "train", train, "TRAIN_PARAMS",
         "# Train one run\n"
         "Runs `python -m openrlhf_tis.cli.train_ppo_ray` in a subprocess (Ray and vLLM never live in this kernel;\n"
         "`RAY_ADDRESS` in the environment sends the job to a cluster), shows the curves as steps land in\n"
@@ -56,7 +65,7 @@ NOTEBOOK_SOURCES = {
         ],
     ),
     "compare": lambda: _notebook(
-        "compare",
+        "compare", report, "COMPARE_PARAMS",
         "# Compare runs\n"
         "Runs that differ only by seed are one setting: the flags that differ between settings, one curve per\n"
         "setting (mean over seeds, band: 95% t-interval), held-out gains with 95% intervals (the kept policy\n"
@@ -71,7 +80,7 @@ NOTEBOOK_SOURCES = {
         ],
     ),
     "sweep": lambda: _notebook(
-        "sweep",
+        "sweep", sweep, "SWEEP_PARAMS",
         "# Sweep\n"
         "Executes train.ipynb once per grid cell with papermill (cells already complete are skipped, a failed\n"
         "cell is recorded and the others go on), then compare.ipynb over all cells, exported to HTML.\n"
@@ -84,7 +93,7 @@ NOTEBOOK_SOURCES = {
         ],
     ),
     "token_explorer": lambda: _notebook(
-        "token_explorer",
+        "token_explorer", explorer, "EXPLORER_PARAMS",
         "# Token explorer\n"
         "Which tokens the trainer (π_θ) and vLLM (μ) disagree on: pick a run, a dumped step and a sample; each token\n"
         "is coloured by log π_θ − log μ (hover for μ, π_old, π_θ, the IS weights and the mask reason). Filter by\n"
@@ -94,7 +103,7 @@ NOTEBOOK_SOURCES = {
         ["from openrlhf_tis.viz.explorer import open_explorer\n\nexplorer = open_explorer(params)\nexplorer"],
     ),
     "dashboard": lambda: _notebook(
-        "dashboard",
+        "dashboard", dashboard_app, "DASHBOARD_PARAMS",
         "# Dashboard\n"
         "The runs under `root`, the token explorer and the run comparison; **reload** re-reads the run store (runs\n"
         "in progress included). Served as a web app by `openrlhf-tis-dashboard RUNS_ROOT`.",

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from openrlhf_tis.pipeline.params import Param
+from openrlhf_tis.params import Param
 from openrlhf_tis.rollout.precision import PRECISION_FLAG, rollout_option
 from openrlhf_tis.runs.config import read_run_config
 from openrlhf_tis.runs.reader import load_metrics

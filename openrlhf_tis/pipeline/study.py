@@ -29,8 +29,8 @@ import pandas as pd
 
 from openrlhf_tis.correction.config import PRESETS
 from openrlhf_tis.cpu_features import native_bf16
+from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.main_job import job_params
-from openrlhf_tis.pipeline.params import ParameterError
 from openrlhf_tis.pipeline.sweep import SweepResult, results_table, run_sweep
 from openrlhf_tis.rollout.precision import PRECISION_FLAG, WEIGHT_BITS_FLAG
 from openrlhf_tis.runs.layout import atomic_write

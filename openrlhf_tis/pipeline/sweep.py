@@ -38,8 +38,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from openrlhf_tis.cli.run_dir import lock_owner
+from openrlhf_tis.params import Param, ParameterError, check_params
 from openrlhf_tis.pipeline.execute import execute, export_html
-from openrlhf_tis.pipeline.params import Param, ParameterError, check_params
 from openrlhf_tis.pipeline.train import TRAIN_PARAMS
 from openrlhf_tis.runs.identity import foreign_checkpoint
 from openrlhf_tis.runs.layout import atomic_write, unique_dir_name

@@ -9,6 +9,7 @@ with the kernel even when the kernel is killed rather than interrupted (cli/life
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
@@ -22,10 +23,10 @@ from typing import Any, TextIO
 
 from openrlhf_tis.cli.lifetime import PARENT_ENV
 from openrlhf_tis.cli.run_dir import lock_owner
-from openrlhf_tis.correction.config import PRESETS
+from openrlhf_tis.correction.config import FLAG_PREFIX, PRESETS, CorrectionConfig
 from openrlhf_tis.cpu_features import default_train_dtype
+from openrlhf_tis.params import Param, flag_argv, positive
 from openrlhf_tis.pipeline.heldout import KEPT_FILE, KEPT_MODEL_DIR
-from openrlhf_tis.pipeline.params import Param, positive
 from openrlhf_tis.rollout.precision import PRECISIONS
 from openrlhf_tis.runs.reader import read_metrics_records
 
@@ -48,52 +49,61 @@ def _str_list(value: list) -> str | None:
     return None if all(isinstance(v, str) for v in value) else "must be a list of strings"
 
 
+CORRECTION_FIELDS = tuple(f.name for f in dataclasses.fields(CorrectionConfig))  # one --algo.correction.<field> each
+
+
 def _options(value: dict) -> str | None:
-    return None if all(isinstance(k, str) for k in value) else "keys must be option names (strings)"
+    unknown = [k for k in value if k not in CORRECTION_FIELDS]
+    return f"{unknown[0]!r} is not a CorrectionConfig field; known: {', '.join(CORRECTION_FIELDS)}" if unknown else None
 
 
+# Each parameter names the training CLI flag it becomes (build_argv derives the command from them); the four without
+# one act in the notebook's job: steps bounds the prompt file, eval_kept scores the saved model after the run,
+# extra_args are flags already, refresh_seconds paces the live curves.
 TRAIN_PARAMS: dict[str, Param] = {
     "model": Param("tiny", "'tiny' (random 2-layer, seconds per step), 'default' (embedded SmolLM2-135M-Instruct) "
-                   "or a model directory", (str,), check=_model),
+                   "or a model directory", (str,), check=_model, flag="--actor.model_name_or_path"),
     "prompts": Param("", "prompt JSONL with input/label keys; '' writes the demo arithmetic prompts", (str,),
-                     check=_existing_file_or_empty),
+                     check=_existing_file_or_empty, flag="--data.prompt_dataset"),
     "reward": Param("", "reward script defining reward_func; '' uses the demo reward", (str,),
-                    check=_existing_file_or_empty),
-    "correction": Param("tis", "a correction preset (--algo.correction.preset)", (str,), tuple(PRESETS)),
+                    check=_existing_file_or_empty, flag="--reward.remote_url"),
+    "correction": Param("tis", "a correction preset (--algo.correction.preset)", (str,), tuple(PRESETS),
+                        flag=FLAG_PREFIX + "preset"),
     "correction_options": Param({}, "single correction fields over the preset, e.g. {'upper': 3}", (dict,),
-                                check=_options),
+                                check=_options, flag=FLAG_PREFIX),
     "eval_prompts": Param("", "held-out prompt JSONL (same keys), scored with the training reward before the "
                           "first step and every eval_every steps; '' skips evaluation", (str,),
-                          check=_existing_file_or_empty),
+                          check=_existing_file_or_empty, flag="--eval.dataset"),
     "eval_samples": Param(1, "responses sampled per held-out prompt (at temperature 1, as in training)", (int,),
-                          check=positive),
+                          check=positive, flag="--eval.n_samples_per_prompt"),
     "eval_kept": Param(True, "with eval_prompts: after training, also score the weights the run keeps (its saved "
                        "final model, in the trainer's dtype, unquantized) and the base model on the same questions "
                        "and samples (<run_dir>/heldout_kept.json); the in-run score goes through the rollout engine",
                        (bool,)),
     "eval_every": Param(0, "score the held-out set every N steps (0: before the first step and after the last)",
-                        (int,), check=lambda v: None if v >= 0 else "must be >= 0"),
-    "rollout_precision": Param("bf16", "vLLM rollout precision", (str,), PRECISIONS),
+                        (int,), check=lambda v: None if v >= 0 else "must be >= 0", flag="--eval.steps"),
+    "rollout_precision": Param("bf16", "vLLM rollout precision", (str,), PRECISIONS, flag="--vllm.rollout_precision"),
     "int8_weight_bits": Param("auto", "int8 rollouts' weight grid (--vllm.int8_weight_bits): auto (8 bits, 7 where the "
                               "CPU's int8 GEMM saturates 8-bit weights) or a bit count; only with rollout_precision "
                               "int8", (str,), check=lambda v: None if v == "auto" or v.isdigit() else
-                              "must be 'auto' or a bit count such as '6'"),
+                              "must be 'auto' or a bit count such as '6'", flag="--vllm.int8_weight_bits"),
     "train_dtype": Param("auto", "trainer precision (--ds.param_dtype); auto: bf16 on CUDA or CPUs with native bf16, "
-                         "fp32 where the CPU emulates bf16", (str,), ("auto", "bf16", "fp32")),
+                         "fp32 where the CPU emulates bf16", (str,), ("auto", "bf16", "fp32"), flag="--ds.param_dtype"),
     "steps": Param(2, "training steps (one rollout batch each)", (int,), check=positive),
-    "prompts_per_step": Param(4, "prompts per rollout batch", (int,), check=positive),
-    "samples_per_prompt": Param(2, "responses per prompt (group estimators need 2 or more)", (int,), check=positive),
-    "max_new_tokens": Param(24, "longest response in tokens", (int,), check=positive),
+    "prompts_per_step": Param(4, "prompts per rollout batch", (int,), check=positive, flag="--rollout.batch_size"),
+    "samples_per_prompt": Param(2, "responses per prompt (group estimators need 2 or more)", (int,), check=positive,
+                                flag="--rollout.n_samples_per_prompt"),
+    "max_new_tokens": Param(24, "longest response in tokens", (int,), check=positive, flag="--rollout.max_new_tokens"),
     "lr": Param(1e-3, "actor learning rate (tiny random models need ~1e-3, real ones ~1e-6..1e-5)", (float,),
-                check=positive),
-    "seed": Param(42, "training seed", (int,)),
+                check=positive, flag="--actor.adam.lr"),
+    "seed": Param(42, "training seed", (int,), flag="--train.seed"),
     "async_queue": Param(0, "async training: rollout batches the generator may run ahead of the trainer "
                          "(--train.async_enable --train.async_queue_size N); 0 trains synchronously", (int,),
-                         check=lambda v: None if v >= 0 else "must be >= 0"),
+                         check=lambda v: None if v >= 0 else "must be >= 0", flag="--train.async_queue_size"),
     "token_dump_every": Param(1, "dump per-token records every N steps (0: never)", (int,),
-                              check=lambda v: None if v >= 0 else "must be >= 0"),
+                              check=lambda v: None if v >= 0 else "must be >= 0", flag="--logger.token_dump_steps"),
     "run_dir": Param("runs/notebook", "the run directory (created; a finished one is refused by the CLI)", (str,),
-                     check=lambda v: None if v else "must not be empty"),
+                     check=lambda v: None if v else "must not be empty", flag="--logger.run_dir"),
     "extra_args": Param([], "more training CLI flags, e.g. ['--vllm.fp32_lm_head']; they win over the above",
                         (list,), check=_str_list),
     "refresh_seconds": Param(2.0, "how often the live figure polls metrics.jsonl", (float, int), check=positive),
@@ -190,47 +200,43 @@ def heldout_cache_dir() -> Path:
     return Path(os.environ.get("OPENRLHF_TIS_CACHE", Path.home() / ".cache" / "openrlhf_tis")).expanduser() / "heldout"
 
 
+def flag_values(params: dict[str, Any], model_dir: Path, prompts: Path, run_dir: Path) -> dict[str, Any]:
+    """Checked `params` as their flags take them: files resolved, None where the flag is left out."""
+    evaluated = bool(params["eval_prompts"])  # sampled as in training: held-out pass@1 is the training reward's twin
+    return {
+        **params, "model": model_dir, "prompts": prompts, "reward": reward_file(params),
+        "train_dtype": train_dtype(params), "run_dir": run_dir,
+        "eval_prompts": Path(params["eval_prompts"]).expanduser().resolve() if evaluated else None,
+        "eval_samples": params["eval_samples"] if evaluated else None,
+        "eval_every": params["eval_every"] or params["steps"] if evaluated else -1,
+        # the CLI refuses an explicit grid for other precisions, naming the flag
+        "int8_weight_bits": None if params["int8_weight_bits"] == "auto" else params["int8_weight_bits"],
+        "async_queue": params["async_queue"] or None,
+    }
+
+
 def build_argv(params: dict[str, Any], model_dir: Path, prompts: Path, run_dir: Path) -> list[str]:
-    """The training command line for checked `params` (extra_args last, so they win)."""
+    """The training command line for checked `params`: each parameter's flag (TRAIN_PARAMS), then what the
+    notebook's job fixes or derives from several of them, then extra_args (last, so they win)."""
     n, group = params["prompts_per_step"], params["samples_per_prompt"]
     batch = n * group
     micro = str(micro_batch(batch))
     argv = [
         sys.executable, "-m", "openrlhf_tis.cli.train_ppo_ray",
-        "--actor.model_name_or_path", str(model_dir),
-        "--reward.remote_url", str(reward_file(params)),
-        "--data.prompt_dataset", str(prompts), "--data.input_key", "input", "--data.label_key", "label",
-        "--data.apply_chat_template", "--data.max_len", str(max_len(params)),
-        "--vllm.num_engines", "1", "--vllm.rollout_precision", params["rollout_precision"],
+        *flag_argv(flag_values(params, model_dir, prompts, run_dir), TRAIN_PARAMS),
+        "--data.input_key", "input", "--data.label_key", "label",
+        "--data.apply_chat_template", "--data.max_len", str(max_len(params)), "--vllm.num_engines", "1",
         "--algo.advantage.estimator", "group_norm" if group > 1 else "reinforce", "--algo.kl.init_coef", "0",
-        "--rollout.n_samples_per_prompt", str(group), "--rollout.batch_size", str(n),
-        "--rollout.micro_batch_size", micro, "--rollout.max_new_tokens", str(params["max_new_tokens"]),
-        "--train.batch_size", str(batch), "--train.micro_batch_size", micro,
-        "--train.num_episodes", "1", "--train.max_epochs", "1", "--train.seed", str(params["seed"]),
-        "--ds.zero_stage", "2", "--actor.adam.lr", str(params["lr"]), "--actor.lr_warmup_ratio", "0",
-        "--algo.correction.preset", params["correction"],
+        "--rollout.micro_batch_size", micro, "--train.batch_size", str(batch), "--train.micro_batch_size", micro,
+        "--train.num_episodes", "1", "--train.max_epochs", "1", "--ds.zero_stage", "2", "--actor.lr_warmup_ratio", "0",
         "--ckpt.path", str(run_dir / "ckpt"), "--ckpt.save_steps", "-1",
         "--ckpt.output_dir", str(run_dir / KEPT_MODEL_DIR),
-        "--ds.param_dtype", train_dtype(params),
-        "--logger.logging_steps", "1", "--logger.run_dir", str(run_dir),
+        "--logger.logging_steps", "1",
     ]
-    if params["eval_prompts"]:  # sampled as in training, so held-out pass@1 is the training reward's held-out twin
-        argv += ["--eval.dataset", str(Path(params["eval_prompts"]).expanduser().resolve()),
-                 "--eval.steps", str(params["eval_every"] or params["steps"]),
-                 "--eval.temperature", str(EVAL_TEMPERATURE),
-                 "--eval.n_samples_per_prompt", str(params["eval_samples"])]
-    else:
-        argv += ["--eval.steps", "-1"]
+    if params["eval_prompts"]:
+        argv += ["--eval.temperature", str(EVAL_TEMPERATURE)]
     if params["async_queue"]:
-        argv += ["--train.async_enable", "--train.async_queue_size", str(params["async_queue"])]
-    if params["token_dump_every"]:
-        argv += ["--logger.token_dump_steps", str(params["token_dump_every"])]
-    else:
-        argv += ["--logger.token_dump_steps", "0"]
-    if params["int8_weight_bits"] != "auto":  # the CLI refuses it for other precisions, naming the flag
-        argv += ["--vllm.int8_weight_bits", params["int8_weight_bits"]]
-    for field, value in params["correction_options"].items():
-        argv += [f"--algo.correction.{field}", str(value)]
+        argv += ["--train.async_enable"]
     return argv + list(params["extra_args"])
 
 

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
+from openrlhf_tis.rollout.fp32_head import forget_fp32_heads
+
 # Tensors received in this sync and not yet reloaded, on the worker instance (not a class attribute:
 # vLLM refuses an extension whose names clash with its worker class).
 _PENDING = "_openrlhf_tis_pending_weights"
@@ -108,7 +110,6 @@ def reload_into_engine(model_runner, named_tensors: list[tuple[str, torch.Tensor
     """
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from openrlhf_tis.patches.cpu_fp32_head import forget_fp32_heads
     from openrlhf_tis.rollout.engine_sync import prepare_for_engine
 
     # INT8 engines: quantize with the run's transferred calibration (never cast floats into int8).

@@ -15,6 +15,8 @@ from contextvars import ContextVar
 
 from openrlhf.utils.agent import SingleTurnAgentExecutor
 
+from openrlhf_tis.patches._guard import reclass
+
 _failures: ContextVar[list[BaseException] | None] = ContextVar("openrlhf_tis_reward_failures", default=None)
 
 
@@ -63,7 +65,7 @@ def make_rewards_loud(executor) -> bool:
 
     A user's own `--train.agent_func_path` executor is left alone.
     """
-    if type(executor) is SingleTurnAgentExecutor:
-        executor.__class__ = LoudRewardExecutor
-        return True
-    return isinstance(executor, LoudRewardExecutor)
+    if type(executor) is not SingleTurnAgentExecutor and not isinstance(executor, LoudRewardExecutor):
+        return False
+    reclass(executor, LoudRewardExecutor, supported="==0.11.2", patch="rollout_engine")
+    return True

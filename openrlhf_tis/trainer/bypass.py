@@ -12,6 +12,7 @@ import ray
 import torch
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
+from openrlhf_tis.patches._guard import reclass
 from openrlhf_tis.trainer.correction_args import correction_config_from_args
 
 
@@ -58,7 +59,5 @@ def install_bypass_experience_maker(controller) -> bool:
     """
     if not correction_config_from_args(controller.args).bypass:
         return False
-    maker = controller.experience_maker
-    if not isinstance(maker, RolloutAsOldExperienceMaker):
-        maker.__class__ = RolloutAsOldExperienceMaker
+    reclass(controller.experience_maker, RolloutAsOldExperienceMaker, supported="==0.11.2", patch="fork_classes")
     return True

@@ -36,6 +36,7 @@ from openrlhf.utils.loss_utils import _get_dp_group
 
 from openrlhf_tis.correction import CorrectionConfig, compute_correction, kept_weight_totals, policy_loss
 from openrlhf_tis.correction.names import K1_KL, MASKED_FRAC, TOKEN_DUMP_SECONDS, TOKEN_DUMP_TOKENS
+from openrlhf_tis.patches._guard import reclass
 from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.runs.identity import write_checkpoint_identity
 from openrlhf_tis.runs.tokens import TokenDumpWriter
@@ -272,7 +273,7 @@ class _CorrectionPolicyModelActor(_UpstreamPolicyModelActor):
         super().init_model_from_pretrained(strategy, pretrain, max_steps=max_steps, vllm_engines=vllm_engines)
         # Upstream constructed a plain ActorPPOTrainer (its vLLM sync group is already up); the fork's
         # subclass only adds methods, so re-classing the instance finishes the job without a second init.
-        self.trainer.__class__ = CorrectionActorPPOTrainer
+        reclass(self.trainer, CorrectionActorPPOTrainer, supported="==0.11.2", patch="fork_classes")
         self.trainer._setup_correction()
 
     def append(self, experience) -> None:

@@ -36,7 +36,7 @@ import ipywidgets as widgets
 import numpy as np
 import pandas as pd
 
-from openrlhf_tis.pipeline.params import Param, ParameterError, ParamSpec, positive
+from openrlhf_tis.params import Param, ParameterError, ParamSpec, positive
 from openrlhf_tis.runs import query_tokens, token_steps
 from openrlhf_tis.runs.reader import find_runs
 from openrlhf_tis.runs.schema import MASK_REASONS

@@ -2,18 +2,21 @@
 
 OpenRLHF 0.11.2 builds the parser, validates the arguments and calls `train(args)` inside the
 module's `if __name__ == "__main__":` block, so none of it can be imported. The module is run as
-`__main__` twice with `ArgumentParser.parse_args` intercepted: once to capture the parser (the fork
-adds its flags to it), once to hand it the fork's parsed namespace and let upstream's own checks and
-`train()` run unchanged.
+`__main__` twice with `ArgumentParser.parse_args` swapped for the run only: once to capture the parser
+(the fork adds its flags to it), once to hand it the fork's parsed namespace and let upstream's own
+checks and `train()` run unchanged. Only upstream's first call is intercepted; any later parse (a
+library's own parser inside `train()`) is argparse's.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import runpy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
+from ._guard import require_version, swapped
+
+NAME = "upstream_cli"
 UPSTREAM_CLI = "openrlhf.cli.train_ppo_ray"
 
 
@@ -22,9 +25,9 @@ class _Captured(Exception):
         self.parser = parser
 
 
-@contextlib.contextmanager
-def _intercept_parse_args(handler: Callable[[argparse.ArgumentParser], argparse.Namespace]) -> Iterator[None]:
-    original = argparse.ArgumentParser.parse_args
+def _run_intercepting_first_parse(handler: Callable[[argparse.ArgumentParser], argparse.Namespace]) -> None:
+    """Run upstream's `__main__` block with its first `parse_args` call answered by `handler(parser)`."""
+    require_version("openrlhf", "==0.11.2", patch=NAME)
     calls = []
 
     def parse_args(self, args=None, namespace=None):
@@ -33,11 +36,8 @@ def _intercept_parse_args(handler: Callable[[argparse.ArgumentParser], argparse.
         calls.append(self)
         return handler(self)
 
-    argparse.ArgumentParser.parse_args = parse_args
-    try:
-        yield
-    finally:
-        argparse.ArgumentParser.parse_args = original
+    with swapped(argparse.ArgumentParser, "parse_args", parse_args, patch=NAME) as original:
+        runpy.run_module(UPSTREAM_CLI, run_name="__main__")
 
 
 def upstream_parser() -> argparse.ArgumentParser:
@@ -46,15 +46,13 @@ def upstream_parser() -> argparse.ArgumentParser:
     def capture(parser):
         raise _Captured(parser)
 
-    with _intercept_parse_args(capture):
-        try:
-            runpy.run_module(UPSTREAM_CLI, run_name="__main__")
-        except _Captured as captured:
-            return captured.parser
+    try:
+        _run_intercepting_first_parse(capture)
+    except _Captured as captured:
+        return captured.parser
     raise RuntimeError(f"{UPSTREAM_CLI} did not build an argument parser; upstream changed its CLI")
 
 
 def run_upstream_main(args: argparse.Namespace) -> None:
     """Run upstream's __main__ block (its checks, then train()) on already parsed arguments."""
-    with _intercept_parse_args(lambda _parser: args):
-        runpy.run_module(UPSTREAM_CLI, run_name="__main__")
+    _run_intercepting_first_parse(lambda _parser: args)

@@ -2,14 +2,16 @@
 
 A papermill parameter with a typo is only a warning to papermill and a silently unused variable to the
 notebook; a bad value surfaces minutes later inside Ray. Each notebook therefore declares its
-parameters as a `ParamSpec` table (see SPECS) and its second cell calls `notebook_params(globals(), NAME)`, which
-fails in that cell with the list of accepted names (and their help) for an unknown name or a bad value.
-The sweep checks every cell of a grid against the same table before any cell runs.
+parameters as a `ParamSpec` table beside the code it drives (pipeline/train.py's TRAIN_PARAMS,
+viz/explorer.py's EXPLORER_PARAMS, ...) and its second cell imports that module and calls
+`notebook_params(globals(), module.SPEC, NAME)`, which fails in that cell with the list of accepted names (and
+their help) for an unknown name or a bad value. The sweep checks every cell of a grid against the same table
+before any cell runs. A bottom-layer module (it imports nothing of the package), so every layer declares its
+notebook's table here without reaching up to pipeline/.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import FunctionType, ModuleType
@@ -30,6 +32,9 @@ class Param:
     types: tuple[type, ...] = ()
     choices: tuple[Any, ...] | None = None
     check: Check | None = None
+    # The command-line flag the parameter becomes (a training parameter's, pipeline/train.py derives the argv);
+    # a dict value gives one flag per key, `flag + key`. None: the notebook itself uses the value.
+    flag: str | None = None
 
     def problem(self, value: Any) -> str | None:
         """Why `value` is not acceptable, or None."""
@@ -64,22 +69,17 @@ def check_params(values: Mapping[str, Any], spec: ParamSpec, where: str = "param
     return {name: values.get(name, p.default) for name, p in spec.items()}
 
 
-# Notebook name -> "module:attribute" of its spec (imported on use: the specs import heavier modules).
-SPECS = {
-    "train": "openrlhf_tis.pipeline.train:TRAIN_PARAMS",
-    "compare": "openrlhf_tis.pipeline.report:COMPARE_PARAMS",
-    "sweep": "openrlhf_tis.pipeline.sweep:SWEEP_PARAMS",
-    "token_explorer": "openrlhf_tis.viz.explorer:EXPLORER_PARAMS",
-    "dashboard": "openrlhf_tis.pipeline.dashboard_app:DASHBOARD_PARAMS",
-}
-
-
-def spec_of(notebook: str) -> ParamSpec:
-    """The parameter spec of a project notebook by name."""
-    if notebook not in SPECS:
-        raise KeyError(f"no parameter spec for notebook {notebook!r}; known: {sorted(SPECS)}")
-    module, attribute = SPECS[notebook].split(":")
-    return getattr(importlib.import_module(module), attribute)
+def flag_argv(values: Mapping[str, Any], spec: ParamSpec) -> list[str]:
+    """`[flag, str(value)]` for every parameter of `spec` that has a flag, in the spec's order; a None value
+    leaves its flag out, a dict value gives one `flag + key` per entry."""
+    argv: list[str] = []
+    for name, param in spec.items():
+        value = values[name]
+        if param.flag is None or value is None:
+            continue
+        for key, item in value.items() if isinstance(value, dict) else [("", value)]:
+            argv += [param.flag + key, str(item)]
+    return argv
 
 
 _IPYTHON_NAMES = frozenset({"In", "Out", "get_ipython", "exit", "quit", "open"})
@@ -88,8 +88,9 @@ _IPYTHON_NAMES = frozenset({"In", "Out", "get_ipython", "exit", "quit", "open"})
 _SEEN = "_openrlhf_tis_names_at_check"  # kept in the notebook's globals by the first check
 
 
-def notebook_params(namespace: dict[str, Any], notebook: str) -> dict[str, Any]:
-    """The parameters notebook `notebook` runs with, read from its globals right after the parameters cell.
+def notebook_params(namespace: dict[str, Any], spec: ParamSpec, notebook: str) -> dict[str, Any]:
+    """The parameters notebook `notebook` (declaring `spec`) runs with, read from its globals right after the
+    parameters cell.
 
     Names papermill injected that the spec does not know are refused: every plain value in the kernel's
     namespace at this point was set by the parameters cell or injected after it (imports, functions,
@@ -103,7 +104,7 @@ def notebook_params(namespace: dict[str, Any], notebook: str) -> dict[str, Any]:
         and not isinstance(value, (ModuleType, FunctionType, type)) and not callable(value)
         and (earlier is None or name in earlier)
     }
-    checked = check_params(values, spec_of(notebook), where=f"{notebook}.ipynb parameters")
+    checked = check_params(values, spec, where=f"{notebook}.ipynb parameters")
     if earlier is None:
         namespace[_SEEN] = frozenset(namespace)
     return checked
