@@ -229,7 +229,9 @@ def build_argv(params: dict[str, Any], model_dir: Path, prompts: Path, run_dir: 
         "--algo.advantage.estimator", "group_norm" if group > 1 else "reinforce", "--algo.kl.init_coef", "0",
         "--rollout.micro_batch_size", micro, "--train.batch_size", str(batch), "--train.micro_batch_size", micro,
         "--train.num_episodes", "1", "--train.max_epochs", "1", "--ds.zero_stage", "2", "--actor.lr_warmup_ratio", "0",
-        "--ckpt.path", str(run_dir / "ckpt"), "--ckpt.save_steps", "-1",
+        # No DeepSpeed checkpoints: upstream still saves a "best" one (2.1 GB for SmolLM2 with Adam) whenever the
+        # engine's held-out score improves unless its metric key is "none"; the kept weights go to output_dir.
+        "--ckpt.path", str(run_dir / "ckpt"), "--ckpt.save_steps", "-1", "--ckpt.best_metric_key", "none",
         "--ckpt.output_dir", str(run_dir / KEPT_MODEL_DIR),
         "--logger.logging_steps", "1",
     ]
