@@ -46,7 +46,9 @@ def _cell(root, precision, correction, seed, *, bits="auto", k3=0.05, engine=(0.
         name = name.replace(",correction", f",int8_weight_bits={bits},correction")
     run = root / "cells" / unique_dir_name(name) / "run"
     config = {"vllm.rollout_precision": precision, "ds.param_dtype": "fp32", "vllm.int8_weight_bits": bits,
-              "algo.correction.preset": correction, "train.seed": seed, "logger.run_dir": str(run), "lr": 2e-5}
+              "algo.correction.preset": correction, "train.seed": seed, "logger.run_dir": str(run), "lr": 2e-5,
+              # upstream's default run name is the start time (ppo_%m%dT%H:%M): different for every run
+              "logger.wandb.run_name": f"ppo_1125T19:{len(list(root.glob('cells/*'))):02d}"}
     writer = RunWriter(run, config=config, origin={})
     for step in (1, 2, 3):
         line = {"rollout/reward_mean": 0.1 * step + 0.01 * seed, "mismatch/k3_kl": k3 * step / 2}

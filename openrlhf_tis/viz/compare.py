@@ -35,7 +35,9 @@ from openrlhf_tis.runs.summary import pick_key
 from openrlhf_tis.viz.curves import SEED_IN_NAME, held_out
 
 # Paths that differ between any two runs without making them different experiments.
-_INCIDENTAL = ("logger.run_dir", "ckpt.path", "ckpt.output_dir", "data.prompt_dataset", "actor.model_name_or_path")
+# Paths, and upstream's default run name (the start time, ppo_%m%dT%H:%M): they differ between seeds of one setting.
+_INCIDENTAL = ("logger.run_dir", "ckpt.path", "ckpt.output_dir", "data.prompt_dataset", "actor.model_name_or_path",
+               "logger.wandb.run_name")
 SEED_FLAGS = ("train.seed", "seed")  # runs that differ only here are seeds of one setting
 
 
