@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -102,6 +103,27 @@ def test_checkpoint_of_this_history_is_resumed_and_an_overwritten_runs_is_refuse
                            f"global_step2 was saved by run {run_id}, not by this directory's run "), line
     assert line.endswith("pass --logger.run_dir_overwrite to start over, or the --ckpt.path this run saved to")
     assert json.loads((ckpt / "_actor" / "global_step2" / CHECKPOINT_ID_FILE).read_text())["step"] == 2
+
+
+def test_an_empty_latest_left_by_a_kill_is_pointed_at_the_newest_checkpoint(valid_argv, tmp_path, capsys):
+    path = finished_run(valid_argv)  # two logged steps
+    run_id = read_run_config(path)["run_id"]
+    ckpt = tmp_path / "ckpt"
+    _checkpoint(ckpt, 1, run_id)
+    shutil.rmtree(ckpt / "_actor" / "global_step1")  # gone, as max_num prunes; step 10 sorts before 2 as text
+    for step in (2, 10, 1):
+        (ckpt / "_actor" / f"global_step{step}").mkdir(exist_ok=True)
+        write_checkpoint_identity(ckpt / "_actor" / f"global_step{step}", run_id, step)
+    (ckpt / "_actor" / "latest").write_text("")  # SIGKILL while DeepSpeed rewrote it in place
+    line = error_line(refused(valid_argv + ["--ckpt.load_enable", "--ckpt.path", str(ckpt)], capsys))
+    # repaired to the newest tag, which is then judged like any checkpoint: step 10 is past the 2 logged steps
+    assert (ckpt / "_actor" / "latest").read_text() == "global_step10"
+    assert "its checkpoint global_step10 is past the directory's last logged step (2)" in line
+    (ckpt / "_actor" / "latest").write_text("")
+    shutil.rmtree(ckpt / "_actor" / "global_step10")
+    train_ppo_ray.parse(valid_argv + ["--ckpt.load_enable", "--ckpt.path", str(ckpt)], cpu=True)
+    assert (ckpt / "_actor" / "latest").read_text() == "global_step2"
+    assert "was empty" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("logged", "saved_by", "step", "expected"), [

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.runs.config import RUN_ID_KEY, RunConfigMismatch, check_resume
-from openrlhf_tis.runs.identity import foreign_checkpoint
+from openrlhf_tis.runs.identity import foreign_checkpoint, repair_empty_latest
 from openrlhf_tis.runs.layout import CONFIG_FILE, METRICS_FILE, TOKENS_DIR, token_files
 from openrlhf_tis.runs.reader import last_logged_step
 
@@ -129,6 +129,9 @@ def open_run_dir(args: argparse.Namespace, planned_steps: int | None = None) -> 
     else:
         (run_dir / CONFIG_FILE).unlink(missing_ok=True)  # left by a start that never reached step 1
     if load and checkpoint is not None:  # (with overwrite too it was refused above)
+        if (tag := repair_empty_latest(checkpoint)) is not None:
+            print(f"[openrlhf_tis] {checkpoint / 'latest'} was empty (a run killed while DeepSpeed wrote it): "
+                  f"pointed at {tag}, the newest checkpoint", file=sys.stderr)
         foreign = foreign_checkpoint(run_dir, checkpoint)
         if foreign:
             raise UsageError(LOAD_FLAG, f"will not resume {run_dir} from {checkpoint}: {foreign}; pass "

@@ -32,6 +32,25 @@ def latest_checkpoint(actor_dir: str | os.PathLike) -> tuple[str, int | None]:
     return tag, int(match.group(1)) if match else None
 
 
+def repair_empty_latest(actor_dir: str | os.PathLike) -> str | None:
+    """Point an empty `latest` at the newest `global_stepN` tag; returns that tag, None when nothing was wrong.
+
+    DeepSpeed writes `latest` in place (open for writing, then the tag) and only after the tag's files are whole,
+    so a kill in that instant leaves it empty while the newest tag is complete; every later resume would then
+    fail. Whether that tag belongs to this run is still judged by `foreign_checkpoint`.
+    """
+    latest = Path(actor_dir) / "latest"
+    if not latest.is_file() or latest.read_text().strip():
+        return None
+    steps = {int(m.group(1)): p.name for p in Path(actor_dir).iterdir()
+             if p.is_dir() and (m := _TAG_STEP.search(p.name))}
+    if not steps:
+        return None
+    tag = steps[max(steps)]
+    atomic_write(latest, tag.encode())
+    return tag
+
+
 def write_checkpoint_identity(tag_dir: str | os.PathLike, run_id: str, step: int) -> Path:
     """Mark a saved checkpoint as `run_id`'s (called once the DeepSpeed files are written)."""
     data = json.dumps({RUN_ID_KEY: run_id, "step": int(step)}).encode()
