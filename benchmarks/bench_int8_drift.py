@@ -31,7 +31,7 @@ at RL learning rates the weights would not move at all. Loss `lm` (default): nex
 fixed batch of arithmetic text: a strong training signal that points the same way every step (the
 model memorizes the batch), a stress case for drift at a given lr. Loss `pg`: on-policy REINFORCE
 with a group-mean/std baseline (GRPO's gradient for one update per rollout batch) on completions
-sampled every step, with a dense arithmetic reward: closer to RL.
+sampled every step, scored by the demo task's dense reward (demo/dense_reward.py): closer to RL.
 A larger lr stands in for a longer run. The drift column reports how far the synced weights moved.
 
 The W8A8 engine is emulated in torch (bf16 model; each projection: input fake-quantized per token,
@@ -50,7 +50,6 @@ import json
 import math
 import os
 import random
-import re
 import shutil
 import statistics
 import tempfile
@@ -65,6 +64,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from openrlhf_tis.demo.dense_reward import DIGIT_WEIGHT  # noqa: E402
+from openrlhf_tis.demo.task import all_problems, score  # noqa: E402
+from openrlhf_tis.demo.task_reward import shaped  # noqa: E402
 from openrlhf_tis.rollout.quantize import (  # noqa: E402
     INT8_MAX,
     INT8_MIN,
@@ -77,14 +79,16 @@ from openrlhf_tis.rollout.quantize import (  # noqa: E402
 )
 
 MODES = ("recompute", "frozen")
+PROBLEMS = all_problems()
 
 
 # ---------------------------------------------------------------------------------------------- data
 
 
 def _question(rng: random.Random) -> tuple[str, int]:
-    a, b = rng.randint(10, 49), rng.randint(10, 49)  # two digits each: prompts tokenize to one length
-    return f"Question: What is {a} + {b}?\nAnswer:", a + b
+    """A question of the demo task, prompted for its tagged answer (the model is not chat-formatted here)."""
+    problem = rng.choice(PROBLEMS)
+    return f"{problem.question}\nAnswer:", problem.answer
 
 
 def equal_length_prompts(tok, n: int, seed: int) -> list[tuple[list[int], int]]:
@@ -100,12 +104,12 @@ def equal_length_prompts(tok, n: int, seed: int) -> list[tuple[list[int], int]]:
 
 
 def lm_batch(tok, batch: int, seq: int, seed: int) -> torch.Tensor:
-    """A fixed [batch, seq] block of arithmetic text (worked sums), cut from one token stream."""
+    """A fixed [batch, seq] block of the demo task's questions with their answers, cut from one token stream."""
     rng = random.Random(seed)
     ids: list[int] = []
     while len(ids) < batch * seq:
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
-        ids += tok(f"Question: What is {a} + {b}?\nAnswer: {a} + {b} = {a + b}.\n").input_ids
+        problem = rng.choice(PROBLEMS)
+        ids += tok(f"{problem.question}\nAnswer: {problem.answer}\n").input_ids
     return torch.tensor(ids[: batch * seq]).view(batch, seq)
 
 
@@ -116,14 +120,6 @@ def sample(model, prompts: torch.Tensor, new_tokens: int, seed: int) -> torch.Te
     return model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0,
                           top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                           pad_token_id=0)
-
-
-def arithmetic_reward(text: str, answer: int) -> float:
-    """Dense reward: 1 for the right sum, down to -1 by relative error; -1 without a number."""
-    m = re.search(r"-?\d+", text)
-    if m is None:
-        return -1.0
-    return 1.0 - min(2.0, 2.0 * abs(int(m.group()) - answer) / answer)
 
 
 # ------------------------------------------------------------------------------------------ training
@@ -168,7 +164,8 @@ def pg_loss(model, tok, prompts: list[tuple[list[int], int]], group: int, new_to
     seqs = sample(model, ids, new_tokens, seed)
     model.train()
     plen = ids.shape[1]
-    rewards = torch.tensor([arithmetic_reward(tok.decode(s[plen:]), a) for s, a in zip(seqs, answers, strict=True)])
+    rewards = torch.tensor([shaped(score(tok.decode(s[plen:]), str(a)), DIGIT_WEIGHT)
+                            for s, a in zip(seqs, answers, strict=True)])
     r = rewards.view(-1, group)
     adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1)
     logits = model(seqs).logits[:, plen - 1:-1].float()

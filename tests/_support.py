@@ -49,7 +49,7 @@ def finished_run(argv: list[str]) -> Path:
     return path
 
 
-REWARD = Path(__file__).resolve().parents[1] / "openrlhf_tis" / "demo" / "reward_func.py"
+REWARD = Path(__file__).resolve().parents[1] / "openrlhf_tis" / "demo" / "dense_reward.py"
 
 
 def train_argv(model_dir: Path, work: Path, steps: int, dump_every: int, *, save_steps: int = 1,

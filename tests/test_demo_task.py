@@ -15,7 +15,7 @@ from _support import refused
 from openrlhf_tis.demo import task
 
 REWARD = Path(task.__file__).with_name("task_reward.py")
-DEMO_REWARD = Path(task.__file__).with_name("reward_func.py")
+DENSE_REWARD = Path(task.__file__).with_name("dense_reward.py")
 QUESTION = re.compile(r"^What is (\d) ([-+*]) (\d)\? Put the final answer after 'Answer:'\.$")
 
 
@@ -64,20 +64,45 @@ PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant<|im_end|>\n<|im_st
           "What is 0 + 7? Put the final answer after 'Answer:'.<|im_end|>\n<|im_start|>assistant\n")
 
 
-@pytest.mark.parametrize(("response", "correct", "tagged", "answered"), [
-    ("0 + 7 = 7<|im_end|>", 1, 0, 1),                    # the model's own style: last number
-    ("Answer: 7<|im_end|>", 1, 1, 1),                    # the asked-for format
-    ("The answer is 7.0.", 1, 0, 1),                      # same value written as a decimal
-    ("0 + 7 = 8<|im_end|>", 0, 0, 1),                    # wrong
-    ("Answer: 8\nWait, 0 + 7 = 7", 0, 1, 1),             # the tagged answer is the final one
-    ("It is 7, no: 70", 0, 0, 1),                         # only the last number counts
-    ("seven<|im_end|>", 0, 0, 0),                         # badly formatted: no number at all
-    ("", 0, 0, 0),                                        # nothing: the question's own 7 is not an answer
-])
-def test_reward_scores_hand_written_responses(response, correct, tagged, answered):
+# digit_share: digits / characters of the response without its chat markers, counted by hand
+HAND_SCORED = [
+    ("0 + 7 = 7<|im_end|>", 1, 0, 1, 3 / 9),                   # the model's own style: last number
+    ("Answer: 7<|im_end|>", 1, 1, 1, 1 / 9),                   # the asked-for format
+    ("The answer is 7.0.", 1, 0, 1, 2 / 18),                    # same value written as a decimal
+    ("0 + 7 = 8<|im_end|>", 0, 0, 1, 3 / 9),                   # wrong
+    ("Answer: 8\nWait, 0 + 7 = 7", 0, 1, 1, 4 / 25),           # the tagged answer is the final one
+    ("It is 7, no: 70", 0, 0, 1, 3 / 15),                       # only the last number counts
+    ("seven<|im_end|>", 0, 0, 0, 0),                            # badly formatted: no number at all
+    ("", 0, 0, 0, 0),                                           # nothing: the question's own 7 is not an answer
+]
+
+
+@pytest.mark.parametrize(("response", "correct", "tagged", "answered", "digit_share"), HAND_SCORED)
+def test_reward_scores_hand_written_responses(response, correct, tagged, answered, digit_share):
     out = _load_reward()([PROMPT + response], [PROMPT], ["7"])
     assert out["rewards"] == out["scores"] == correct
-    assert out["extra_logs"] == {"correct": correct, "tagged": tagged, "answered": answered}
+    logs = out["extra_logs"]
+    assert {k: logs[k] for k in ("correct", "tagged", "answered")} == {"correct": correct, "tagged": tagged,
+                                                                       "answered": answered}
+    assert logs["digit_share"] == pytest.approx(digit_share, abs=1e-12)
+
+
+@pytest.mark.parametrize(("response", "correct", "tagged", "answered", "digit_share"), HAND_SCORED)
+def test_dense_reward_is_the_task_reward_plus_the_digit_share(response, correct, tagged, answered, digit_share):
+    from openrlhf_tis.cli.reward_probe import load_reward_func
+
+    out = load_reward_func(str(DENSE_REWARD))([PROMPT + response], [PROMPT], ["7"])
+    assert out["rewards"] == pytest.approx(correct + digit_share, abs=1e-12)
+    assert out["extra_logs"]["correct"] == correct
+
+
+def test_training_prompts_are_training_questions_repeated_in_order(tmp_path):
+    train, held_out = task.split()
+    records = _records(task.write_prompts(tmp_path / "p.jsonl", 2 * len(train) + 3))
+    assert [r["input"] for r in records] == [p.question for p in (train * 3)[: 2 * len(train) + 3]]
+    assert not {r["input"] for r in records} & {p.question for p in held_out}
+    with pytest.raises(ValueError, match="n must be at least 1"):
+        task.write_prompts(tmp_path / "none.jsonl", 0)
 
 
 def test_reward_scores_a_batch_and_refuses_a_query_without_its_prompt():
@@ -152,15 +177,13 @@ EVAL_STEPS, TOTAL_STEPS, EVAL_PROMPTS, EVAL_SAMPLES = 2, 3, 6, 2
 @pytest.mark.e2e
 def test_held_out_evaluation_lands_in_metrics_jsonl(tiny_model_dir, tmp_path):
     """Upstream's eval logs to wandb/TensorBoard only; the fork writes it on the step lines, plus a
-    pre-training eval on step 1's line. The demo reward (dense, never all-zero on the random tiny model)
+    pre-training eval on step 1's line. The dense reward (never all-zero on the random tiny model)
     makes the pass rates informative."""
-    from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
-
-    write_arithmetic_prompts(tmp_path / "train.jsonl", 4 * TOTAL_STEPS)
-    write_arithmetic_prompts(tmp_path / "eval.jsonl", EVAL_PROMPTS, seed=1)
+    task.write_prompts(tmp_path / "train.jsonl", 4 * TOTAL_STEPS)
+    task.write_jsonl(tmp_path / "eval.jsonl", task.split()[1][:EVAL_PROMPTS])
     argv = [
         sys.executable, "-m", "openrlhf_tis.cli.train_ppo_ray",
-        "--actor.model_name_or_path", str(tiny_model_dir), "--reward.remote_url", str(DEMO_REWARD),
+        "--actor.model_name_or_path", str(tiny_model_dir), "--reward.remote_url", str(DENSE_REWARD),
         "--data.prompt_dataset", "train.jsonl", "--eval.dataset", "eval.jsonl",
         "--data.input_key", "input", "--data.label_key", "label", "--data.apply_chat_template",
         "--vllm.num_engines", "1", "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",

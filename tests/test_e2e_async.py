@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from _support import kill_and_resume, read_steps, train_argv
 
-from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
+from openrlhf_tis.demo.task import split, write_jsonl, write_prompts
 from openrlhf_tis.runs import query_tokens, token_steps
 
 pytestmark = pytest.mark.e2e
@@ -32,8 +32,8 @@ def _async_argv(model_dir: Path, work: Path, steps: int, *extra: str) -> list[st
 
 
 def _prepare(work: Path, steps: int) -> None:
-    write_arithmetic_prompts(work / "prompts.jsonl", 4 * steps)
-    write_arithmetic_prompts(work / "heldout.jsonl", 6, seed=1)
+    write_prompts(work / "prompts.jsonl", 4 * steps)
+    write_jsonl(work / "heldout.jsonl", split()[1][:6])
 
 
 @pytest.fixture(scope="module")

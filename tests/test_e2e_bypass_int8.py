@@ -9,21 +9,20 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from _support import REWARD
 
-from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
+from openrlhf_tis.demo.task import write_prompts
 
 pytestmark = pytest.mark.e2e
-REWARD = Path(__file__).resolve().parents[1] / "openrlhf_tis" / "demo" / "reward_func.py"
 STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def run(tiny_model_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("e2e_int8")
-    write_arithmetic_prompts(work / "prompts.jsonl", 4 * STEPS)
+    write_prompts(work / "prompts.jsonl", 4 * STEPS)
     argv = [
         sys.executable, "-m", "openrlhf_tis.cli.train_ppo_ray",
         "--actor.model_name_or_path", str(tiny_model_dir), "--reward.remote_url", str(REWARD),

@@ -27,7 +27,7 @@ import psutil
 import pytest
 from _support import free_port, train_argv
 
-from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
+from openrlhf_tis.demo.task import write_prompts
 
 pytestmark = [
     pytest.mark.e2e,
@@ -101,7 +101,7 @@ def _listening(port: int) -> bool:
 
 def test_ray_job_submit_trains_on_an_existing_cluster(tiny_model_dir, tmp_path):
     work = tmp_path
-    write_arithmetic_prompts(work / "prompts.jsonl", 4 * STEPS)
+    write_prompts(work / "prompts.jsonl", 4 * STEPS)
     # The cluster's processes, hence the job's driver, run `python` from this venv and import this checkout.
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])

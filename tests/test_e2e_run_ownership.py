@@ -18,7 +18,7 @@ import psutil
 import pytest
 from _support import PREFIX, free_port, read_steps, train_argv, wait_for
 
-from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
+from openrlhf_tis.demo.task import write_prompts
 from openrlhf_tis.pipeline.sweep import STATUS_FILE, load_grid
 from openrlhf_tis.runs import read_run_config, summary
 from openrlhf_tis.runs.identity import read_checkpoint_identity
@@ -63,7 +63,7 @@ def _one_error_line(proc: subprocess.CompletedProcess) -> str:
 def test_one_live_run_per_directory_and_no_resume_from_an_overwritten_history(tiny_model_dir, tmp_path, ray_tmpdir):
     work = tmp_path
     run = work / "run"
-    write_arithmetic_prompts(work / "prompts.jsonl", 4 * STEPS)
+    write_prompts(work / "prompts.jsonl", 4 * STEPS)
     argv = train_argv(tiny_model_dir, work, STEPS, 0, save_steps=STEPS, load=False)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_TMPDIR=str(ray_tmpdir), RAY_DEDUP_LOGS="0")

@@ -16,7 +16,7 @@ import torch
 from _support import kill_and_resume, train_argv
 from safetensors.torch import load_file
 
-from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
+from openrlhf_tis.demo.task import write_prompts
 from openrlhf_tis.runs import query_tokens, select_samples, should_dump, token_steps
 
 pytestmark = pytest.mark.e2e
@@ -37,7 +37,7 @@ SAMPLES_PER_STEP, GROUP, DUMP_SAMPLES = 8, 2, 8  # 4 prompts x 2 samples; --logg
 def finished_run(tiny_model_dir, tmp_path_factory):
     """Train, kill the whole process group mid-run (SIGKILL), then resume from upstream's checkpoint."""
     work = tmp_path_factory.mktemp("e2e")
-    write_arithmetic_prompts(work / "prompts.jsonl", 4 * TOTAL_STEPS)
+    write_prompts(work / "prompts.jsonl", 4 * TOTAL_STEPS)
     argv = train_argv(tiny_model_dir, work, TOTAL_STEPS, DUMP_EVERY)
     log, steps = kill_and_resume(argv, work, TOTAL_STEPS)
     assert "Loading the checkpoint" in log

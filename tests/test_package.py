@@ -57,7 +57,7 @@ def test_the_wheel_ships_notebooks_patch_notes_and_entry_points(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"openrlhf_tis/notebooks/{name}.ipynb" for name in NOTEBOOKS} <= names
     assert {"openrlhf_tis/patches/README.md", "openrlhf_tis/patches/__init__.py",
-            "openrlhf_tis/demo/reward_func.py", "openrlhf_tis/demo/task_reward.py"} <= names
+            "openrlhf_tis/demo/dense_reward.py", "openrlhf_tis/demo/task_reward.py"} <= names
     assert not [n for n in names if n.startswith(("tests/", "notebooks/", "patches/"))]  # only the package
     (entry_file,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     entries = configparser.ConfigParser()

@@ -19,7 +19,7 @@ import torch
 from openrlhf.trainer.ppo_utils.experience import Experience
 from openrlhf.utils.agent import SingleTurnAgentExecutor
 
-from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
+from openrlhf_tis.demo.task import write_prompts
 from openrlhf_tis.rollout.reward_executor import LoudRewardExecutor, RewardFunctionError, make_rewards_loud
 from openrlhf_tis.runs import query_tokens
 from openrlhf_tis.trainer.rewards import DROP_FLAG, NonFiniteRewardError, RewardPolicy, screen_rewards
@@ -155,7 +155,7 @@ def reward_func(queries, prompts, labels):
 def test_nan_group_dropped_then_raising_reward_stops_the_run(tiny_model_dir, tmp_path):
     reward = tmp_path / "nan_then_raise.py"
     reward.write_text(NAN_THEN_RAISE)
-    write_arithmetic_prompts(tmp_path / "prompts.jsonl", 8)
+    write_prompts(tmp_path / "prompts.jsonl", 8)
     argv = [
         sys.executable, "-m", "openrlhf_tis.cli.train_ppo_ray",
         "--actor.model_name_or_path", str(tiny_model_dir), "--reward.remote_url", str(reward),

@@ -10,7 +10,9 @@ the last "Answer:" when there is one and otherwise the last number of the respon
 graders read free-form answers), and the tag is reported separately.
 
 Problems are all pairs of operands 0..9 under +, - (non-negative results only) and *: 255 distinct
-questions, shuffled by a seed and split so that no held-out question is ever trained on.
+questions, shuffled by a seed and split so that no held-out question is ever trained on. This is the one
+task of the project: the main job, the tiny test model, the notebooks and the benchmarks all train on it
+and score it with `score` (demo/task_reward.py).
 """
 
 from __future__ import annotations
@@ -69,6 +71,15 @@ def write_jsonl(path: str | Path, problems: list[Problem]) -> Path:
     return path
 
 
+def write_prompts(path: str | Path, n: int, seed: int = 0) -> Path:
+    """`n` training questions (the train split of `seed`, repeated in order when `n` exceeds it), as one
+    {"input", "label"} line each: a run of any length draws only training questions."""
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    train, _ = split(seed=seed)
+    return write_jsonl(path, [train[i % len(train)] for i in range(n)])
+
+
 def write_task(out_dir: str | Path, n_eval: int = 64, seed: int = 0) -> tuple[Path, Path]:
     """`out_dir/train.jsonl` and `out_dir/eval.jsonl`; the same arguments always write the same files."""
     train, held_out = split(n_eval, seed)
@@ -87,11 +98,13 @@ def final_answer(response: str) -> str | None:
 
 def score(response: str, label: str) -> dict[str, float]:
     """1.0/0.0 each: `correct` (the final answer equals the label), `tagged` ("Answer: <number>" is
-    present), `answered` (the response has a number at all)."""
+    present), `answered` (the response has a number at all); and `digit_share`, the fraction of the
+    response's characters that are digits (0 for an empty response), the dense term of a shaped reward."""
     response = SPECIAL_TOKEN.sub("", response)
     answer = final_answer(response)
     return {
         "correct": float(answer is not None and float(answer) == float(label)),
         "tagged": float(bool(ANSWER_TAG.search(response))),
         "answered": float(answer is not None),
+        "digit_share": sum(c.isdigit() for c in response) / max(1, len(response)),
     }

@@ -1,13 +1,13 @@
 """A tiny random-weight Qwen2 model and a locally trained byte-level BPE tokenizer, no hub access.
 
-Used by the tests and, until an embedded real model replaces it, by the main job. The shapes obey
+Used by the tests and the benchmarks' quick modes, on the demo task (demo/task.py) with its dense reward
+(demo/dense_reward.py: a random model never answers right). The shapes obey
 vLLM's CPU attention (head size 32) and the tokenizer carries a chat template, so the model goes
 through exactly the code path of a real one.
 """
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -75,18 +75,6 @@ def build_tiny_model(out_dir: str | Path, hidden: int = 128, layers: int = 2, he
     Qwen2ForCausalLM(config).save_pretrained(out)
     GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id).save_pretrained(out)
     return out
-
-
-def write_arithmetic_prompts(path: str | Path, n: int, seed: int = 0) -> Path:
-    """JSONL of {"input": question, "label": answer}: the demo task (--data.input_key input)."""
-    rng = random.Random(seed)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for _ in range(n):
-            a, b = rng.randint(0, 49), rng.randint(0, 49)
-            f.write(json.dumps({"input": f"What is {a} + {b}?", "label": str(a + b)}) + "\n")
-    return path
 
 
 if __name__ == "__main__":  # `python -m openrlhf_tis.demo.tiny_model OUT_DIR`: how the pipeline builds it

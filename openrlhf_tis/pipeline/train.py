@@ -30,7 +30,7 @@ from openrlhf_tis.pipeline.heldout import KEPT_FILE, KEPT_MODEL_DIR
 from openrlhf_tis.rollout.precision import PRECISIONS
 from openrlhf_tis.runs.reader import read_metrics_records
 
-DEMO_REWARD = Path(str(resources.files("openrlhf_tis") / "demo" / "reward_func.py"))
+DEMO_REWARD = Path(str(resources.files("openrlhf_tis") / "demo" / "dense_reward.py"))
 LOG_FILE = "train.log"
 EVAL_TEMPERATURE = 1.0  # held-out samples are drawn as in training, so pass1 is the training reward's held-out twin
 
@@ -63,10 +63,10 @@ def _options(value: dict) -> str | None:
 TRAIN_PARAMS: dict[str, Param] = {
     "model": Param("tiny", "'tiny' (random 2-layer, seconds per step), 'default' (embedded SmolLM2-135M-Instruct) "
                    "or a model directory", (str,), check=_model, flag="--actor.model_name_or_path"),
-    "prompts": Param("", "prompt JSONL with input/label keys; '' writes the demo arithmetic prompts", (str,),
+    "prompts": Param("", "prompt JSONL with input/label keys; '' writes the demo task's training questions", (str,),
                      check=_existing_file_or_empty, flag="--data.prompt_dataset"),
-    "reward": Param("", "reward script defining reward_func; '' uses the demo reward", (str,),
-                    check=_existing_file_or_empty, flag="--reward.remote_url"),
+    "reward": Param("", "reward script defining reward_func; '' uses the demo task's reward plus its dense digit term",
+                    (str,), check=_existing_file_or_empty, flag="--reward.remote_url"),
     "correction": Param("tis", "a correction preset (--algo.correction.preset)", (str,), tuple(PRESETS),
                         flag=FLAG_PREFIX + "preset"),
     "correction_options": Param({}, "single correction fields over the preset, e.g. {'upper': 3}", (dict,),
@@ -149,15 +149,15 @@ def resolve_model(model: str, cache: Path, log: TextIO) -> Path:
 def resolve_prompts(prompts: str, run_dir: Path, count: int) -> Path:
     """A prompt file beside the run directory holding the `count` prompts the run trains on.
 
-    The first `count` prompts of the given file, or `count` demo prompts. The run is bounded by this
-    file, not by `--data.max_samples`, because upstream clips the held-out set with that flag too.
+    The first `count` prompts of the given file, or `count` training questions of the demo task. The run
+    is bounded by this file, not by `--data.max_samples`, because upstream clips the held-out set with that flag too.
     """
     out = run_dir.parent / f"{run_dir.name}.prompts.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     if not prompts:
-        from openrlhf_tis.demo.tiny_model import write_arithmetic_prompts
+        from openrlhf_tis.demo.task import write_prompts
 
-        return write_arithmetic_prompts(out, count)
+        return write_prompts(out, count)
     with open(Path(prompts).expanduser(), encoding="utf-8") as src:
         lines = [line for line in src if line.strip()][:count]
     out.write_text("".join(line if line.endswith("\n") else line + "\n" for line in lines), encoding="utf-8")
