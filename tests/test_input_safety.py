@@ -215,6 +215,19 @@ def test_run_dir_that_cannot_be_a_directory_is_refused(valid_argv, tmp_path, cap
     assert line.startswith(f"--logger.run_dir: cannot create {a_file / 'run'}")
 
 
+@pytest.mark.parametrize("flag, extra", [
+    ("--ckpt.output_dir", []),
+    ("--ckpt.path", ["--ckpt.save_steps", "1"]),  # checked only when the run saves checkpoints
+    ("--logger.tensorboard_dir", []),
+])
+def test_an_output_directory_under_a_regular_file_is_refused(valid_argv, tmp_path, capsys, flag, extra):
+    """FILE/model: no directory can ever be made there, however writable the directory above FILE is."""
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    line = error_line(refused([*valid_argv, *extra, flag, str(a_file / "model")], capsys))
+    assert line == f"{flag}: {a_file / 'model'} cannot be created: {a_file} is a file, not a directory"
+
+
 # --- the calibration command ---------------------------------------------------------------------------
 
 def _calibrate(argv: list[str], capsys) -> str:

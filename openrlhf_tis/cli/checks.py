@@ -149,6 +149,8 @@ def check_output_dir(flag: str, path: str | None) -> None:
     existing = target
     while not os.path.isdir(existing):
         existing = os.path.dirname(existing)
+        if os.path.exists(existing) and not os.path.isdir(existing):  # FILE/model: makedirs would fail at the end
+            raise UsageError(flag, f"{target} cannot be created: {existing} is a file, not a directory")
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass
