@@ -60,6 +60,7 @@ def test_explicit_flags_are_told_from_defaults(parsers):
         (["--ds.attn_implementation", "flash_attention_2"], "--ds.attn_implementation"),
         (["--vllm.sync_backend", "nccl"], "--vllm.sync_backend"),
         (["--train.colocate_all"], "--train.colocate_all"),
+        (["--vllm.enable_sleep"], "--vllm.enable_sleep"),
         (["--vllm.sync_check_steps", "-1"], "--vllm.sync_check_steps"),
     ],
 )

@@ -56,7 +56,7 @@ GPU_ONLY = (
     _GpuOnly("ds.attn_implementation", lambda v: "flash" in str(v), "flash attention needs CUDA; use sdpa or eager"),
     _GpuOnly("vllm.sync_backend", lambda v: v == "nccl", "NCCL needs CUDA; the CPU weight sync uses gloo"),
     _GpuOnly("vllm.sync_with_ray", bool, "Ray's collective gloo group cannot run beside DeepSpeed here"),
-    _GpuOnly("vllm.enable_sleep", bool, "vLLM sleep mode needs the CUDA memory allocator"),
+    _GpuOnly("vllm.enable_sleep", bool, "vLLM-CPU has no sleep mode (vLLM offers it on CUDA, ROCm and XPU only)"),
     _GpuOnly("vllm.tensor_parallel_size", lambda v: v > 1, "vLLM tensor parallelism is not supported on CPU"),
     _GpuOnly("train.colocate_all", bool, "colocation syncs weights through CUDA IPC"),
     _GpuOnly("ds.packing_samples", bool, "sample packing needs flash attention's varlen kernels"),

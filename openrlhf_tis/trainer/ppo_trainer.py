@@ -61,7 +61,7 @@ from openrlhf_tis.trainer.bypass import install_bypass_experience_maker
 from openrlhf_tis.trainer.eval_samples import whole_set_eval
 from openrlhf_tis.trainer.rewards import RewardPolicy, screen_rewards
 from openrlhf_tis.trainer.staleness import LAG, drop_stale, sample_lags, spans_sync, staleness_metrics, stamp_lags
-from openrlhf_tis.trainer.sync_check import SyncChecker
+from openrlhf_tis.trainer.sync_check import make_sync_checker
 from openrlhf_tis.trainer.token_dumps import TokenDumpPlan
 
 _UpstreamPPOTrainer = ray_actor_class(_UpstreamSyncClass)
@@ -125,15 +125,9 @@ class ForkController:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.samples_generator = whole_set_eval(self.samples_generator) if self.samples_generator else None
-        vllm = self.args.vllm
-        # A sleeping engine has no KV cache right after a sync, so it cannot score the probe then.
-        self._sync_every = vllm.sync_check_steps if self.vllm_engines and not vllm.enable_sleep else 0
-        self._sync_checker = None
-        if self._sync_every:
-            self._sync_checker = SyncChecker(
-                self.tokenizer, self.vllm_engines, self.actor_model_group,
-                temperature=self.args.rollout.temperature, tolerance=vllm.sync_check_tolerance,
-            )
+        # Sleeping engines (--vllm.enable_sleep) are checked too: the checker wakes them to score.
+        self._sync_checker = make_sync_checker(self.args, self.tokenizer, self.vllm_engines, self.actor_model_group)
+        self._sync_every = self.args.vllm.sync_check_steps if self._sync_checker is not None else 0
         self._syncs = 0
         self._sync_metrics: dict[str, float] = {}
         self._run = RunWriter(self.args.logger.run_dir) if self.args.logger.run_dir else None

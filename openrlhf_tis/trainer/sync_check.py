@@ -25,10 +25,19 @@ Metrics (per checked sync):
 - `sync/vllm_logprob_change_mean_abs`: how far the engine's probe log-probs moved through this sync;
 - `sync/vllm_probe_change_mean_abs`, `sync/trainer_probe_change_mean_abs`: how far the engine's and the
   trainer's probe log-probs moved since the previous check (the same interval on both sides).
+
+Sleeping engines (`--vllm.enable_sleep`, the colocated hybrid engine; GPU only): upstream keeps the engines
+asleep (level 1: weights backed up to host memory, KV cache released) except while they generate, and its sync
+wakes the weights alone. A sleeping engine cannot score, so each scoring wakes the engines whole, scores, and
+puts them back to sleep before the trainer's forward (`SleepingEngines`): the state every upstream call after it
+expects, at the memory peak of a rollout. The probe before a sync is skipped there: it would cost one more
+wake/sleep cycle, and `sync/vllm_probe_change_mean_abs` says how far the engines moved (through this one sync
+when every sync is checked); `sync/vllm_logprob_change_mean_abs` is then absent. docs/design.md §4.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import ray
@@ -177,20 +186,54 @@ def trainer_sequence(output) -> tuple[torch.Tensor, int]:
     return sequence, sequence.shape[1] - 1
 
 
+class SleepingEngines:
+    """Engines under `--vllm.enable_sleep`, awake only inside `awake()` (see the module doc).
+
+    `wake_up()` without tags wakes what still sleeps: after upstream's sync only the KV cache (its own
+    rollouts rely on the same call). Level-1 sleep keeps the weights, the ones just synced included.
+    """
+
+    def __init__(self, engines):
+        self.engines = engines
+
+    @contextmanager
+    def awake(self):
+        ray.get([engine.wake_up.remote() for engine in self.engines])
+        try:
+            yield
+        finally:
+            ray.get([engine.sleep.remote() for engine in self.engines])
+
+
+def make_sync_checker(args, tokenizer, vllm_engines, actor_group) -> SyncChecker | None:
+    """The run's checker; None when nothing is checked (no engines, or `--vllm.sync_check_steps 0`).
+
+    Sleeping engines are checked too: the checker wakes them to score (see the module doc).
+    """
+    vllm = args.vllm
+    if not vllm_engines or not vllm.sync_check_steps:
+        return None
+    return SyncChecker(tokenizer, vllm_engines, actor_group, temperature=args.rollout.temperature,
+                       tolerance=vllm.sync_check_tolerance, sleeping=bool(vllm.enable_sleep))
+
+
 class SyncChecker:
     """Scores the probe on the engines and the trainer at the start, before a sync and after it."""
 
-    def __init__(self, tokenizer, vllm_engines, actor_group, temperature: float, tolerance: float, new_tokens: int = 8):
+    def __init__(self, tokenizer, vllm_engines, actor_group, temperature: float, tolerance: float, new_tokens: int = 8,
+                 sleeping: bool = False):
         self.prompt_ids = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
         self.engines = vllm_engines
         self.actor_group = actor_group
         self.temperature = temperature
         self.rule = SyncRule(tolerance)
         self.new_tokens = new_tokens
+        self.sleeping = SleepingEngines(vllm_engines) if sleeping else None
 
     def _score(self, max_tokens: int) -> list:
         params = probe_sampling_params(self.temperature, max_tokens)
-        return ray.get([engine.generate.remote(self.prompt_ids, params) for engine in self.engines])
+        with self.sleeping.awake() if self.sleeping else nullcontext():
+            return ray.get([engine.generate.remote(self.prompt_ids, params) for engine in self.engines])
 
     def _probe_scores(self) -> tuple[list, list[ProbeScore]]:
         outputs = self._score(max_tokens=self.new_tokens)
@@ -207,7 +250,10 @@ class SyncChecker:
         """Measure the baseline gap; call where engines and trainer hold the same weights (before the first step)."""
         return self.rule.start(self._probe_scores()[1])
 
-    def before_sync(self) -> SyncProbe:
+    def before_sync(self) -> SyncProbe | None:
+        """The engines' probe log-probs before a sync; None for sleeping engines (see the module doc)."""
+        if self.sleeping:
+            return None
         return SyncProbe([_prompt_logprobs(o) for o in self._score(max_tokens=1)])
 
     def after_sync(self, probe: SyncProbe | None) -> dict[str, float]:
