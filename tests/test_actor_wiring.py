@@ -22,7 +22,13 @@ from openrlhf.models import PolicyLoss  # noqa: E402
 from openrlhf.trainer.ppo_utils import NaiveReplayBuffer  # noqa: E402
 from openrlhf.trainer.ppo_utils.experience import Experience, split_experience_batch  # noqa: E402
 
-from openrlhf_tis.correction import CorrectionConfig, policy_loss, preset  # noqa: E402
+from openrlhf_tis.correction import (  # noqa: E402
+    CorrectionConfig,
+    CorrectionConfigError,
+    names,
+    policy_loss,
+    preset,
+)
 from openrlhf_tis.trainer import bypass, correction_args, ppo_actor  # noqa: E402
 
 VOCAB, B, T = 11, 4, 9
@@ -217,11 +223,46 @@ def test_ppo_train_logs_metrics_and_normalizes_over_the_replay_buffer():
     assert trainer.actor_loss_fn.normalizer.item() == pytest.approx(ws.mean().item(), rel=1e-5)
 
 
-def test_gspo_keeps_upstreams_loss():
-    args = make_args(preset("off"))
+@pytest.mark.parametrize("name", ["off", "seq_tis", "geo_rs", "bypass_ppo"])
+def test_gspo_step_measures_the_mismatch_as_ppo_does(name):
+    """The mismatch does not depend on the loss: GSPO logs PPO's keys, the same mismatch, with GSPO's loss."""
+    cfg = preset(name)
+    exp_seed, spread = 12, 0.003 if name == "geo_rs" else 0.3
+    metrics = {}
+    for loss_type in ("ppo", "gspo"):
+        args = make_args(cfg)
+        args.actor.policy_loss_type = loss_type
+        trainer = make_trainer(ppo_actor.CorrectionActorPPOTrainer, args)
+        metrics[loss_type] = trainer.training_step(make_experience(seed=exp_seed, spread=spread), kl_ctl=0.0,
+                                                   step=0)["metrics"]
+    assert set(metrics["gspo"]) == set(metrics["ppo"])
+    written = {k for k in metrics["gspo"] if k.startswith((names.MISMATCH, names.CORRECTION))}
+    registry = {v for v in vars(names).values() if isinstance(v, str)}
+    registry |= {*names.BUCKET_GAP_KEYS, *names.BUCKET_FRAC_KEYS, *map(names.rejection_frac_key,
+                                                                      (c.name for c in cfg.rejection))}
+    assert names.K3_KL in written and written <= registry, written - registry
+    for key in written:  # μ, π_old and (bypass) π_θ are the same on both sides
+        assert metrics["gspo"][key].item() == pytest.approx(metrics["ppo"][key].item(), rel=1e-6, abs=1e-9), key
+    # ... and the loss is GSPO's: one ratio per sequence, aggregated per sequence (upstream forces it so).
+    exp = make_experience(seed=exp_seed, spread=spread)
+    lp = TinyPolicy(0)(exp.sequences, exp.action_mask)
+    want = policy_loss(lp, exp.action_log_probs, exp.advantages, exp.action_mask, exp.rollout_log_probs, cfg,
+                       token_level_loss=False, sequence_ratio=True)
+    assert metrics["gspo"]["policy_loss"].item() == pytest.approx(want.loss.item(), rel=1e-5, abs=1e-7)
+    if name == "off":  # upstream's own GSPO step, for comparison
+        args = make_args(None)
+        args.actor.policy_loss_type = "gspo"
+        theirs = make_trainer(upstream_actor.ActorPPOTrainer, args)
+        theirs.actor_loss_fn = PolicyLoss(policy_loss_type="gspo")
+        up = theirs.training_step(make_experience(seed=exp_seed, spread=spread), kl_ctl=0.0, step=0)["metrics"]
+        assert metrics["gspo"]["policy_loss"].item() == pytest.approx(up["policy_loss"].item(), rel=1e-6)
+
+
+def test_gspo_refuses_a_token_level_correction_in_the_actor():
+    args = make_args(preset("tis"))
     args.actor.policy_loss_type = "gspo"
-    trainer = make_trainer(ppo_actor.CorrectionActorPPOTrainer, args)
-    assert isinstance(trainer.actor_loss_fn, PolicyLoss)
+    with pytest.raises(CorrectionConfigError, match="--algo.correction.level"):
+        make_trainer(ppo_actor.CorrectionActorPPOTrainer, args)
 
 
 # ── bypass: the π_old forward is never dispatched ──

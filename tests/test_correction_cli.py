@@ -69,7 +69,10 @@ def test_upstream_flags_map_onto_the_core(argv):
         (["--algo.correction.veto_threshold", "2"], "--algo.correction.veto_threshold"),
         (["--algo.correction.preset", "bypass_ppo", "--algo.correction.mode", "truncate"], "--algo.correction.mode"),
         (["--algo.correction.preset", "tis", "--rollout.top_p", "0.9"], "--rollout.top_p"),
-        (["--algo.correction.preset", "tis", "--actor.policy_loss_type", "gspo"], "--actor.policy_loss_type"),
+        (["--algo.correction.preset", "tis", "--actor.policy_loss_type", "gspo"], "--algo.correction.preset"),
+        (["--actor.policy_loss_type", "gspo", "--algo.correction.mode", "truncate"], "--algo.correction.level"),
+        (["--actor.policy_loss_type", "gspo", "--algo.correction.preset", "seq_tis", "--algo.correction.rejection",
+          "k3:token:0.1"], "--algo.correction.rejection"),
         (["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode", "clip"],
          "--algo.advantage.is_correction_mode"),
         (["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_threshold", "1.5", "5"],
@@ -79,6 +82,22 @@ def test_upstream_flags_map_onto_the_core(argv):
 def test_bad_corrections_are_refused_naming_the_flag(argv, extra, flag, capsys):
     err = refused(argv + extra, capsys)
     assert flag in err, err
+
+
+def test_gspo_measures_the_mismatch_and_takes_sequence_level_corrections(argv, capsys):
+    gspo = argv + ["--actor.policy_loss_type", "gspo"]
+    args = _parse(gspo)
+    assert _resolved(args) == preset("off")
+    assert getattr(args, "algo.advantage.is_correction_level") == "token"  # rollout log-probs: mismatch/* metrics
+    assert _resolved(_parse(gspo + ["--algo.correction.preset", "seq_tis"])) == preset("seq_tis")
+    geometric = _parse(gspo + ["--algo.correction.level", "geometric", "--algo.correction.mode", "truncate"])
+    assert _resolved(geometric) == CorrectionConfig(level="geometric", mode="truncate")
+    # Upstream's GSPO with its is_correction flags puts μ in π_old's place inside the ratio, and nothing else.
+    args = _parse(gspo + ["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode",
+                          "clip"])
+    assert _resolved(args) == CorrectionConfig(mode="none", loss="bypass_ppo")
+    err = refused(gspo + ["--algo.correction.preset", "icepop"], capsys)
+    assert "icepop sets --algo.correction.level" in err and "GSPO's ratio" in err and "seq_tis" in err
 
 
 def test_correction_without_vllm_isrefused(argv, capsys):

@@ -25,8 +25,10 @@ from openrlhf_tis.trainer.token_dumps import TokenDumpPlan
 GROUP = 2  # n_samples_per_prompt of the fake step
 
 
-def _trainer(cfg: CorrectionConfig, micro_batch: int = B, epochs: int = 1):
-    trainer = make_trainer(ppo_actor.CorrectionActorPPOTrainer, make_args(cfg))
+def _trainer(cfg: CorrectionConfig, micro_batch: int = B, epochs: int = 1, loss_type: str = "ppo"):
+    args = make_args(cfg)
+    args.actor.policy_loss_type = loss_type
+    trainer = make_trainer(ppo_actor.CorrectionActorPPOTrainer, args)
     trainer.replay_buffer = NaiveReplayBuffer(micro_batch, 0, True, False, False)
     trainer.max_epochs = epochs
     return trainer
@@ -153,6 +155,23 @@ def test_bypass_dump_has_no_old_logprob(tmp_path, name):
     np.testing.assert_allclose(m["is_weight_raw"], raw, rtol=1e-5)
     want = np.minimum(raw, 2.0) if name == "bypass_reinforce" else np.ones_like(raw)  # bypass_ppo: ratio in the clip
     np.testing.assert_allclose(m["is_weight"], want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["seq_tis", "off"])
+def test_gspo_steps_are_dumped_with_their_sequence_weights(tmp_path, name):
+    """GSPO's dump holds the same rows as PPO's; its weight is one per sequence, min(Π π_old/μ, 2) for seq_tis."""
+    spread = 0.5
+    status = _train(_trainer(preset(name), loss_type="gspo"), _experience(spread=spread), tmp_path)
+    m = _merged(_dump(tmp_path), _expected(0, spread))
+    assert status["run_store/token_dump_tokens"] == len(m)
+    np.testing.assert_allclose(m["old_logprob"], m["old"], rtol=1e-6)
+    log_r = m["old"].astype(np.float64) - m["rollout"].astype(np.float64)
+    raw = np.exp(log_r.groupby(m["sample_id"]).transform("sum")) if name == "seq_tis" else np.exp(log_r)
+    np.testing.assert_allclose(m["is_weight_raw"], raw, rtol=1e-5)
+    want = np.minimum(raw, 2.0) if name == "seq_tis" else np.ones_like(raw)
+    np.testing.assert_allclose(m["is_weight"], want, rtol=1e-5)
+    assert not m["masked"].any()
+    assert name == "off" or ((raw > 2.0).any() and (raw < 2.0).any()), "the cap binds nowhere or everywhere"
 
 
 def test_correction_off_masks_nothing(tmp_path):

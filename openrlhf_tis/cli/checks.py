@@ -227,12 +227,13 @@ def check_correction(args: argparse.Namespace):
 
     Sources, in order: upstream's --algo.advantage.is_correction_* flags (mapped onto the equivalent
     config) or --algo.correction.preset, then every --algo.correction.<field> given. Refused: both
-    sources at once, invalid or impossible bounds, a correction without vLLM rollouts, and top-p
-    sampling (vLLM's processed log-probs are renormalized over the nucleus, the trainer's are not).
+    sources at once, invalid or impossible bounds, a correction without vLLM rollouts, top-p
+    sampling (vLLM's processed log-probs are renormalized over the nucleus, the trainer's are not), and
+    under GSPO any per-token correction (its ratio is one per sequence: `validate_for_sequence_ratio`).
 
     Upstream asks vLLM for log-probs only when --algo.advantage.is_correction_level is not off; the
-    mismatch metrics need them every step, so for PPO that flag is set to a level upstream accepts
-    (its own PolicyLoss is replaced by the fork's actor, which reads only the resolved config).
+    mismatch metrics need them every step, whatever the loss, so that flag is set to a level upstream
+    accepts (its own PolicyLoss is replaced by the fork's actor, which reads only the resolved config).
     """
     import sys
 
@@ -245,6 +246,7 @@ def check_correction(args: argparse.Namespace):
 
     up_level = get("algo.advantage.is_correction_level")
     name = get("algo.correction.preset")
+    loss_type = get("actor.policy_loss_type")
     overrides: dict = {}
     try:
         if up_level != "off":
@@ -253,7 +255,7 @@ def check_correction(args: argparse.Namespace):
                                  f"{up_level}; give upstream's flags or a preset, not both")
             cfg = from_upstream(up_level, get("algo.advantage.is_correction_mode"),
                                 get("algo.advantage.is_correction_gating"),
-                                get("algo.advantage.is_correction_threshold"))
+                                get("algo.advantage.is_correction_threshold"), policy_loss_type=loss_type)
         else:
             cfg = preset(name or "off")
         overrides = {f: get(f"algo.correction.{f}") for f in fields
@@ -269,12 +271,14 @@ def check_correction(args: argparse.Namespace):
         if up_level != "off" and not overrides and flag.startswith("--algo.correction."):
             flag = "--algo.advantage.is_correction_threshold"  # the bounds came from upstream's flags
         raise UsageError(flag, err.message) from None
+    if loss_type == "gspo":
+        try:
+            cfg.validate_for_sequence_ratio()
+        except CorrectionConfigError as err:
+            if name is None or err.flag.removeprefix("--algo.correction.") in overrides:
+                raise UsageError(err.flag, err.message) from None
+            raise UsageError("--algo.correction.preset", f"{name} sets {err.flag}: {err.message}") from None
 
-    ppo = get("actor.policy_loss_type") == "ppo"
-    fork_flags_used = name is not None or any(get(f"algo.correction.{f}") is not None for f in fields)
-    if not ppo and fork_flags_used:
-        raise UsageError("--actor.policy_loss_type", f"{get('actor.policy_loss_type')!r} keeps upstream's loss; the "
-                         "fork's --algo.correction.* flags apply to ppo")
     engines = get("vllm.num_engines") or 0
     if cfg.enabled and engines < 1:
         raise UsageError("--vllm.num_engines", "the rollout correction needs vLLM's rollout log-probs; "
@@ -288,7 +292,7 @@ def check_correction(args: argparse.Namespace):
         print(f"[openrlhf_tis] warning: --rollout.top_p {top_p}: mismatch metrics are biased ({why})",
               file=sys.stderr)
     setattr(args, "algo.correction.resolved", cfg.to_json())
-    if ppo and up_level == "off" and engines >= 1:
+    if up_level == "off" and engines >= 1:
         setattr(args, "algo.advantage.is_correction_level", "token")  # = "collect rollout log-probs"
         setattr(args, "algo.advantage.is_correction_mode", "mask")
         setattr(args, "algo.advantage.is_correction_gating", "ratio")

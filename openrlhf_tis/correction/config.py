@@ -308,6 +308,41 @@ class CorrectionConfig:
                 "--algo.correction.loss bypass_ppo; use mode none (or mask, which only drops tokens)"
             )
 
+    def validate_for_sequence_ratio(self) -> CorrectionConfig:
+        """Refuse what cannot correct a loss whose PPO ratio is one per sequence (GSPO); return self.
+
+        GSPO's ratio is the geometric mean of a sequence's token ratios π_θ/π_old, so every action token's
+        log-prob enters it: a per-token IS weight only rescales the sequence's term by an average of its
+        tokens' weights, and a token dropped from the loss still moves the gradient through the ratio. A
+        correction there decides and weighs per sequence (docs/correction.md §9). The error names the flag
+        that set the per-token choice; an inactive correction (metrics only) is always accepted.
+        """
+        problem = self._sequence_ratio_problem()
+        if problem is not None:
+            name, reason = problem
+            raise CorrectionConfigError(_flag(name), f"{reason}; with --actor.policy_loss_type gspo use a "
+                                        f"sequence-level correction (presets {', '.join(sequence_ratio_presets())})")
+        return self
+
+    def _sequence_ratio_problem(self) -> tuple[str, str] | None:
+        """(field, why) of the first per-token choice `validate_for_sequence_ratio` refuses, or None."""
+        if not self.enabled:
+            return None
+        ratio = "GSPO's ratio, the geometric mean of the sequence's token ratios"
+        if self.loss == "bypass_reinforce":
+            return "loss", "bypass_reinforce is a REINFORCE loss, not GSPO's clipped sequence ratio"
+        if self.level == "token" and self.mode != "none":
+            return "level", (f"token-level IS weights (mode {self.mode}) cannot correct {ratio}: every token's "
+                             "log-prob enters it, so a per-token weight only rescales the sequence's term; use "
+                             "level sequence or geometric")
+        per_token = [c.name for c in self.rejection if c.token_level]
+        if per_token:
+            return "rejection", (f"{', '.join(per_token)} rejects single tokens, which still enter {ratio}; "
+                                 "aggregate by sum, mean or max")
+        if self.nonfinite == "token":
+            return "nonfinite", f"token drops single tokens, which still enter {ratio}; use sequence"
+        return None
+
     # ── serialization (travels to Ray workers inside the argument namespace) ──
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -331,13 +366,23 @@ class CorrectionConfig:
 
 
 def from_upstream(level: str, mode: str = "mask", gating: str = "ratio",
-                  threshold: tuple[float, ...] | list[float] = (0.5, 5.0)) -> CorrectionConfig:
+                  threshold: tuple[float, ...] | list[float] = (0.5, 5.0),
+                  policy_loss_type: str = "ppo") -> CorrectionConfig:
     """The config equivalent to OpenRLHF 0.11.2's `--algo.advantage.is_correction_{level,mode,gating,threshold}`.
 
     Upstream gates a statistic per unit (token, or the per-sequence mean) and either clamps the token
     ratio (clip: token/ratio only) or drops out-of-band units while survivors keep their raw per-token
     ratio (mask). Its binary_kl/tv gates clamp probabilities to [1e-6, 1 − 1e-6], as ours do.
+    Under GSPO (`policy_loss_type="gspo"`) upstream checks the same flags but then only puts μ in π_old's
+    place inside the sequence ratio, whatever mode, gating and threshold say: bypass PPO, mode none.
     """
+    cfg = _from_upstream_ppo(level, mode, gating, threshold)
+    if policy_loss_type == "gspo" and level != "off":
+        return CorrectionConfig(mode="none", loss="bypass_ppo")
+    return cfg
+
+
+def _from_upstream_ppo(level: str, mode: str, gating: str, threshold: tuple[float, ...] | list[float]):
     flag = "--algo.advantage.is_correction_"
     if level == "off":
         return CorrectionConfig(mode="none")
@@ -420,6 +465,11 @@ PRESETS: dict[str, Preset] = {
         from_upstream("seq", "mask"),
         "OpenRLHF seq-mask-tis: keep sequences with geometric-mean ratio in [0.5, 5], token IS weights"),
 }
+
+
+def sequence_ratio_presets() -> list[str]:
+    """The presets a loss with one ratio per sequence (GSPO) accepts (`validate_for_sequence_ratio`)."""
+    return [name for name, entry in PRESETS.items() if entry.config._sequence_ratio_problem() is None]
 
 
 def preset(name: str, **overrides: Any) -> CorrectionConfig:

@@ -11,6 +11,11 @@ correction's weight w_t and mask m_t (weights.py):
 The TIS talk's baselines are presets of these (config.py): PPO without correction (`off`), PPO-IS
 (`ppo_is` = bypass_ppo), vanilla IS (`vanilla_is`, raw weights) and TIS (`tis`).
 
+GSPO (`sequence_ratio=True`, Zheng et al. 2025, OpenRLHF `--actor.policy_loss_type gspo`) replaces ρ_t by one
+ratio per sequence, s = exp((1/|A|) Σ_{t∈A} log(π_θ/π_old)_t) over its action tokens A, inside the same clip;
+the correction then weighs and masks whole sequences (`CorrectionConfig.validate_for_sequence_ratio`), and
+bypass_ppo puts μ in π_old's place inside s (upstream's GSPO with its is_correction flags).
+
 Aggregation reproduces OpenRLHF 0.11.2's `aggregate_loss` (token-mean over the global token count, or
 seq-mean-token-mean over the global sequence count, times dp_size to undo DP gradient averaging);
 with `denominator="kept"` only surviving tokens/sequences count. A batch where nothing survives gives
@@ -78,6 +83,12 @@ def ppo_clip_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, eps_low: fl
     return -clipped, surr2 < surr1
 
 
+def sequence_log_ratio(log_ratio: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's log s per sequence, (B, 1): the mean of log(π_θ/π_old) over the sequence's action tokens."""
+    keep = action_mask.bool()
+    return torch.where(keep, log_ratio, 0.0).sum(-1, keepdim=True) / keep.sum(-1, keepdim=True).clamp(min=1)
+
+
 @dataclass
 class PolicyLossOutput:
     loss: torch.Tensor
@@ -109,13 +120,17 @@ def policy_loss(
     normalizer: float | torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     with_metrics: bool = True,
+    sequence_ratio: bool = False,
 ) -> PolicyLossOutput:
     """The corrected policy loss for one micro-batch (see the module docstring for the formulas).
 
     `old_log_probs` is ignored by the bypass losses (π_old := μ) and may then be None. Without rollout
-    log-probs only an inactive correction (`config.enabled` False) is possible.
+    log-probs only an inactive correction (`config.enabled` False) is possible. `sequence_ratio`: GSPO's
+    ratio, one per sequence (upstream aggregates GSPO per sequence: pass token_level_loss=False for its loss).
     """
     cfg = config.validate()
+    if sequence_ratio:
+        cfg.validate_for_sequence_ratio()
     am = action_mask
     if rollout_log_probs is None:
         if cfg.enabled:
@@ -137,7 +152,8 @@ def policy_loss(
         token_loss = -advantages * log_probs  # REINFORCE; w = sg(·) multiplies below
         clipped = torch.zeros_like(am, dtype=torch.bool)
     else:
-        token_loss, clipped = ppo_clip_loss(log_ratio, advantages, clip_eps_low, clip_eps_high, dual_clip)
+        clip_log_ratio = sequence_log_ratio(log_ratio, am) if sequence_ratio else log_ratio
+        token_loss, clipped = ppo_clip_loss(clip_log_ratio, advantages, clip_eps_low, clip_eps_high, dual_clip)
 
     if cfg.enabled:
         keep = corr.mask.bool()

@@ -17,6 +17,6 @@ def correction_config_from_args(args) -> CorrectionConfig:
         return CorrectionConfig.from_json(resolved)
     adv = args.algo.advantage
     return from_upstream(adv.is_correction_level, adv.is_correction_mode, adv.is_correction_gating,
-                         adv.is_correction_threshold)
+                         adv.is_correction_threshold, policy_loss_type=args.actor.policy_loss_type)
 
 

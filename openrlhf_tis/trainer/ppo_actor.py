@@ -3,9 +3,9 @@
 Trace from flag to metric: `--algo.correction.*` (cli/fork_flags.py) is resolved once in the driver
 (cli/checks.py `check_correction`) into `args.algo.correction.resolved` (JSON of a CorrectionConfig);
 `CorrectionActorPPOTrainer` reads it (trainer/correction_args.py), `CorrectionPolicyLoss` runs
-`correction.policy_loss` in place of upstream's `PolicyLoss`, and the `mismatch/*` / `correction/*`
-metrics ride in `experience.info`, which upstream's `training_step` already merges into the status dict
-that reaches its loggers and the run store.
+`correction.policy_loss` in place of upstream's `PolicyLoss` (PPO's token ratio, or GSPO's sequence ratio),
+and the `mismatch/*` / `correction/*` metrics ride in `experience.info`, which upstream's `training_step`
+already merges into the status dict that reaches its loggers and the run store.
 
 Upstream seams used:
 - `PolicyModelActor` is a Ray actor class; Ray forbids subclassing it, so the plain class it wraps is
@@ -23,7 +23,6 @@ Per-token dumps (trainer/token_dumps.py): `set_token_dump` takes the controller'
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -79,11 +78,15 @@ class CorrectionPolicyLoss:
     """
 
     def __init__(self, config: CorrectionConfig, *, clip_eps_low: float, clip_eps_high: float,
-                 dual_clip: float | None, token_level_loss: bool,
+                 dual_clip: float | None, token_level_loss: bool, sequence_ratio: bool = False,
                  allreduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.config = config.validate(training=True)
+        if sequence_ratio:
+            self.config.validate_for_sequence_ratio()
         self.clip_eps_low, self.clip_eps_high, self.dual_clip = clip_eps_low, clip_eps_high, dual_clip
-        self.token_level_loss = token_level_loss
+        # GSPO: one ratio per sequence, aggregated per sequence whatever --actor.loss_agg_mode says (as upstream)
+        self.sequence_ratio = sequence_ratio
+        self.token_level_loss = token_level_loss and not sequence_ratio
         self.allreduce = allreduce
         self.normalizer: torch.Tensor | None = None  # a replay-buffer-wide mean weight (ppo_train)
         self.info: dict | None = None
@@ -102,7 +105,7 @@ class CorrectionPolicyLoss:
             clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high, dual_clip=self.dual_clip,
             token_level_loss=self.token_level_loss, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
             global_batch_size=global_batch_size, allreduce=self.allreduce, normalizer=self.normalizer,
-            with_metrics=rollout_log_probs is not None,
+            with_metrics=rollout_log_probs is not None, sequence_ratio=self.sequence_ratio,
         )
         if self.capture is not None:
             self.capture.update(log_probs=log_probs.detach(), old_log_probs=old_log_probs, advantages=advantages,
@@ -129,27 +132,24 @@ class CorrectionActorPPOTrainer(ActorPPOTrainer):
         self._setup_correction()
 
     def _setup_correction(self) -> None:
-        """Replace the policy loss (PPO only; GSPO keeps upstream's loss, see cli/checks.py)."""
+        """Replace the policy loss, PPO's or GSPO's: the mismatch is measured and dumped whatever the loss."""
         self.correction = correction_config_from_args(self.args)
         self.token_dump_plan: TokenDumpPlan | None = None  # set by the controller before a dumped step's fit
         self._token_dump: TokenDumpCollector | None = None  # live only inside ppo_train of a dumped step
         self._token_writer: TokenDumpWriter | None = None
         self._local_sample_ids = False  # True when the step's samples came without upstream's index
-        if self.args.actor.policy_loss_type != "ppo":
-            return
         self.actor_loss_fn = CorrectionPolicyLoss(
             self.correction,
             clip_eps_low=self.args.actor.eps_clip_low_high[0],
             clip_eps_high=self.args.actor.eps_clip_low_high[1],
             dual_clip=self.args.actor.dual_clip,
             token_level_loss=self.args.actor.loss_agg_mode == "token-mean",
+            sequence_ratio=self.args.actor.policy_loss_type == "gspo",
             allreduce=dp_allreduce(self.strategy),
         )
 
     def ppo_train(self, kl_ctl: float):
-        loss_fn = self.actor_loss_fn
-        if isinstance(loss_fn, CorrectionPolicyLoss):
-            loss_fn.normalizer = self._replay_buffer_normalizer()
+        self.actor_loss_fn.normalizer = self._replay_buffer_normalizer()
         self._token_dump = self._start_token_dump()
         try:
             status = super().ppo_train(kl_ctl)
@@ -162,8 +162,6 @@ class CorrectionActorPPOTrainer(ActorPPOTrainer):
 
     def training_step(self, experience, kl_ctl: float, step: int, loss_batch_info=None):
         loss_fn = self.actor_loss_fn
-        if not isinstance(loss_fn, CorrectionPolicyLoss):
-            return super().training_step(experience, kl_ctl, step, loss_batch_info)
         loss_fn.info = experience.info
         if self.correction.bypass and experience.rollout_log_probs is not None:
             # π_old := μ, also for the KL loss (the experience maker already set it; this keeps it exact).
@@ -211,11 +209,6 @@ class CorrectionActorPPOTrainer(ActorPPOTrainer):
         """Take the controller's plan for this step (consumed: a later step never reuses it)."""
         plan, self.token_dump_plan = self.token_dump_plan, None
         if plan is None:
-            return None
-        if not isinstance(self.actor_loss_fn, CorrectionPolicyLoss):
-            warnings.warn(f"token dump of step {plan.step} skipped: dumps read the PPO correction loss, and "
-                          f"--actor.policy_loss_type {self.args.actor.policy_loss_type} keeps upstream's loss",
-                          stacklevel=2)
             return None
         return TokenDumpCollector(plan, self.correction, global_ids=not self._local_sample_ids)
 
