@@ -382,7 +382,8 @@ def from_upstream(level: str, mode: str = "mask", gating: str = "ratio",
     return cfg
 
 
-def _from_upstream_ppo(level: str, mode: str, gating: str, threshold: tuple[float, ...] | list[float]):
+def _from_upstream_ppo(level: str, mode: str, gating: str,
+                       threshold: tuple[float, ...] | list[float]) -> CorrectionConfig:
     flag = "--algo.advantage.is_correction_"
     if level == "off":
         return CorrectionConfig(mode="none")
