@@ -190,3 +190,40 @@ def test_each_cell_keeps_its_time_so_a_later_sitting_still_counts_it(tmp_path, m
     assert (again.status, again.seconds, calls) == ("skipped", 60.5, [1, 2])
     status = json.loads((tmp_path / "cells" / cells[1].slug / "status.json").read_text())
     assert status["seconds"] == 30.0 and status["error"] == "RuntimeError: boom"
+
+
+def test_a_finished_cell_skips_wherever_the_checkout_lies(tmp_path, monkeypatch):
+    """status.json records paths relative to the study root, so a study committed under results/study/ resumes
+    from any clone; a status from before (absolute paths) still skips under the root it was written in."""
+    import shutil
+
+    from openrlhf_tis.pipeline import sweep
+
+    calls = []
+    monkeypatch.setattr(sweep, "execute", lambda name, notebook, params, cwd: calls.append(params["run_dir"]))
+
+    def cell(checkout: Path, seed: int = 1) -> tuple[Cell, Path]:  # as study_grid gives it: task under the root,
+        root = checkout / "results" / "study" / "x"                  # the reward inside the package
+        params = {"seed": seed, "prompts": str(root / "task" / "train.jsonl"), "correction": "tis",
+                  "reward": str(checkout / "openrlhf_tis" / "demo" / "task_reward.py"),
+                  "extra_args": ["--vllm.int8_calibration", str(root / "cal.safetensors"), "--x", "1"]}
+        return Cell(f"seed={seed}", params), root
+
+    first, root_a = cell(tmp_path / "a")
+    assert sweep.run_cell(first, root_a).status == "complete"
+    status = json.loads((root_a / "cells" / first.slug / "status.json").read_text())
+    assert status["params"] == {"seed": 1, "prompts": "task/train.jsonl", "correction": "tis",
+                                "reward": "../../../openrlhf_tis/demo/task_reward.py",
+                                "extra_args": ["--vllm.int8_calibration", "cal.safetensors", "--x", "1"]}
+
+    shutil.move(tmp_path / "a", tmp_path / "b")  # a fresh clone elsewhere: the same cell, other absolute paths
+    moved, root_b = cell(tmp_path / "b")
+    assert moved.params != first.params
+    assert sweep.run_cell(moved, root_b).status == "skipped" and len(calls) == 1
+    assert sweep.run_cell(cell(tmp_path / "b", seed=2)[0], root_b).status == "complete" and len(calls) == 2
+
+    legacy = root_b / "cells" / moved.slug / "status.json"  # written by an older sweep: absolute paths
+    legacy.write_text(json.dumps({**status, "params": moved.params}))
+    assert sweep.run_cell(moved, root_b).status == "skipped" and len(calls) == 2
+    changed = Cell(moved.name, {**moved.params, "prompts": str(tmp_path / "elsewhere.jsonl")})
+    assert sweep.run_cell(changed, root_b).status == "complete" and len(calls) == 3
