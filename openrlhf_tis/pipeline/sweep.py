@@ -211,12 +211,30 @@ def run_sweep(grid: str | Path, out_dir: str | Path, title: str | None = None) -
         bar.set_postfix_str(cell.name, refresh=True)
         result.results.append(run_cell(cell, out_dir))
     bar.close()
+    return write_report(result, out_dir, title or f"Sweep {Path(grid).name}: {len(cells)} cells")
+
+
+def recorded_cells(out_dir: str | Path) -> SweepResult:
+    """The cells under `out_dir` as their status.json files record them, in name order; nothing runs. What a
+    report is rebuilt from on any machine (a study's cells are the CPU profile's, see pipeline/study.py)."""
+    out_dir = Path(out_dir).expanduser().resolve()
+    result = SweepResult()
+    for cell_dir in sorted(p.parent for p in (out_dir / "cells").glob(f"*/{STATUS_FILE}")):
+        status = _status(cell_dir)
+        if status is None:
+            continue
+        state = "skipped" if status.get("status") == "complete" else "failed"
+        result.results.append(CellResult(Cell(status["cell"], status.get("params") or {}), state, cell_dir / "run",
+                                         cell_dir / "train.ipynb", status.get("error"), status.get("seconds")))
+    return result
+
+
+def write_report(result: SweepResult, out_dir: Path, title: str) -> SweepResult:
+    """compare.ipynb over the completed cells (failures named at its top): OUT/report.ipynb and report.html."""
     runs = [str(r.run_dir) for r in result.results if r.status != "failed"]
-    report = out_dir / "report.ipynb"
-    parameters = {"runs": runs or [str(out_dir / "cells")], "failures": result.failures,
-                  "title": title or f"Sweep {Path(grid).name}: {len(cells)} cells"}
     if runs:
-        execute("compare", report, parameters, cwd=out_dir)
+        report = out_dir / "report.ipynb"
+        execute("compare", report, {"runs": runs, "failures": result.failures, "title": title}, cwd=out_dir)
         result.report, result.html = report, export_html(report, out_dir / "report.html")
     return result
 
