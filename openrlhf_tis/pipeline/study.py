@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> None:
         result = recorded_cells(out)
         if not result.results:
             parser.error(f"--report: no finished cell under {out / 'cells'}")
-        write_outputs(write_report(result, out, f"Dose-response study: {len(result.results)} cells"), out, start)
+        write_outputs(write_report(result, out, f"Dose-response study: {len(result.results)} cells"), out, start,
+                      sitting=False)
         return
     try:
         cells = choose_cells(args)
@@ -305,15 +306,17 @@ def main(argv: list[str] | None = None) -> None:
     write_outputs(result, out, start)
 
 
-def write_outputs(result: SweepResult, out: Path, start: float) -> None:
-    """The tables, the headline figure and the compute time under `out`, printed too; exit 1 if a cell failed."""
+def write_outputs(result: SweepResult, out: Path, start: float, sitting: bool = True) -> None:
+    """The tables and the headline figure under `out`, and the compute time (kept in study_time.json after a
+    sitting; a report rebuilt with --report only prints it), printed too; exit 1 if a cell failed."""
     print(results_table(result).to_string())
     table = markdown(seed_table(result))
     (out / "study_table.md").write_text(table + "\n")
     doses = headline(result, out / "dose_response.png")
     (out / "dose_response.md").write_text(doses + "\n")
     timing = compute_time(result, time.monotonic() - start)
-    atomic_write(out / "study_time.json", json.dumps(timing, indent=1).encode())
+    if sitting:
+        atomic_write(out / "study_time.json", json.dumps(timing, indent=1).encode())
     print(table, doses, sep="\n\n")
     print(f"[study] compute: {timing['cell_seconds_total'] / 60:.1f} min of cell time over all sittings "
           f"({timing['cells_timed']} of {timing['cells']} cells timed); this sitting {timing['ran_now']} cells, "
