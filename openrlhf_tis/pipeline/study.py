@@ -85,9 +85,9 @@ class CellCost:
         return self.startup_s + self.scores * self.score_s + self.overhead_s + steps * self.step_s
 
 
-# fp32 trainer on the 2-core AVX2 EPYC: start-up ≈ 110 s, held-out ≈ 50-70 s, a step ≈ 50 s (the 8-cell study,
-# 2026-11-25: 502-682 s a cell of 6 steps). bf16 trainer on the AVX-512 BF16 EPYC: start-up ≈ 90 s, held-out
-# x 4 samples 13-30 s, a step ≈ 9 s. The kept-policy scoring is costed like an engine pass (not yet timed).
+# Per trainer dtype, the parts of a cell as the earlier study's cells and the main job took them on this project's
+# 2-core machines (docs/measurements.md: fp32 on the AVX2 EPYC, bf16 on the AVX-512 BF16 one), rounded up so an
+# estimate errs long. The kept-policy scoring is costed like an engine pass (not yet timed).
 COSTS = {"fp32": CellCost(110, 60, 4, 50, 20), "bf16": CellCost(90, 25, 4, 9, 20)}
 
 
