@@ -73,7 +73,7 @@ TABLE_COLUMNS = {  # final_table column -> the study table's heading
 
 @dataclass(frozen=True)
 class CellCost:
-    """What one cell costs, measured on this project's machines (README, docs/measurements.md)."""
+    """What one cell costs, measured on this project's machines (docs/measurements.md)."""
 
     startup_s: float  # Ray + DeepSpeed + vLLM start
     score_s: float  # one held-out pass (64 questions)
