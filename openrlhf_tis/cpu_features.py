@@ -33,10 +33,10 @@ def int8_gemm_saturates_8bit_weights(cuda: bool) -> bool:
     GEMM loses precision on full-range weights.
 
     There oneDNN computes s8 x s8 through `vpmaddubsw` (activations shifted to u8): each pair of
-    products is summed into a *saturating* int16, and 2 * 255 * 127 > 32767. Measured on an AVX2 EPYC:
-    15% max relative error per GEMM with weights in [-127, 127], bf16 rounding only (0.5%) with weights
-    in [-63, 63] (2 * 255 * 64 < 32768), and 10x the log-prob gap to the fp32 model end to end
-    (tests/test_rollout_int8_sync.py::test_int8_gemm_is_exact_on_the_weight_grid_this_machine_uses).
+    products is summed into a *saturating* int16, and 2 * 255 * 127 > 32767: full-range weights lose
+    precision silently, weights in [-63, 63] (2 * 255 * 64 < 32768) are exact up to bf16 rounding
+    (tests/test_rollout_int8_sync.py::test_int8_gemm_is_exact_on_the_weight_grid_this_machine_uses; the errors
+    measured: docs/measurements.md).
     VNNI's `vpdpbusd` accumulates in int32, and AMX routes to another kernel: no saturation there.
     """
     if cuda:

@@ -1,7 +1,7 @@
 """Patch: `--ds.param_dtype fp32` trains in float32.
 
 OpenRLHF 0.11.2 offers bf16 and fp16 only (`openrlhf.utils.utils.convert_to_torch_dtype`). On a CPU without
-native bf16 (plain AVX2), torch emulates bf16 and a backward pass of SmolLM2-135M took 115 s against 4-21 s in
+native bf16 (plain AVX2), torch emulates bf16 and a backward pass of SmolLM2-135M is several times slower than in
 fp32 (benchmarks/bench_train_dtype.py, docs/measurements.md), so the fork lets such CPUs train in fp32. DeepSpeed
 needs nothing: a config with neither `bf16` nor `fp16` enabled is fp32 training. The actor and reward/critic
 models import the converter inside their constructors, so replacing the module attribute reaches both.

@@ -6,7 +6,8 @@
 # table and figure (dose_response.md, .png), the seed-averaged table (study_table.md) and the compute time
 # (study_time.json) under $OPENRLHF_TIS_STUDY (default work/study). A re-run skips finished cells, so the study runs in several sittings.
 # Extra arguments go to the study: --quick (coarse curve, 2 seeds, ~1 h on 2 AVX2 cores), --doses ..., --corrections
-# ..., --seeds ..., --steps N, --baselines, --dry_run (print the grid and its time estimate).
+# ..., --seeds ..., --steps N, --baselines, --dry_run (print the grid and its time estimate), --report (rebuild the
+# report and tables from the cells under the study folder, run nothing; docs/study.md).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$ROOT/scripts/setup_env.sh"

@@ -190,3 +190,100 @@ def test_each_cell_keeps_its_time_so_a_later_sitting_still_counts_it(tmp_path, m
     assert (again.status, again.seconds, calls) == ("skipped", 60.5, [1, 2])
     status = json.loads((tmp_path / "cells" / cells[1].slug / "status.json").read_text())
     assert status["seconds"] == 30.0 and status["error"] == "RuntimeError: boom"
+
+
+def test_a_finished_cell_skips_wherever_the_checkout_lies(tmp_path, monkeypatch):
+    """status.json records paths relative to the study root, so a study committed under results/study/ resumes
+    from any clone; a status from before (absolute paths) still skips under the root it was written in."""
+    import shutil
+
+    from openrlhf_tis.pipeline import sweep
+
+    calls = []
+    monkeypatch.setattr(sweep, "execute", lambda name, notebook, params, cwd: calls.append(params["run_dir"]))
+
+    def cell(checkout: Path, seed: int = 1) -> tuple[Cell, Path]:  # as study_grid gives it: task under the root,
+        root = checkout / "results" / "study" / "x"                  # the reward inside the package
+        params = {"seed": seed, "prompts": str(root / "task" / "train.jsonl"), "correction": "tis",
+                  "reward": str(checkout / "openrlhf_tis" / "demo" / "task_reward.py"),
+                  "extra_args": ["--vllm.int8_calibration", str(root / "cal.safetensors"), "--x", "1"]}
+        return Cell(f"seed={seed}", params), root
+
+    first, root_a = cell(tmp_path / "a")
+    assert sweep.run_cell(first, root_a).status == "complete"
+    status = json.loads((root_a / "cells" / first.slug / "status.json").read_text())
+    assert status["params"] == {"seed": 1, "prompts": "task/train.jsonl", "correction": "tis",
+                                "reward": "../../../openrlhf_tis/demo/task_reward.py",
+                                "extra_args": ["--vllm.int8_calibration", "cal.safetensors", "--x", "1"]}
+
+    shutil.move(tmp_path / "a", tmp_path / "b")  # a fresh clone elsewhere: the same cell, other absolute paths
+    moved, root_b = cell(tmp_path / "b")
+    assert moved.params != first.params
+    assert sweep.run_cell(moved, root_b).status == "skipped" and len(calls) == 1
+    assert sweep.run_cell(cell(tmp_path / "b", seed=2)[0], root_b).status == "complete" and len(calls) == 2
+
+    legacy = root_b / "cells" / moved.slug / "status.json"  # written by an older sweep: absolute paths
+    legacy.write_text(json.dumps({**status, "params": moved.params}))
+    assert sweep.run_cell(moved, root_b).status == "skipped" and len(calls) == 2
+    changed = Cell(moved.name, {**moved.params, "prompts": str(tmp_path / "elsewhere.jsonl")})
+    assert sweep.run_cell(changed, root_b).status == "complete" and len(calls) == 3
+
+
+def _recorded_study(root: Path) -> None:
+    """Two cells as a sitting leaves them (status.json beside each run), one failed; no grid, no notebook."""
+    for name, seed, held, state in (("seed=1", 1, (0.2, 0.5), "complete"), ("seed=2", 2, (0.3, 0.4), "complete"),
+                                    ("seed=3", 3, (0.0, 0.0), "failed")):
+        cell = Cell(name, {"rollout_precision": "int8", "int8_weight_bits": "4", "correction": "tis", "seed": seed,
+                           "train_dtype": "fp32", "prompts": "task/train.jsonl"})
+        cell_dir = root / "cells" / cell.slug
+        config = {"vllm.rollout_precision": "int8", "ds.param_dtype": "fp32", "algo.correction.preset": "tis",
+                  "vllm.int8_weight_bits": "4", "train.seed": seed}
+        if state == "complete":
+            _run(cell_dir / "run", config, held, 0.5)
+        cell_dir.mkdir(parents=True, exist_ok=True)
+        (cell_dir / "status.json").write_text(json.dumps({"cell": name, "status": state, "params": cell.params,
+                                                          "error": "boom" if state == "failed" else None,
+                                                          "seconds": 100.0 * seed}))
+
+
+def test_report_rebuilds_the_tables_from_the_recorded_cells_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    from openrlhf_tis.pipeline import sweep
+
+    _recorded_study(tmp_path)
+    executed = []
+    monkeypatch.setattr(sweep, "execute", lambda name, notebook, params, cwd: executed.append((name, params)))
+    monkeypatch.setattr(sweep, "export_html", lambda notebook, html: html)
+    monkeypatch.setattr(study, "choose_cells", lambda args: pytest.fail("--report chose a grid"))
+    with pytest.raises(SystemExit) as err:  # a failed cell is reported, as after a sitting
+        study.main(["--out", str(tmp_path), "--report"])
+    assert err.value.code == 1
+    [(name, params)] = executed  # only the comparison notebook, over the two finished runs
+    assert name == "compare"
+    assert [Path(r).parent.name for r in params["runs"]] == [Cell("seed=1", {}).slug, Cell("seed=2", {}).slug]
+    assert params["failures"] == {"seed=3": "boom"}
+    # by hand: gains 0.3 and 0.1 (engine-scored: these runs have no kept-policy file), mean 0.2
+    assert "| w4a8 | tis | 2 | 0.5 | +0.200 |" in (tmp_path / "dose_response.md").read_text()
+    assert "| int8 | 4 | tis | 2 | " in (tmp_path / "study_table.md").read_text()
+    assert "10.0 min of cell time over all sittings (3 of 3 cells timed)" in capsys.readouterr().out
+    assert not (tmp_path / "study_time.json").exists()  # it records sittings; a rebuilt report is none
+    assert not (tmp_path / "study_grid.json").exists()
+    with pytest.raises(SystemExit) as err:
+        study.main(["--out", str(tmp_path / "empty"), "--report"])
+    assert err.value.code == 2 and "--report: no finished cell under" in capsys.readouterr().err
+
+
+def test_cells_of_another_cpu_profile_are_not_mixed_into_a_study(tmp_path, monkeypatch, capsys):
+    _recorded_study(tmp_path)  # fp32 cells: made where bf16 is emulated
+    monkeypatch.setattr("openrlhf_tis.rollout.quantize.WEIGHT_BITS_CHOICES", ALL_BITS)
+    for dtype, refused in (("bf16", True), ("fp32", False)):
+        monkeypatch.setattr(study, "job_params", lambda out, model, dtype=dtype: {**job_params(out, model),
+                                                                                  "train_dtype": dtype})
+        if refused:
+            with pytest.raises(SystemExit) as err:
+                study.main(["--out", str(tmp_path), "--model", "tiny", "--doses", "w4a8", "--dry_run"])
+            message = capsys.readouterr().err
+            assert err.value.code == 2 and "its cells trained in fp32 (another CPU profile)" in message
+            assert "this CPU trains in bf16" in message and "--report" in message
+        else:
+            study.main(["--out", str(tmp_path), "--model", "tiny", "--doses", "w4a8", "--dry_run"])
+            assert "trainer fp32" in capsys.readouterr().err

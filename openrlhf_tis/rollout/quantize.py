@@ -94,7 +94,7 @@ def per_channel_scale(weight: torch.Tensor, bits: int = 8) -> torch.Tensor:
 
 
 def _row_extremes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # amin + amax: torch.aminmax over dim 1 measured ~10x slower than the two on CPU (torch 2.13)
+    # amin + amax: torch.aminmax over dim 1 is much slower than the two on CPU (docs/rollout_precision.md)
     return x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)
 
 

@@ -2,11 +2,8 @@
 
 pipeline/heldout.py writes it after a run: the trainer's saved weights in the trainer's dtype (what a user
 deploys) and the base model, scored on the held-out questions, beside the rollout engine's in-run score in
-metrics.jsonl (`eval_start/*`, `eval/*`: the possibly quantized rollout policy). Schema 1:
-
-    {"schema": 1, "policy": "trainer weights", "dtype": "fp32", "n_samples": 4, "seed": S, ...,
-     "before": {"model": PATH, "pass1": X, "passk": Y, "per_question": [mean reward per question, file order]},
-     "after": {... the same ...}}
+metrics.jsonl (`eval_start/*`, `eval/*`: the possibly quantized rollout policy). Its schema is documented once,
+in pipeline/heldout.py (the writer).
 
 `read_kept` returns the raw record (the summary, the console); `read_kept_heldout` a checked, typed one for
 statistics, and treats a damaged file as absent, warning by name: an older run, or one that stopped before

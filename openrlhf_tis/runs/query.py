@@ -6,11 +6,10 @@ pushed into DuckDB's Parquet scan, which reads only the projected columns, skips
 statistics exclude the filter, and filters while it decodes rather than after.
 
 Why DuckDB: benchmarks/bench_runs.py times the same seven queries on a 5M-token dump (627 step files)
-with DuckDB, pyarrow.dataset and polars, taking turns. On the shared 2-core machine, DuckDB took
-7-190 ms (median 111), polars 8-190 ms (median 93), pyarrow.dataset 6-390 ms (median 217):
-pyarrow decodes every projected column before filtering and is ~2x slower on selective queries
-over all steps. DuckDB and polars tie on speed; DuckDB imports in half the time (the console
-command starts faster) and notebooks can run their own SQL on tokens/*.parquet.
+with DuckDB, pyarrow.dataset and polars, taking turns (figures: docs/measurements.md). pyarrow decodes every
+projected column before filtering and is slower on selective queries over all steps. DuckDB and polars tie on
+speed; DuckDB imports in half the time (the console command starts faster) and notebooks can run their own SQL
+on tokens/*.parquet.
 
 A file that cannot be read is reported by name (RunStoreWarning) and the query returns the rest.
 """

@@ -11,8 +11,8 @@ engine holding garbage. So the check is relative to what this precision costs (S
 - baseline: the gap measured when both sides hold the same weights (before the first step, `start`);
 - a sync fails when its gap exceeds the baseline by more than `--vllm.sync_check_tolerance` (in nats; in units
   of the baseline once that exceeds one nat: the gap is measured on the few tokens the engine samples, so its
-  spread grows with its level — a correct W4A8 SmolLM2 run measured 1.56 at the start and 2.74 four steps
-  later), when any
+  spread grows with its level: a correct W4A8 SmolLM2 run's gap nearly doubled in four steps, see
+  docs/measurements.md), when any
   log-prob is non-finite, or when the engine computes bit-identical probe log-probs to the previous
   check while the trainer's moved (the engine kept its old weights: a quantized engine still changes at
   every real step, since its norms, embeddings and scales follow the trainer's weights).

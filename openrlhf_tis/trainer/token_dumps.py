@@ -73,7 +73,7 @@ def logits_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) over the last axis of (N, V) logits, in float32, chunked along N.
 
     Eager on purpose: upstream's `compute_entropy` is `torch.compile`d, which costs seconds of
-    compilation in each process (measured 4.6 s on CPU) and again for new shapes.
+    compilation in each process (docs/measurements.md) and again for new shapes.
     """
     chunk = max(1, ENTROPY_CHUNK_ELEMENTS // max(int(logits.shape[-1]), 1))
     parts = []

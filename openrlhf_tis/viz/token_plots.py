@@ -5,8 +5,8 @@ forced on the caller's kernel) and returned as PNG bytes for an ipywidgets.Image
 faster than an Output widget replaying a figure. Buckets are those of the logged metrics
 (`mismatch/abs_dlogp_pA-B`, edges from correction/names.py), so the figure and the curves agree.
 
-Nothing here imports torch: torch more than doubles a kernel's live objects (121k -> 261k measured), and
-every full garbage collection then takes ~135 ms instead of ~44, enough to push an interaction past 300 ms.
+Nothing here imports torch: torch more than doubles a kernel's live objects, and with them the pause of every
+full garbage collection, enough to push an interaction past 300 ms (docs/measurements.md, the token explorer).
 """
 
 from __future__ import annotations

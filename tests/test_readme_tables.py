@@ -1,0 +1,98 @@
+"""The README's tables are checked against what they describe: the fork's flags against the training CLI's parser
+(every flag the fork adds is in the table, every row is a flag, each default is the parser's), the metrics against
+correction/names.py, and the study table against the committed results it is copied from (results/study/)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+README = (REPO / "README.md").read_text(encoding="utf-8")
+
+
+def table_after(text: str, heading: str) -> list[list[str]]:
+    """The rows (cells stripped, header and rule left out) of the first table under `heading`."""
+    section = text[text.index(heading):]
+    lines = re.search(r"^\|.*?(?=^[^|]|\Z)", section, re.M | re.S).group(0).splitlines()
+    return [[c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines[2:]]
+
+
+@pytest.fixture(scope="module")
+def parsers():
+    from openrlhf_tis import patches
+    from openrlhf_tis.cli.train_ppo_ray import build_parser
+    from openrlhf_tis.patches.upstream_cli import upstream_parser
+
+    patches.apply_platform_patches()
+    return build_parser(), upstream_parser()
+
+
+def fork_flags(full, upstream) -> dict[str, object]:
+    """Flag -> default for every option the fork adds to upstream's parser, or whose choices it extends."""
+    theirs = {a.dest: a for a in upstream._actions}
+    flags = {}
+    for action in full._actions:
+        ours = action.dest not in theirs
+        if ours or (action.choices and list(action.choices) != list(theirs[action.dest].choices or [])):
+            flags[action.option_strings[0]] = action.default
+    return flags
+
+
+def rendered(default: object) -> str | None:
+    """How the table writes a parser default; None: words of the table's choosing (the parser says None)."""
+    return None if default is None else "off" if default is False else f"`{default}`"
+
+
+def test_the_flag_table_is_the_parsers(parsers):
+    from openrlhf_tis.correction.config import FLAG_PREFIX
+
+    rows = {re.match(r"`(--[\w.]+)", flag).group(1): default for flag, default, _ in
+            table_after(README, "## The fork's flags")}
+    flags = fork_flags(*parsers)
+    assert "--vllm.rollout_precision" in flags and "--ds.param_dtype" in flags and "--actor.pretrain" not in flags
+    # one row for the correction: its fields are listed in docs/correction.md (next test)
+    wanted = {f for f in flags if not f.startswith(FLAG_PREFIX)} | {FLAG_PREFIX + "preset"}
+    assert set(rows) == wanted, (f"README flag table: add {sorted(wanted - set(rows))}; "
+                                 f"not flags of the fork: {sorted(set(rows) - wanted)}")
+    for flag, cell in rows.items():
+        expected = rendered(flags[flag])
+        if expected is None:
+            assert not re.fullmatch(r"`[^`]*`", cell), f"{flag}: the parser's default is None, the table says {cell}"
+        else:
+            assert cell == expected, f"{flag}: default {cell} in the README, {expected} in the parser"
+
+
+def test_every_correction_field_is_in_the_correction_guides_flag_table():
+    import dataclasses
+
+    from openrlhf_tis.correction.config import CorrectionConfig
+
+    guide = (REPO / "docs" / "correction.md").read_text(encoding="utf-8")
+    listed = {name for row in table_after(guide, "### Flags") for name in re.findall(r"`(\w+)`", row[0])}
+    fields = {f.name for f in dataclasses.fields(CorrectionConfig)} | {"preset"}
+    assert fields <= listed, f"docs/correction.md flag table: add {sorted(fields - listed)}"
+
+
+def test_every_metric_to_watch_is_one_the_fork_writes():
+    from openrlhf_tis.correction import names
+
+    known = {v for v in vars(names).values() if isinstance(v, str)}
+    known |= {k for v in vars(names).values() if isinstance(v, tuple) for k in v if isinstance(k, str)}
+    metrics = [m for row in table_after(README, "## The metrics to watch") for m in re.findall(r"`([\w/.-]+)`", row[0])
+               if "/" in m]
+    assert "mismatch/k3_kl" in metrics and len(metrics) >= 8
+    # held-out keys are upstream's, named after the eval dataset (`eval/<dataset>_pass1`)
+    unknown = {m for m in metrics if m not in known and not m.startswith((names.EVAL_PREFIX, names.EVAL_START_PREFIX))}
+    assert not unknown, f"README metrics not in correction/names.py: {sorted(unknown)}"
+
+
+def test_the_study_table_is_copied_from_the_committed_results():
+    rows = table_after(README, "## What the study has shown so far")
+    assert len(rows) >= 2
+    for study, *cells in rows:
+        source = REPO / re.search(r"\]\(([^)]+)\)", study).group(1)
+        results = {tuple(r[:2]): r[:8] for r in table_after(source.read_text(encoding="utf-8"), "| dose")}
+        assert results.get(tuple(cells[:2])) == cells, f"README study row {cells} is not in {source}: {results}"
