@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+pytest_plugins = ["_budget", "pytester"]  # _budget: a test that starts Ray must be marked e2e (test_budget.py)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -36,3 +38,4 @@ def valid_argv(tiny_model_dir, tmp_path):
     reward.write_text("def reward_func(queries, prompts, labels):\n    return {\"rewards\": 0.0}\n")
     return ["--actor.model_name_or_path", str(tiny_model_dir), "--reward.remote_url", str(reward),
             "--data.prompt_dataset", str(prompts), "--logger.run_dir", str(tmp_path / "run")]
+

@@ -1,6 +1,6 @@
 """Second real run, the other code paths: an INT8 W8A8 rollout engine (re-quantized at every sync),
-bypass PPO (π_old := μ, the old-log-prob forward never dispatched), and upstream's TensorBoard and
-W&B (offline) loggers beside the run store, through the same CLI on CPU."""
+bypass PPO (π_old := μ, the old-log-prob forward never dispatched), held-out evaluation on the step lines,
+and upstream's TensorBoard and W&B (offline) loggers beside the run store, through the same CLI on CPU."""
 
 from __future__ import annotations
 
@@ -13,16 +13,18 @@ import sys
 import pytest
 from _support import REWARD
 
-from openrlhf_tis.demo.task import write_prompts
+from openrlhf_tis.demo.task import split, write_jsonl, write_prompts
 
 pytestmark = pytest.mark.e2e
 STEPS = 3
+EVAL_STEPS, EVAL_PROMPTS, EVAL_SAMPLES = 2, 6, 2
 
 
 @pytest.fixture(scope="module")
 def run(tiny_model_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("e2e_int8")
     write_prompts(work / "prompts.jsonl", 4 * STEPS)
+    write_jsonl(work / "eval.jsonl", split()[1][:EVAL_PROMPTS])
     argv = [
         sys.executable, "-m", "openrlhf_tis.cli.train_ppo_ray",
         "--actor.model_name_or_path", str(tiny_model_dir), "--reward.remote_url", str(REWARD),
@@ -32,7 +34,9 @@ def run(tiny_model_dir, tmp_path_factory):
         "--rollout.n_samples_per_prompt", "2", "--rollout.batch_size", "4", "--rollout.micro_batch_size", "8",
         "--train.batch_size", "8", "--train.micro_batch_size", "8", "--data.max_len", "128",
         "--rollout.max_new_tokens", "16", "--data.max_samples", str(4 * STEPS), "--ds.zero_stage", "2",
-        "--actor.adam.lr", "1e-3", "--actor.lr_warmup_ratio", "0", "--eval.steps", "-1", "--train.seed", "7",
+        "--actor.adam.lr", "1e-3", "--actor.lr_warmup_ratio", "0", "--train.seed", "7",
+        "--eval.dataset", str(work / "eval.jsonl"), "--eval.steps", str(EVAL_STEPS),
+        "--eval.n_samples_per_prompt", str(EVAL_SAMPLES), "--ckpt.best_metric_key", "none",
         "--ckpt.path", str(work / "ckpt"), "--ckpt.output_dir", str(work / "final"),
         "--logger.run_dir", str(work / "run"), "--logger.token_dump_steps", "0",
         "--vllm.rollout_precision", "int8", "--algo.correction.preset", "bypass_ppo",
@@ -74,3 +78,19 @@ def test_upstream_loggers_write_beside_the_run_store(run):
     assert list((work / "tb").rglob("events.out.tfevents.*"))
     offline_runs = list((work / "wandb").glob("offline-run-*"))
     assert offline_runs and list(offline_runs[0].glob("*.wandb"))
+
+
+def test_held_out_evaluation_lands_in_metrics_jsonl(run):
+    """Upstream's eval logs to wandb/TensorBoard only; the fork writes it on the step lines, plus a
+    pre-training eval on step 1's line. The dense reward (never all-zero on the random tiny model)
+    makes the pass rates informative."""
+    _, steps, _ = run
+    for line in steps:
+        evaluated = {"eval_start"} if line["step"] == 1 else set()
+        if line["step"] % EVAL_STEPS == 0:
+            evaluated.add("eval")
+        assert {key.split("/")[0] for key in line if key.startswith("eval")} == evaluated, line
+        for prefix in evaluated:
+            assert line[f"{prefix}/num_samples"] == EVAL_PROMPTS * EVAL_SAMPLES
+            assert 0 <= line[f"{prefix}/default_pass1"] <= line[f"{prefix}/default_pass{EVAL_SAMPLES}"]
+            assert line[f"{prefix}/seconds"] > 0

@@ -43,6 +43,7 @@ def held_out_files(tmp_path):
     return questions, reward
 
 
+@pytest.mark.engine
 def test_kept_policy_and_base_are_scored_on_the_same_samples_and_the_base_is_cached(
         tiny_model_dir, held_out_files, tmp_path):
     questions, reward = held_out_files
@@ -77,6 +78,7 @@ def test_kept_policy_and_base_are_scored_on_the_same_samples_and_the_base_is_cac
     assert key == cache_key(tiny_model_dir, questions, reward, {"n": 3})
 
 
+@pytest.mark.engine
 def test_a_run_without_a_saved_model_is_refused(tiny_model_dir, held_out_files, tmp_path):
     questions, reward = held_out_files
     with pytest.raises(FileNotFoundError, match="saved no final model"):

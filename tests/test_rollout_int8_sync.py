@@ -32,6 +32,8 @@ from openrlhf_tis.rollout.checkpoint import load_int8_plan, write_rollout_model
 from openrlhf_tis.rollout.cpu_worker_extension import reload_into_engine
 from openrlhf_tis.rollout.quantize import int8_weight_bits, quantize_named_weights
 
+pytestmark = pytest.mark.engine  # real in-process vLLM engines: the engine tier (pyproject.toml)
+
 # Mean |log-prob gap| to the fp32 reference on the tiny model that a correct INT8 engine stays under.
 # Measured: bf16 engine 0.0013, int8 dynamic 0.0017, int8 smoothed 0.003, int8 static 0.0027; broken
 # states measured far above it (smoothing factors loaded as norm weights: 0.21; stale weights ~0.1+).

@@ -71,6 +71,7 @@ GARBAGE_SYNC = (r"disagree by .* more than when both held the same weights"
                 r"|non-finite log-probs on the probe after the sync")
 
 
+@pytest.mark.engine
 def test_the_check_passes_a_coarse_sync_and_stops_failed_ones(sharp_model_dir, tmp_path):
     from transformers import AutoTokenizer
 

@@ -22,6 +22,8 @@ from _support import (
 
 from openrlhf_tis.rollout.cpu_worker_extension import reload_into_engine
 
+pytestmark = pytest.mark.engine  # real in-process vLLM engines: the engine tier (pyproject.toml)
+
 
 def _reload(worker, named):
     reload_into_engine(worker.model_runner, named)
