@@ -35,6 +35,32 @@ def test_every_fault_is_named_and_the_accepted_list_shown(values, fault):
     assert "steps = 2  # steps" in text and "mode = 'a'  # mode" in text
 
 
+@pytest.mark.parametrize("name, typed, expected", [
+    ("lr", "1", 1.0),  # papermill -p lr 1 gives an int: a float parameter takes it exactly
+    ("int8_weight_bits", "3", "3"),  # ... and a string parameter its digits (the training CLI judges "3")
+    ("int8_weight_bits", "6", "6"),
+    ("refresh_seconds", "3", 3),  # int is one of its types: kept as it is
+    ("lr", "2e-5", 2e-5),
+])
+def test_values_typed_by_papermill_are_taken_when_they_convert_without_loss(name, typed, expected):
+    from papermill.cli import _resolve_type  # how `papermill -p NAME VALUE` types VALUE
+
+    params = check_params({name: _resolve_type(typed)}, TRAIN_PARAMS)
+    assert params[name] == expected and type(params[name]) is type(expected)
+
+
+@pytest.mark.parametrize("name, value, fault", [
+    ("lr", 2**53 + 1, "must be float, got int"),  # no float holds it exactly
+    ("lr", True, "must be float, got bool"),
+    ("steps", 2.0, "must be int, got float"),  # a float is never taken for a count
+    ("int8_weight_bits", 6.0, "must be str, got float"),
+    ("int8_weight_bits", -3, "must be 'auto' or a bit count"),
+])
+def test_values_that_would_change_in_conversion_are_still_refused(name, value, fault):
+    with pytest.raises(ParameterError, match=fault):
+        check_params({name: value}, TRAIN_PARAMS)
+
+
 def test_notebook_params_reads_plain_values_only_and_refuses_injected_unknowns():
     import os
 
