@@ -299,7 +299,8 @@ def test_a_hub_id_is_refused_at_once_when_offline_or_unreachable(valid_argv, cap
 def test_an_explicit_lower_bound_that_tis_ignores_is_refused(valid_argv, capsys):
     argv = valid_argv + ["--vllm.num_engines", "1", "--algo.correction.preset", "tis"]
     line = error_line(refused(argv + ["--algo.correction.lower", "0.5"], capsys))
-    assert line.startswith("--algo.correction.lower: is unused by mode 'truncate' (truncate (TIS) bounds"), line
+    assert line == ("--algo.correction.lower: has no effect here: it is read by mode clip or mask only, and the mode "
+                    "is 'truncate'"), line
     train_ppo_ray.parse(argv + ["--algo.correction.mode", "clip", "--algo.correction.lower", "0.5"], cpu=True)
 
 

@@ -197,11 +197,6 @@ def check_inputs(args: argparse.Namespace) -> int | None:
     return planned_steps(args, prompts)
 
 
-# Correction modes that never read --algo.correction.lower (an explicit one would be silently ignored).
-_LOWER_UNUSED = {"truncate": "truncate (TIS) bounds the weight from above only", "raw": "raw weights are unbounded",
-                 "none": "no weight is applied"}
-
-
 def check_async(args: argparse.Namespace) -> None:
     """Async training's flags, refused where they cannot apply (upstream asserts some of them later, after Ray)."""
     if getattr(args, "train.async_enable"):
@@ -227,7 +222,8 @@ def check_correction(args: argparse.Namespace):
 
     Sources, in order: upstream's --algo.advantage.is_correction_* flags (mapped onto the equivalent
     config) or --algo.correction.preset, then every --algo.correction.<field> given. Refused: both
-    sources at once, invalid or impossible bounds, a correction without vLLM rollouts, and top-p
+    sources at once, invalid or impossible bounds, a field given where the resolved config never reads it
+    (CorrectionConfig.without_effect), a correction without vLLM rollouts, and top-p
     sampling (vLLM's processed log-probs are renormalized over the nucleus, the trainer's are not).
 
     Upstream asks vLLM for log-probs only when --algo.advantage.is_correction_level is not off; the
@@ -261,9 +257,9 @@ def check_correction(args: argparse.Namespace):
         if "rejection" in overrides:
             overrides["rejection"] = tuple(overrides["rejection"])
         cfg = cfg.replace(**overrides).validate(training=True)
-        if "lower" in overrides and cfg.mode in _LOWER_UNUSED:
-            raise UsageError("--algo.correction.lower", f"is unused by mode {cfg.mode!r} ({_LOWER_UNUSED[cfg.mode]}); "
-                             "a lower bound needs --algo.correction.mode clip or mask")
+        if unread := cfg.without_effect(overrides):  # a value given for nothing is a mistake: name the first
+            unused, why = next(iter(unread.items()))
+            raise UsageError(f"--algo.correction.{unused}", f"has no effect here: {why}")
     except CorrectionConfigError as err:
         flag = err.flag
         if up_level != "off" and not overrides and flag.startswith("--algo.correction."):
