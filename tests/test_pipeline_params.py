@@ -124,8 +124,8 @@ def test_a_list_of_grids_runs_the_union_of_their_products_once_each(tmp_path):
 
 
 def test_json_grids_work_too(tmp_path):
-    grid = _grid(tmp_path, json.dumps({"grid": {"extra_args": [[], ["--x", "1"]]}}), ".json")
-    assert [c.params["extra_args"] for c in load_grid(grid)] == [[], ["--x", "1"]]
+    grid = _grid(tmp_path, json.dumps({"grid": {"extra_args": [[], ["--vllm.fp32_lm_head"]]}}), ".json")
+    assert [c.params["extra_args"] for c in load_grid(grid)] == [[], ["--vllm.fp32_lm_head"]]
 
 
 @pytest.mark.parametrize("text, fault", [
@@ -144,6 +144,27 @@ def test_a_bad_grid_is_refused_naming_the_file_and_key(tmp_path, text, fault):
     with pytest.raises(ParameterError) as err:
         load_grid(grid)
     assert str(grid) in str(err.value) and fault in str(err.value)
+
+
+@pytest.mark.parametrize("text, fault", [
+    # issue 32: each passed the grid check, and its cell failed 40 s later inside the training CLI
+    ('[base]\nrollout_precision = "int8"\n[grid]\nint8_weight_bits = ["6", "3"]\n',
+     "cell int8_weight_bits=3: training CLI flags: argument --vllm.int8_weight_bits: invalid choice: '3'"),
+    ('[grid]\nextra_args = [["--train.async_max_lag", "1"]]\n',
+     "training CLI flags: --train.async_max_lag: applies to async training only"),
+    ('[grid]\nint8_weight_bits = ["6"]\n',  # rollout_precision stays bf16
+     "training CLI flags: --vllm.int8_weight_bits: only applies to --vllm.rollout_precision int8, not bf16"),
+    ('[grid]\ncorrection = ["tis", "off"]\ncorrection_options = [{upper = 3}]\n',
+     "cell correction=off,correction_options={\"upper\": 3}: training CLI flags: --algo.correction.upper: has no "
+     "effect here"),
+    ('[grid]\nprompts_per_step = [3]\nsamples_per_prompt = [1]\nextra_args = [["--train.batch_size", "4"]]\n',
+     "--train.batch_size: 4 is not a multiple of --train.micro_batch_size (3)"),
+])
+def test_a_cell_the_training_cli_would_refuse_fails_the_grid_check(tmp_path, text, fault):
+    grid = _grid(tmp_path, text)
+    with pytest.raises(ParameterError) as err:
+        load_grid(grid)
+    assert str(err.value).startswith(f"grid file {grid}, cell ") and fault in str(err.value), str(err.value)
 
 
 def test_cell_slugs_are_safe_and_distinct_even_when_names_slug_alike():

@@ -168,7 +168,7 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 
 def check_inputs(args: argparse.Namespace) -> int | None:
-    """Paths, files, batch sizes and the reward script, checked before anything expensive starts.
+    """Paths, files and the reward script, checked before anything expensive starts (after `check_flags`).
 
     Returns the number of steps the run will train when the prompt files tell (`planned_steps`)."""
     check_model_path("--actor.model_name_or_path", getattr(args, "actor.model_name_or_path"), required=True)
@@ -180,21 +180,33 @@ def check_inputs(args: argparse.Namespace) -> int | None:
     first_prompt, prompts = check_dataset("--data.prompt_dataset", getattr(args, "data.prompt_dataset"), keys)
     check_dataset("--eval.dataset", getattr(args, "eval.dataset"), keys, required=False)
     check_outputs(args)
+    from openrlhf_tis.cli.reward_probe import probe_reward_script
+    from openrlhf_tis.rollout.precision import check_cli_precision_files
+
+    check_cli_precision_files(args)
+    if first_prompt is not None:
+        probe_reward_script("--reward.remote_url", getattr(args, "reward.remote_url"), first_prompt, args)
+    return planned_steps(args, prompts)
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Every check the flag values (and this machine) decide, no file read: a caller that has not written the run's
+    files yet (the main job, a sweep's grid: pipeline/train.py `check_training_command`) runs these before
+    starting anything. Resolves the correction into `algo.correction.resolved` (check_correction)."""
+    from openrlhf_tis.cli.batch_checks import check_batches
+    from openrlhf_tis.rollout.precision import check_cli_precision
+
     if getattr(args, "vllm.sync_check_steps") < 0:
         raise UsageError("--vllm.sync_check_steps", "must be >= 0 (0 disables the check)")
     if getattr(args, "vllm.sync_check_tolerance") <= 0:
         raise UsageError("--vllm.sync_check_tolerance", "must be > 0")
+    if (samples := getattr(args, "data.max_samples")) < 1:
+        raise UsageError("--data.max_samples", f"must be >= 1, got {samples}: it caps the prompts the run trains "
+                         "(and evaluates) on, so the run would train no step")
     check_async(args)
-    from openrlhf_tis.cli.batch_checks import check_batches
-    from openrlhf_tis.cli.reward_probe import probe_reward_script
-    from openrlhf_tis.rollout.precision import check_cli_precision
-
     check_batches(args)
     check_cli_precision(args)
     check_correction(args)
-    if first_prompt is not None:
-        probe_reward_script("--reward.remote_url", getattr(args, "reward.remote_url"), first_prompt, args)
-    return planned_steps(args, prompts)
 
 
 def check_async(args: argparse.Namespace) -> None:

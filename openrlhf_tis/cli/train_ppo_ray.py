@@ -6,14 +6,17 @@ flags are added to it. Bad input ends here, naming the flag, before Ray starts.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from openrlhf_tis import patches
-from openrlhf_tis.cli.checks import adapt_to_cpu, check_inputs, explicit_dests
+from openrlhf_tis.cli.checks import adapt_to_cpu, check_flags, check_inputs, explicit_dests
 from openrlhf_tis.cli.fork_flags import add_fork_arguments
 from openrlhf_tis.cli.lifetime import die_with_parent
 from openrlhf_tis.cli.ray_cluster import CPU_ENV, start_ray
@@ -26,21 +29,47 @@ from openrlhf_tis.patches.upstream_cli import run_upstream_main, upstream_parser
 from openrlhf_tis.runs.reader import last_logged_step
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
     """Upstream's parser plus the fork's flags (patches must be in place to import upstream)."""
-    parser = upstream_parser()
+    with deepspeed_told_cpu():
+        parser = upstream_parser()
     parser.prog = "openrlhf_tis.cli.train_ppo_ray"
     add_fork_arguments(parser)
     return parser
 
 
+@contextmanager
+def deepspeed_told_cpu() -> Iterator[None]:
+    """While upstream's CLI module is first imported (it imports DeepSpeed): name the CPU as DeepSpeed's accelerator
+    where there is no CUDA, as its own detection would, so it does not print a "[WARNING] ... Setting accelerator to
+    CPU" line on the console of whoever checks flags (the main job, a sweep). The environment is left as it was."""
+    import torch
+
+    told = "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available()
+    if told:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        yield
+    finally:
+        if told:
+            del os.environ["DS_ACCELERATOR"]
+
+
+def parse_flags(parser: argparse.ArgumentParser, argv: list[str], cpu: bool) -> tuple[argparse.Namespace, list[str]]:
+    """`argv` parsed by `parser` (build_parser) and checked by what its flag values decide (checks.check_flags), no
+    file read; on a machine without CUDA upstream's GPU defaults are replaced first. Returns the arguments and what
+    was replaced; raises UsageError naming the flag at fault (argparse's own errors go to `parser.error`)."""
+    args = parser.parse_args(argv)
+    replaced = adapt_to_cpu(args, explicit_dests(parser, argv)) if cpu else []
+    check_flags(args)
+    return args, replaced
+
+
 def parse(argv: list[str], cpu: bool):
     """Parse and check the command line; raises UsageError naming the flag at fault."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if cpu:
-        for note in adapt_to_cpu(args, explicit_dests(parser, argv)):
-            print(f"[openrlhf_tis] no CUDA: {note}", file=sys.stderr)
+    args, replaced = parse_flags(build_parser(), argv, cpu)
+    for note in replaced:
+        print(f"[openrlhf_tis] no CUDA: {note}", file=sys.stderr)
     run_dir = getattr(args, "logger.run_dir") or time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())
     setattr(args, "logger.run_dir", os.path.abspath(run_dir))  # every Ray process writes to the same place
     planned = check_inputs(args)

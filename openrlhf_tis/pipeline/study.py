@@ -30,8 +30,8 @@ import pandas as pd
 from openrlhf_tis.correction.config import PRESETS
 from openrlhf_tis.cpu_features import native_bf16
 from openrlhf_tis.params import ParameterError
-from openrlhf_tis.pipeline.main_job import job_params
-from openrlhf_tis.pipeline.sweep import SweepResult, results_table, run_sweep
+from openrlhf_tis.pipeline.main_job import check_model_option, job_params
+from openrlhf_tis.pipeline.sweep import SweepResult, load_grid, results_table, run_sweep
 from openrlhf_tis.rollout.precision import PRECISION_FLAG, WEIGHT_BITS_FLAG
 from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.runs.reader import load_metrics
@@ -248,12 +248,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--async_queues", type=int, nargs="+", default=[0], metavar="N",
                         help="staleness axis: async queue sizes (0: synchronous, 1, 2: rollouts up to N batches "
                         "ahead of the trainer); default 0 only")
-    parser.add_argument("--dry_run", action="store_true", help="print the grid and its time estimate, run nothing")
+    parser.add_argument("--dry_run", action="store_true", help="check the grid's cells, print the grid and its time "
+                        "estimate, run nothing")
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     if any(q < 0 for q in args.async_queues):
         parser.error(f"--async_queues must be >= 0, got {args.async_queues}")
+    check_model_option(parser, args.model)
     try:
         cells = choose_cells(args)
     except ParameterError as err:
@@ -265,6 +267,10 @@ def main(argv: list[str] | None = None) -> None:
     grid = study_grid(out, args.model, cells=cells, seeds=seeds, steps=steps, queues=tuple(args.async_queues))
     grid_file = out / "study_grid.json"
     grid_file.write_text(json.dumps(grid, indent=1))
+    try:
+        load_grid(grid_file)  # every cell checked as the sweep will, so a dry run says what the real one would
+    except ParameterError as err:
+        parser.error(str(err))
     trainer = grid["base"]["train_dtype"]
     print(f"[study] {cell_count(grid)} cells of {grid['base']['steps']} steps, trainer {trainer}, seeds {list(seeds)}; "
           f"all cells ≈ {estimate_seconds(grid) / 60:.0f} min with SmolLM2 on this CPU's profile (finished cells "
