@@ -105,6 +105,46 @@ def test_checkpoint_of_this_history_is_resumed_and_an_overwritten_runs_is_refuse
     assert json.loads((ckpt / "_actor" / "global_step2" / CHECKPOINT_ID_FILE).read_text())["step"] == 2
 
 
+class _Started(Exception):
+    pass
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_do_and_exits_0_before_ray(valid_argv, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """Issue 32: it went through the whole start-up (143 s) and a held-out pass to train nothing."""
+    final = tmp_path / "final"
+    argv = valid_argv + ["--ckpt.output_dir", str(final), "--ckpt.path", str(tmp_path / "ckpt")]
+    path = finished_run(argv)  # two logged steps; one prompt in a rollout batch: one planned step
+    assert read_run_config(path)["planned_steps"] == 1
+    _checkpoint(tmp_path / "ckpt", 2, read_run_config(path)["run_id"])
+    for name in ("start_ray", "prepare_rollout_engines"):
+        monkeypatch.setattr(train_ppo_ray, name, lambda *_: (_ for _ in ()).throw(_Started()))
+    monkeypatch.setattr(train_ppo_ray.fork_classes, "apply", lambda: None)
+    resume = argv + ["--ckpt.load_enable"]
+    config = (path / "config.json").read_text()
+
+    final.mkdir()
+    os.utime(path / "metrics.jsonl", (time.time() + 10, time.time() + 10))  # a model left by an earlier history
+    (final / "model.safetensors").write_bytes(b"old")
+    with pytest.raises(_Started):  # no final model saved after the last step: resuming still has work to do
+        train_ppo_ray.main(resume)
+    os.utime(path / "metrics.jsonl", (time.time() - 10, time.time() - 10))  # the final save came after it
+    with pytest.raises(SystemExit) as exit_info:
+        train_ppo_ray.main(resume)
+    assert exit_info.value.code == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"openrlhf_tis.cli.train_ppo_ray: nothing to do: {path} already holds all 1 planned step(s) "
+                       f"and its final model in {final}; to train further add prompts or raise "
+                       "--train.num_episodes, or pass --logger.run_dir_overwrite to start over"), err
+    assert (path / "config.json").read_text() != config  # the first resume (stopped at Ray) recorded itself ...
+    config = (path / "config.json").read_text()
+    with pytest.raises(SystemExit):
+        train_ppo_ray.main(resume)
+    assert (path / "config.json").read_text() == config  # ... the one with nothing to do did not
+    with pytest.raises(_Started):  # more episodes: more planned steps, so the resume goes on
+        train_ppo_ray.main(resume + ["--train.num_episodes", "3", "--logger.run_dir_override"])
+
+
 def test_an_empty_latest_left_by_a_kill_is_pointed_at_the_newest_checkpoint(valid_argv, tmp_path, capsys):
     path = finished_run(valid_argv)  # two logged steps
     run_id = read_run_config(path)["run_id"]

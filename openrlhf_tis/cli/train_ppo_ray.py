@@ -21,7 +21,7 @@ from openrlhf_tis.cli.fork_flags import add_fork_arguments
 from openrlhf_tis.cli.lifetime import die_with_parent
 from openrlhf_tis.cli.ray_cluster import CPU_ENV, start_ray
 from openrlhf_tis.cli.rollout_engines import prepare_rollout_engines
-from openrlhf_tis.cli.run_dir import open_run_dir
+from openrlhf_tis.cli.run_dir import RunFinished, open_run_dir
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.patches import fork_classes
 from openrlhf_tis.patches._guard import UnsupportedUpstreamError
@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> None:
         fork_classes.apply()
         prepare_rollout_engines(args)
         start_ray(args, cpu)
+    except RunFinished as done:  # a resume of a finished run: said at once, not after Ray, vLLM and DeepSpeed start
+        print(f"openrlhf_tis.cli.train_ppo_ray: nothing to do: {done}", file=sys.stderr)
+        raise SystemExit(0) from None
     except (UsageError, UnsupportedUpstreamError) as err:
         print(f"openrlhf_tis.cli.train_ppo_ray: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
