@@ -167,6 +167,30 @@ def test_a_cell_the_training_cli_would_refuse_fails_the_grid_check(tmp_path, tex
     assert str(err.value).startswith(f"grid file {grid}, cell ") and fault in str(err.value), str(err.value)
 
 
+KERNEL_LIKE = """
+import sys
+sys.stderr = open(sys.argv[1], "w")  # as in a notebook kernel: sys.stderr is not file descriptor 2
+from openrlhf_tis.params import check_params
+from openrlhf_tis.pipeline.train import TRAIN_PARAMS, check_training_command
+check_training_command(check_params({}, TRAIN_PARAMS))
+assert sys.stderr.name == sys.argv[1]
+"""
+
+
+def test_checking_a_training_command_leaves_the_console_quiet_even_in_a_kernel(tmp_path):
+    """The first check imports upstream's CLI, hence DeepSpeed: its accelerator warning and its op probe's compiler
+    errors (`ld: cannot find -laio` where libaio is missing) reached the console of a main job or a sweep (issue 32)."""
+    import subprocess
+    import sys
+
+    stream = tmp_path / "kernel_stderr.txt"
+    proc = subprocess.run([sys.executable, "-c", KERNEL_LIKE, str(stream)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, stream.read_text() + proc.stderr
+    console = proc.stdout + proc.stderr + stream.read_text()
+    assert not [noise for noise in ("Setting accelerator", "collect2", "-laio") if noise in console], console
+
+
 def test_cell_slugs_are_safe_and_distinct_even_when_names_slug_alike():
     a, b = Cell("extra_args=[\"--a b\"]", {}), Cell("extra_args=[\"--a_b\"]", {})
     assert a.slug != b.slug and "/" not in a.slug and " " not in a.slug

@@ -31,7 +31,7 @@ from openrlhf_tis.runs.reader import last_logged_step
 
 def build_parser() -> argparse.ArgumentParser:
     """Upstream's parser plus the fork's flags (patches must be in place to import upstream)."""
-    with deepspeed_told_cpu():
+    with quiet_deepspeed_import():
         parser = upstream_parser()
     parser.prog = "openrlhf_tis.cli.train_ppo_ray"
     add_fork_arguments(parser)
@@ -39,18 +39,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @contextmanager
-def deepspeed_told_cpu() -> Iterator[None]:
-    """While upstream's CLI module is first imported (it imports DeepSpeed): name the CPU as DeepSpeed's accelerator
-    where there is no CUDA, as its own detection would, so it does not print a "[WARNING] ... Setting accelerator to
-    CPU" line on the console of whoever checks flags (the main job, a sweep). The environment is left as it was."""
+def quiet_deepspeed_import() -> Iterator[None]:
+    """While upstream's CLI module is first imported (it imports DeepSpeed), keep DeepSpeed off the console of whoever
+    checks flags (the main job, a sweep, a notebook kernel running one):
+
+    - where there is no CUDA, name the CPU as its accelerator, as its own detection would, so it does not print
+      "[WARNING] ... Setting accelerator to CPU";
+    - its op probe compiles test programs with their stderr sent where `sys.stderr`'s file descriptor points; in a
+      notebook kernel `sys.stderr` is not fd 2, which the compiler writes to (`ld: cannot find -laio`,
+      `collect2: error`), so the process's own stderr stands in for it meanwhile.
+
+    The environment and `sys.stderr` are left as they were."""
     import torch
 
     told = "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available()
     if told:
         os.environ["DS_ACCELERATOR"] = "cpu"
+    kernel_stderr = sys.stderr
+    if sys.__stderr__ is not None:
+        sys.stderr = sys.__stderr__
     try:
         yield
     finally:
+        sys.stderr = kernel_stderr
         if told:
             del os.environ["DS_ACCELERATOR"]
 
