@@ -36,8 +36,22 @@ class Param:
     # a dict value gives one flag per key, `flag + key`. None: the notebook itself uses the value.
     flag: str | None = None
 
+    def converted(self, value: Any) -> Any:
+        """`value` in one of the declared types when it converts there without loss, else unchanged.
+
+        papermill's `-p NAME VALUE` types VALUE by its look (`-p lr 1` gives an int, `-p int8_weight_bits 3` an
+        int too), so an int is taken for a float parameter when the float holds it exactly, and for a string
+        parameter as its digits (which the parameter's own check then judges like any string)."""
+        if not self.types or isinstance(value, self.types) or type(value) is not int:
+            return value
+        if float in self.types:
+            exact = float(value) if abs(value) < 2**53 else None  # beyond 2**53 not every int is a float
+            return value if exact is None else exact
+        return str(value) if str in self.types else value
+
     def problem(self, value: Any) -> str | None:
-        """Why `value` is not acceptable, or None."""
+        """Why `value` is not acceptable, or None (judged after `converted`)."""
+        value = self.converted(value)
         if self.choices is not None and value not in self.choices:
             return f"must be one of {list(self.choices)}"
         wrong_type = not isinstance(value, self.types) or isinstance(value, bool) and bool not in self.types
@@ -59,14 +73,15 @@ def accepted(spec: ParamSpec) -> str:
 
 
 def check_params(values: Mapping[str, Any], spec: ParamSpec, where: str = "parameters") -> dict[str, Any]:
-    """Defaults overlaid with `values`, every name and value checked; raises ParameterError naming all faults."""
+    """Defaults overlaid with `values` (converted where lossless, see Param.converted), every name and value
+    checked; raises ParameterError naming all faults."""
     faults = [f"unknown parameter {name!r}" for name in values if name not in spec]
     for name, value in values.items():
         if name in spec and (why := spec[name].problem(value)) is not None:
             faults.append(f"{name} = {value!r}: {why}")
     if faults:
         raise ParameterError(f"{where}: " + "; ".join(faults) + f"\naccepted parameters:\n{accepted(spec)}")
-    return {name: values.get(name, p.default) for name, p in spec.items()}
+    return {name: p.converted(values[name]) if name in values else p.default for name, p in spec.items()}
 
 
 def flag_argv(values: Mapping[str, Any], spec: ParamSpec) -> list[str]:

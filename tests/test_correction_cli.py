@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from _support import refused
+from _support import error_line, refused
 
 from openrlhf_tis.cli import train_ppo_ray
 from openrlhf_tis.correction import CorrectionConfig, from_upstream, preset
@@ -98,6 +98,25 @@ def test_gspo_measures_the_mismatch_and_takes_sequence_level_corrections(argv, c
     assert _resolved(args) == CorrectionConfig(mode="none", loss="bypass_ppo")
     err = refused(gspo + ["--algo.correction.preset", "icepop"], capsys)
     assert "icepop sets --algo.correction.level" in err and "GSPO's ratio" in err and "seq_tis" in err
+
+
+@pytest.mark.parametrize(("extra", "flag", "why"), [
+    (["--algo.correction.preset", "off", "--algo.correction.upper", "3"], "--algo.correction.upper",
+     "it is read by mode truncate, clip or mask only, and the mode is 'none'"),
+    (["--algo.correction.preset", "tis", "--algo.correction.veto_sides", "low"], "--algo.correction.veto_sides",
+     "it picks the sides of the ratio veto, and no --algo.correction.veto_threshold is set"),
+    (["--algo.advantage.is_correction_level", "token", "--algo.correction.lower", "0.2"], "--algo.correction.lower",
+     None),  # upstream's mapping is a mask (reads lower): accepted
+])
+def test_an_option_the_correction_never_reads_is_refused_in_one_line(argv, extra, flag, why, capsys):
+    if why is None:
+        assert _resolved(_parse(argv + extra)).lower == 0.2
+        return
+    assert error_line(refused(argv + extra, capsys)) == f"{flag}: has no effect here: {why}"
+    # the same option counts once the configuration reads it
+    reading = {"--algo.correction.upper": ["--algo.correction.mode", "truncate"],
+               "--algo.correction.veto_sides": ["--algo.correction.veto_threshold", "1e-4"]}[flag]
+    _parse(argv + extra + reading)
 
 
 def test_correction_without_vllm_isrefused(argv, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -168,3 +169,96 @@ def test_from_upstream_mapping():
         with pytest.raises(CorrectionConfigError) as err:
             from_upstream(*args)
         assert err.value.flag == "--algo.advantage.is_correction_" + flag
+
+
+# --- options that a configuration never reads -----------------------------------------------------------------
+# Two values of each field that is read only in some configurations: a change between them must alter nothing where
+# `without_effect` names the field, and must be visible somewhere else (so the rule is neither vacuous nor too broad).
+CONDITIONAL = {"lower": (0.3, 0.4), "upper": (3.0, 4.0), "veto_sides": ("both", "low"),
+               "batch_normalize": (False, True), "normalize_scope": ("global", "local"), "denominator": ("all", "kept")}
+
+
+def _batch():
+    """Log-probs with ordinary and extreme ratios (a token at r = e^12 and one at e^-12: the veto's two sides), both
+    advantage signs and padding."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    roll = -torch.rand(6, 8, generator=gen, dtype=torch.float64) * 3
+    old = roll + torch.randn(6, 8, generator=gen, dtype=torch.float64)
+    old[0, 2], old[1, 3] = roll[0, 2] + 12, roll[1, 3] - 12
+    log_probs = old + 0.1 * torch.randn(6, 8, generator=gen, dtype=torch.float64)
+    advantages = torch.randn(6, 8, generator=gen, dtype=torch.float64)
+    action_mask = torch.ones(6, 8)
+    action_mask[:, 6:] = 0
+    return log_probs, old, advantages, action_mask, roll
+
+
+def _outcome(cfg: CorrectionConfig):
+    """Everything a configuration computes on _batch: the loss, weights, mask and every metric, with another
+    data-parallel rank in the sums (so the normalization scope can matter)."""
+    import torch
+
+    from openrlhf_tis.correction import policy_loss
+
+    out = policy_loss(*_batch(), cfg, allreduce=lambda t: t + torch.ones_like(t))
+    corr = out.correction
+    return (out.loss.item(), corr.weights.tolist(), corr.mask.tolist(), sorted(corr.metrics.items()))
+
+
+def _configs():
+    """Every preset, and each with a ratio veto and with self-normalization, where that is a valid training config."""
+    variants = []
+    for name, p in PRESETS.items():
+        for label, cfg in ((name, p.config), (f"{name}+veto", p.config.replace(veto_threshold=1e-4)),
+                           (f"{name}+normalize", p.config.replace(batch_normalize=True))):
+            try:
+                variants.append((label, cfg.validate(training=True)))
+            except CorrectionConfigError:
+                pass
+    return variants
+
+
+def _changed(cfg: CorrectionConfig, name: str) -> CorrectionConfig | None:
+    a, b = CONDITIONAL[name]
+    try:
+        return cfg.replace(**{name: b if getattr(cfg, name) == a else a}).validate(training=True)
+    except CorrectionConfigError:
+        return None
+
+
+def test_every_field_read_only_sometimes_is_listed():
+    conditional = {f.name for f in dataclasses.fields(CorrectionConfig) if f.metadata["read_when"] is not None}
+    assert conditional == set(CONDITIONAL)
+
+
+def test_a_field_named_without_effect_changes_nothing_and_is_read_elsewhere():
+    unread_checked, read_seen = set(), set()
+    for label, cfg in _configs():
+        unread = cfg.without_effect(CONDITIONAL)
+        for name in CONDITIONAL:
+            changed = _changed(cfg, name)
+            if changed is None:
+                continue
+            same = _outcome(cfg) == _outcome(changed)
+            if name in unread:
+                assert same, f"{label}: {name} is named without effect, yet changing it changes the outcome"
+                unread_checked.add(name)
+            elif not same:
+                read_seen.add(name)
+    assert unread_checked == set(CONDITIONAL) and read_seen == set(CONDITIONAL)
+
+
+@pytest.mark.parametrize(("name", "overrides", "unused"), [
+    ("off", {"upper": 3.0}, "upper"),  # issue 32: no weight, so no cap
+    ("tis", {"veto_sides": "low"}, "veto_sides"),  # issue 32: no veto threshold, so no sides
+    ("tis", {"lower": 0.5}, "lower"),
+    ("tis", {"normalize_scope": "local"}, "normalize_scope"),
+    ("off", {"denominator": "kept"}, "denominator"),
+    ("ppo_is", {"batch_normalize": True}, "batch_normalize"),
+])
+def test_the_issue_cases_are_named_without_effect(name, overrides, unused):
+    cfg = preset(name, **overrides)
+    assert list(cfg.without_effect(overrides)) == [unused]
+    assert not preset(name).replace(mode="mask", veto_threshold=1e-4, batch_normalize=True).without_effect(
+        ["upper", "lower", "veto_sides", "normalize_scope", "batch_normalize"])

@@ -77,6 +77,8 @@ def test_run_table_explorer_and_comparison(root):
     # the explorer opens the newest run that has token dumps, at its last step
     assert board.explorer.run_dir == root / "live" and board.explorer.current_step == 2
     assert board.tabs.titles == ("runs", "tokens", "compare")
+    assert board.tabs.selected_index != 2 and board.shown == {}  # drawn when its tab is opened
+    board.tabs.selected_index = 2
     # the comparison covers the runs with a logged step
     assert board.shown["runs"] == [root / "live", root / "nodumps"]
     assert list(board.shown["table"].index) == ["live", "nodumps"]
@@ -101,8 +103,32 @@ def test_reload_follows_a_run_in_progress(root):
     assert (board.explorer.run_dir, board.explorer.current_step, board.explorer.current_sample) == (root / "live", 1, 1)
     assert list(board.explorer.step.options) == [("1", 1), ("2", 2), ("3", 3)]
     assert board.tabs.selected_index == 1
+    board.tabs.selected_index = 2
     assert board.shown["runs"] == [root / "live", root / "nodumps", root / "starting"]
     assert board.shown["table"].loc["live", "steps"] == 3
+
+
+def test_the_comparison_is_drawn_when_its_tab_is_opened_and_once_per_reload(root, monkeypatch):
+    """Issue 32: the page drew the compare tab (~5.6 s of matplotlib) before anything showed."""
+    from openrlhf_tis.pipeline import dashboard_app
+
+    drawn = []
+    monkeypatch.setattr(dashboard_app, "show_comparison", lambda runs, display: drawn.append(runs) or {"runs": runs})
+    board = Dashboard(root)
+    assert drawn == [] and board.tabs.selected_index != 2
+    board.tabs.selected_index = 2
+    assert len(drawn) == 1 and board.shown["runs"] == drawn[0]
+    board.tabs.selected_index = 1
+    board.tabs.selected_index = 2  # opened again: the same run store, nothing redrawn
+    assert len(drawn) == 1
+    board.reload()  # with the tab open: drawn again at once
+    assert len(drawn) == 2
+    board.tabs.selected_index = 0
+    write_step(root / "starting", 1)
+    board.reload()  # with another tab open: stale until opened
+    assert len(drawn) == 2 and board.shown == {}
+    board.tabs.selected_index = 2
+    assert len(drawn) == 3 and drawn[-1] == [str(root / "live"), str(root / "nodumps"), str(root / "starting")]
 
 
 def test_port_in_use_is_refused_in_one_line(tmp_path, capsys):

@@ -81,6 +81,8 @@ def test_json_csv_and_parquet_files_are_read_whole(valid_argv, tmp_path, capsys)
     (["--algo.dynamic_filtering_enable", "--rollout.n_samples_per_prompt", "2", "--algo.dynamic_filtering_range",
       "1", "0"], "--algo.dynamic_filtering_range", "LOW < HIGH"),
     (["--rollout.vllm_generate_batch_size", "2048"], "--rollout.vllm_generate_batch_size", "--train.async_enable"),
+    (["--data.max_samples", "0"], "--data.max_samples", "must be >= 1, got 0"),  # issue 32: Ray started
+    (["--data.max_samples", "-5"], "--data.max_samples", "must be >= 1, got -5"),
 ])
 def test_batch_arithmetic_is_refused_before_ray(valid_argv, capsys, extra, flag, expected):
     line = error_line(refused(valid_argv + extra, capsys))
@@ -151,6 +153,17 @@ def test_reward_script_that_fails_to_import_is_refused(valid_argv, tmp_path, cap
     path.write_text("import no_such_module_here\n\n\ndef reward_func(queries, prompts, labels):\n    return {}\n")
     line = error_line(refused(with_value(valid_argv, "--reward.remote_url", str(path)), capsys))
     assert "fails to import: ModuleNotFoundError" in line and "reward.py:1" in line
+
+
+def test_the_start_says_it_imports_the_reward_script_before_it_does(valid_argv, tmp_path, capsys):
+    """A script that takes a minute to import must not leave the console silent (issue 32)."""
+    path = tmp_path / "slow_reward.py"
+    path.write_text("import sys\nprint('IMPORTING', file=sys.stderr)\n\n\n"
+                    "def reward_func(queries, prompts, labels):\n    return {'rewards': [0.0]}\n")
+    train_ppo_ray.parse(with_value(valid_argv, "--reward.remote_url", str(path)), cpu=True)
+    err = capsys.readouterr().err.splitlines()
+    said = [i for i, line in enumerate(err) if line.startswith("[openrlhf_tis] --reward.remote_url: importing ")]
+    assert len(said) == 1 and str(path) in err[said[0]] and said[0] < err.index("IMPORTING"), err
 
 
 def test_reward_script_is_called_as_upstream_calls_it(valid_argv, tmp_path, capsys):

@@ -35,6 +35,32 @@ def test_every_fault_is_named_and_the_accepted_list_shown(values, fault):
     assert "steps = 2  # steps" in text and "mode = 'a'  # mode" in text
 
 
+@pytest.mark.parametrize("name, typed, expected", [
+    ("lr", "1", 1.0),  # papermill -p lr 1 gives an int: a float parameter takes it exactly
+    ("int8_weight_bits", "3", "3"),  # ... and a string parameter its digits (the training CLI judges "3")
+    ("int8_weight_bits", "6", "6"),
+    ("refresh_seconds", "3", 3),  # int is one of its types: kept as it is
+    ("lr", "2e-5", 2e-5),
+])
+def test_values_typed_by_papermill_are_taken_when_they_convert_without_loss(name, typed, expected):
+    from papermill.cli import _resolve_type  # how `papermill -p NAME VALUE` types VALUE
+
+    params = check_params({name: _resolve_type(typed)}, TRAIN_PARAMS)
+    assert params[name] == expected and type(params[name]) is type(expected)
+
+
+@pytest.mark.parametrize("name, value, fault", [
+    ("lr", 2**53 + 1, "must be float, got int"),  # no float holds it exactly
+    ("lr", True, "must be float, got bool"),
+    ("steps", 2.0, "must be int, got float"),  # a float is never taken for a count
+    ("int8_weight_bits", 6.0, "must be str, got float"),
+    ("int8_weight_bits", -3, "must be 'auto' or a bit count"),
+])
+def test_values_that_would_change_in_conversion_are_still_refused(name, value, fault):
+    with pytest.raises(ParameterError, match=fault):
+        check_params({name: value}, TRAIN_PARAMS)
+
+
 def test_notebook_params_reads_plain_values_only_and_refuses_injected_unknowns():
     import os
 
@@ -98,8 +124,8 @@ def test_a_list_of_grids_runs_the_union_of_their_products_once_each(tmp_path):
 
 
 def test_json_grids_work_too(tmp_path):
-    grid = _grid(tmp_path, json.dumps({"grid": {"extra_args": [[], ["--x", "1"]]}}), ".json")
-    assert [c.params["extra_args"] for c in load_grid(grid)] == [[], ["--x", "1"]]
+    grid = _grid(tmp_path, json.dumps({"grid": {"extra_args": [[], ["--vllm.fp32_lm_head"]]}}), ".json")
+    assert [c.params["extra_args"] for c in load_grid(grid)] == [[], ["--vllm.fp32_lm_head"]]
 
 
 @pytest.mark.parametrize("text, fault", [
@@ -118,6 +144,51 @@ def test_a_bad_grid_is_refused_naming_the_file_and_key(tmp_path, text, fault):
     with pytest.raises(ParameterError) as err:
         load_grid(grid)
     assert str(grid) in str(err.value) and fault in str(err.value)
+
+
+@pytest.mark.parametrize("text, fault", [
+    # issue 32: each passed the grid check, and its cell failed 40 s later inside the training CLI
+    ('[base]\nrollout_precision = "int8"\n[grid]\nint8_weight_bits = ["6", "3"]\n',
+     "cell int8_weight_bits=3: training CLI flags: argument --vllm.int8_weight_bits: invalid choice: '3'"),
+    ('[grid]\nextra_args = [["--train.async_max_lag", "1"]]\n',
+     "training CLI flags: --train.async_max_lag: applies to async training only"),
+    ('[grid]\nint8_weight_bits = ["6"]\n',  # rollout_precision stays bf16
+     "training CLI flags: --vllm.int8_weight_bits: only applies to --vllm.rollout_precision int8, not bf16"),
+    ('[grid]\ncorrection = ["tis", "off"]\ncorrection_options = [{upper = 3}]\n',
+     "cell correction=off,correction_options={\"upper\": 3}: training CLI flags: --algo.correction.upper: has no "
+     "effect here"),
+    ('[grid]\nprompts_per_step = [3]\nsamples_per_prompt = [1]\nextra_args = [["--train.batch_size", "4"]]\n',
+     "--train.batch_size: 4 is not a multiple of --train.micro_batch_size (3)"),
+])
+def test_a_cell_the_training_cli_would_refuse_fails_the_grid_check(tmp_path, text, fault):
+    grid = _grid(tmp_path, text)
+    with pytest.raises(ParameterError) as err:
+        load_grid(grid)
+    assert str(err.value).startswith(f"grid file {grid}, cell ") and fault in str(err.value), str(err.value)
+
+
+KERNEL_LIKE = """
+import sys
+sys.stderr = open(sys.argv[1], "w")  # as in a notebook kernel: sys.stderr is not file descriptor 2
+from openrlhf_tis.params import check_params
+from openrlhf_tis.pipeline.train import TRAIN_PARAMS, check_training_command
+check_training_command(check_params({}, TRAIN_PARAMS))
+assert sys.stderr.name == sys.argv[1]
+"""
+
+
+def test_checking_a_training_command_leaves_the_console_quiet_even_in_a_kernel(tmp_path):
+    """The first check imports upstream's CLI, hence DeepSpeed: its accelerator warning and its op probe's compiler
+    errors (`ld: cannot find -laio` where libaio is missing) reached the console of a main job or a sweep (issue 32)."""
+    import subprocess
+    import sys
+
+    stream = tmp_path / "kernel_stderr.txt"
+    proc = subprocess.run([sys.executable, "-c", KERNEL_LIKE, str(stream)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, stream.read_text() + proc.stderr
+    console = proc.stdout + proc.stderr + stream.read_text()
+    assert not [noise for noise in ("Setting accelerator", "collect2", "-laio") if noise in console], console
 
 
 def test_cell_slugs_are_safe_and_distinct_even_when_names_slug_alike():

@@ -1,7 +1,8 @@
 """The main job's console and HTML report carry no build noise, yet a real failure shows in full.
 
 The tiny-model main job runs for real (papermill, the kernel building the tiny model, which imports DeepSpeed
-and so its op probe, the training CLI) with a flag the CLI refuses, so it fails in seconds, before Ray starts.
+and so its op probe, the training CLI) with a file the CLI refuses (the main job's own check reads flag values
+only), so it fails in seconds, before Ray starts.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 NOISE = ["collect2", "cannot find -laio", "ld returned"]
-REFUSED = ["--algo.correction.upper", "-1"]
+REFUSED = ["--eval.dataset", "no_such_eval.jsonl"]
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +36,10 @@ def test_the_console_shows_the_failure_and_no_build_noise(failed_job):
     assert job.returncode != 0
     assert not [word for word in NOISE if word in console], console
     assert "TrainingFailed" in console and "training exited with code 2" in console
-    assert "--algo.correction.upper" in console  # the cause, from the tail of train.log
+    assert "--eval.dataset" in console  # the cause, from the tail of train.log
 
 
 def test_the_report_shows_the_failure_and_no_build_noise(failed_job):
     _, report = failed_job
     assert not [word for word in NOISE if word in report]
-    assert "TrainingFailed" in report and "--algo.correction.upper" in report
+    assert "TrainingFailed" in report and "--eval.dataset" in report

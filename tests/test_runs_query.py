@@ -289,6 +289,18 @@ def test_cli_list_and_show(runs, capsys, tmp_path):
     assert runs_cli.main(["show", "missing", "--root", str(root)]) == 2
 
 
+def test_show_names_each_place_it_looked_at_once(tmp_path, capsys):
+    """Issue 32: `show` on an empty directory named the same path twice."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert runs_cli.main(["show", str(empty)]) == 2
+    assert capsys.readouterr().out.strip() == f"{empty} holds no run (no config.json, metrics.jsonl or tokens/ yet)"
+    assert runs_cli.main(["show", str(tmp_path / "gone")]) == 2
+    assert capsys.readouterr().out.strip() == f"no run directory at {tmp_path / 'gone'}"
+    assert runs_cli.main(["show", "gone", "--root", str(tmp_path)]) == 2  # two places: each named once
+    assert capsys.readouterr().out.strip() == f"no run directory at gone or {tmp_path / 'gone'}"
+
+
 def test_benchmark_tiny(capsys):
     spec = importlib.util.spec_from_file_location("bench_runs", ROOT / "benchmarks" / "bench_runs.py")
     bench = importlib.util.module_from_spec(spec)

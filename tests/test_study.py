@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from openrlhf_tis.params import ParameterError, check_params
-from openrlhf_tis.pipeline import study
+from openrlhf_tis.pipeline import main_job, study
 from openrlhf_tis.pipeline.main_job import job_params
 from openrlhf_tis.pipeline.sweep import Cell, CellResult, SweepResult, load_grid
 from openrlhf_tis.pipeline.train import TRAIN_PARAMS, build_argv
@@ -90,11 +90,26 @@ def test_the_default_axis_has_fp8_only_where_bf16_is_native_and_a_kernel_runs(mo
 def test_an_unknown_dose_or_bad_step_count_is_refused_before_anything_runs(tmp_path, capsys):
     for argv, flag in ((["--doses", "none", "w3a8"], "--doses"), (["--steps", "0"], "--steps"),
                        (["--async_queues", "0", "-1"], "--async_queues"),
-                       (["--corrections", "nope"], "--corrections")):
+                       (["--corrections", "nope"], "--corrections"),
+                       # issue 32: the dry run printed an estimate for a model that does not exist
+                       (["--model", str(tmp_path / "nonexistent"), "--dry_run"],
+                        f"--model {tmp_path / 'nonexistent'}: must be 'tiny', 'default' or a model directory")):
         with pytest.raises(SystemExit) as err:
             study.main(["--out", str(tmp_path / "s"), *argv])
         assert err.value.code == 2 and flag in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
+    with pytest.raises(SystemExit) as err:  # the main job names its --model the same way
+        main_job.main(["--out", str(tmp_path / "m"), "--model", str(tmp_path / "nonexistent")])
+    assert err.value.code == 2 and f"--model {tmp_path / 'nonexistent'}: must be" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+
+def test_the_dry_run_checks_every_cell_as_the_sweep_would(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(study, "job_params", lambda out, model: {**job_params(out, model), "extra_args": [
+        "--train.async_max_lag", "1"]})  # a flag the training CLI refuses without async training
+    with pytest.raises(SystemExit) as err:
+        study.main(["--out", str(tmp_path / "d"), "--model", "tiny", "--dry_run", "--doses", "none"])
+    assert err.value.code == 2 and "--train.async_max_lag: applies to async training only" in capsys.readouterr().err
 
 
 def test_quick_fits_an_hour_on_the_avx2_profile_and_the_dry_run_says_so(tmp_path, capsys, monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 from openrlhf_tis.correction.names import BUCKET_NAMES
 from openrlhf_tis.pipeline.live import LiveCurves, step_line
 from openrlhf_tis.pipeline.report import KEPT_POLICY, held_out_label, show_comparison, show_run
-from openrlhf_tis.runs import RunWriter
+from openrlhf_tis.runs import RunWriter, summary
 from openrlhf_tis.runs.layout import unique_dir_name
 from openrlhf_tis.viz.compare import config_diff, final_table, resolve_runs, run_labels
 from openrlhf_tis.viz.curves import PANELS, bucket_table, panel_keys, plot_buckets, plot_curves, run_styles
@@ -185,6 +185,28 @@ def test_the_run_report_draws_each_figure_once_and_names_the_scored_policy(tmp_p
     # the labels another policy's rows (the trainer's kept weights) take
     kept = "held-out · kept policy (trainer weights) · last evaluation"
     assert held_out_label(KEPT_POLICY, "last evaluation") == kept
+
+
+def test_the_run_report_has_the_kept_policys_score_that_the_console_prints(tmp_path):
+    """Issue 32: the table had the rollout engine's held-out score but not the kept policy's."""
+    import json
+
+    from openrlhf_tis.pipeline.main_job import describe
+
+    records = _records(4, **{"eval/default_pass1": lambda s: 0.4 if s == 4 else np.nan})
+    records[0]["eval_start/default_pass1"] = 0.2
+    run = _write_run(tmp_path / "run", records, {"vllm.rollout_precision": "int8"})
+    (run / "heldout_kept.json").write_text(json.dumps({
+        "schema": 1, "policy": "trainer weights", "dtype": "fp32", "n_samples": 4, "questions": 64, "seed": 1,
+        "before": {"pass1": 0.23, "passk": 0.5}, "after": {"pass1": 0.5, "passk": 0.75}}))
+    labels = list(show_run(run, display=lambda _: None)["shown"]["value"].items())
+    at = labels.index(("held-out · rollout engine (int8) · last evaluation", "0.4"))
+    assert labels[at + 1:at + 3] == [("held-out · kept policy (trainer weights, fp32) · base model", "0.23"),
+                                     ("held-out · kept policy (trainer weights, fp32) · saved final model", "0.5")]
+    console = describe({"summary": summary(run), "rollout_precision": "int8", "run_dir": run, "html": "r.html"})
+    assert "kept policy (trainer weights, fp32) (base model -> saved final model): 0.230 -> 0.500" in console
+    (run / "heldout_kept.json").unlink()  # a run scored by the engine only keeps the table it had
+    assert not any("kept policy" in label for label, _ in show_run(run, display=lambda _: None)["shown"].iterrows())
 
 
 def test_the_comparison_table_headings_wrap_and_name_the_policy(tmp_path):

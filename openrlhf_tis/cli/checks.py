@@ -168,7 +168,7 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 
 def check_inputs(args: argparse.Namespace) -> int | None:
-    """Paths, files, batch sizes and the reward script, checked before anything expensive starts.
+    """Paths, files and the reward script, checked before anything expensive starts (after `check_flags`).
 
     Returns the number of steps the run will train when the prompt files tell (`planned_steps`)."""
     check_model_path("--actor.model_name_or_path", getattr(args, "actor.model_name_or_path"), required=True)
@@ -180,26 +180,33 @@ def check_inputs(args: argparse.Namespace) -> int | None:
     first_prompt, prompts = check_dataset("--data.prompt_dataset", getattr(args, "data.prompt_dataset"), keys)
     check_dataset("--eval.dataset", getattr(args, "eval.dataset"), keys, required=False)
     check_outputs(args)
-    if getattr(args, "vllm.sync_check_steps") < 0:
-        raise UsageError("--vllm.sync_check_steps", "must be >= 0 (0 disables the check)")
-    if getattr(args, "vllm.sync_check_tolerance") <= 0:
-        raise UsageError("--vllm.sync_check_tolerance", "must be > 0")
-    check_async(args)
-    from openrlhf_tis.cli.batch_checks import check_batches
     from openrlhf_tis.cli.reward_probe import probe_reward_script
-    from openrlhf_tis.rollout.precision import check_cli_precision
+    from openrlhf_tis.rollout.precision import check_cli_precision_files
 
-    check_batches(args)
-    check_cli_precision(args)
-    check_correction(args)
+    check_cli_precision_files(args)
     if first_prompt is not None:
         probe_reward_script("--reward.remote_url", getattr(args, "reward.remote_url"), first_prompt, args)
     return planned_steps(args, prompts)
 
 
-# Correction modes that never read --algo.correction.lower (an explicit one would be silently ignored).
-_LOWER_UNUSED = {"truncate": "truncate (TIS) bounds the weight from above only", "raw": "raw weights are unbounded",
-                 "none": "no weight is applied"}
+def check_flags(args: argparse.Namespace) -> None:
+    """Every check the flag values (and this machine) decide, no file read: a caller that has not written the run's
+    files yet (the main job, a sweep's grid: pipeline/train.py `check_training_command`) runs these before
+    starting anything. Resolves the correction into `algo.correction.resolved` (check_correction)."""
+    from openrlhf_tis.cli.batch_checks import check_batches
+    from openrlhf_tis.rollout.precision import check_cli_precision
+
+    if getattr(args, "vllm.sync_check_steps") < 0:
+        raise UsageError("--vllm.sync_check_steps", "must be >= 0 (0 disables the check)")
+    if getattr(args, "vllm.sync_check_tolerance") <= 0:
+        raise UsageError("--vllm.sync_check_tolerance", "must be > 0")
+    if (samples := getattr(args, "data.max_samples")) < 1:
+        raise UsageError("--data.max_samples", f"must be >= 1, got {samples}: it caps the prompts the run trains "
+                         "(and evaluates) on, so the run would train no step")
+    check_async(args)
+    check_batches(args)
+    check_cli_precision(args)
+    check_correction(args)
 
 
 def check_async(args: argparse.Namespace) -> None:
@@ -227,9 +234,10 @@ def check_correction(args: argparse.Namespace):
 
     Sources, in order: upstream's --algo.advantage.is_correction_* flags (mapped onto the equivalent
     config) or --algo.correction.preset, then every --algo.correction.<field> given. Refused: both
-    sources at once, invalid or impossible bounds, a correction without vLLM rollouts, top-p
-    sampling (vLLM's processed log-probs are renormalized over the nucleus, the trainer's are not), and
-    under GSPO any per-token correction (its ratio is one per sequence: `validate_for_sequence_ratio`).
+    sources at once, invalid or impossible bounds, a field given where the resolved config never reads it
+    (CorrectionConfig.without_effect), a correction without vLLM rollouts, top-p sampling (vLLM's processed
+    log-probs are renormalized over the nucleus, the trainer's are not), and under GSPO any per-token correction
+    (its ratio is one per sequence: `validate_for_sequence_ratio`).
 
     Upstream asks vLLM for log-probs only when --algo.advantage.is_correction_level is not off; the
     mismatch metrics need them every step, whatever the loss, so that flag is set to a level upstream
@@ -263,9 +271,9 @@ def check_correction(args: argparse.Namespace):
         if "rejection" in overrides:
             overrides["rejection"] = tuple(overrides["rejection"])
         cfg = cfg.replace(**overrides).validate(training=True)
-        if "lower" in overrides and cfg.mode in _LOWER_UNUSED:
-            raise UsageError("--algo.correction.lower", f"is unused by mode {cfg.mode!r} ({_LOWER_UNUSED[cfg.mode]}); "
-                             "a lower bound needs --algo.correction.mode clip or mask")
+        if unread := cfg.without_effect(overrides):  # a value given for nothing is a mistake: name the first
+            unused, why = next(iter(unread.items()))
+            raise UsageError(f"--algo.correction.{unused}", f"has no effect here: {why}")
     except CorrectionConfigError as err:
         flag = err.flag
         if up_level != "off" and not overrides and flag.startswith("--algo.correction."):

@@ -70,6 +70,9 @@ def probe_reward_script(flag: str, url: str | None, record: Mapping[str, Any], a
     if not url or not url.split(",")[0].endswith(".py"):
         return
     path = url.split(",")[0]  # upstream calls the first script only
+    # A script can take long to import (a model, a dataset): say what the start waits on before it does.
+    print(f"[openrlhf_tis] {flag}: importing {path} to try reward_func on the first prompt ...", file=sys.stderr,
+          flush=True)
     try:
         reward_func = load_reward_func(path)
     except Exception as err:

@@ -37,6 +37,20 @@ RUN_ID_DEST = "logger.run_id"
 _held_locks: dict[Path, int] = {}  # run directory -> the descriptor holding its lock, open for the process's life
 
 
+class RunFinished(Exception):
+    """A resume with nothing left to do: every planned step is logged and the final model saved after them."""
+
+
+def final_model_saved(output_dir: str, run_dir: Path) -> bool:
+    """Whether a model's weights in `output_dir` (upstream's final save, `--ckpt.output_dir`) were written after the
+    run's last logged step; weights older than metrics.jsonl belong to an earlier history or a crash before the save."""
+    metrics = run_dir / METRICS_FILE
+    if not metrics.is_file():
+        return False
+    logged = metrics.stat().st_mtime
+    return any(w.stat().st_mtime >= logged for w in Path(output_dir).expanduser().glob("*.safetensors"))
+
+
 def checkpoint_dir(ckpt_path: str) -> Path | None:
     """Upstream's actor checkpoint under --ckpt.path when DeepSpeed can load one (its `latest` tag file)."""
     actor = Path(ckpt_path).expanduser().resolve() / "_actor"
@@ -102,7 +116,8 @@ def erase_run_store(run_dir: Path) -> None:
 def open_run_dir(args: argparse.Namespace, planned_steps: int | None = None) -> None:
     """Decide new run / resume / overwrite, then record or check the configuration (before Ray starts).
 
-    `planned_steps`: how many steps the run will train, when the CLI could count them (config.json).
+    `planned_steps`: how many steps the run will train, when the CLI could count them (config.json). A resume of a
+    run that logged them all and saved its final model raises RunFinished, before anything is written.
     """
     run_dir = Path(getattr(args, "logger.run_dir"))
     _check_writable(run_dir)
@@ -110,6 +125,7 @@ def open_run_dir(args: argparse.Namespace, planned_steps: int | None = None) -> 
     last = last_logged_step(run_dir) or 0
     dumps = token_files(run_dir)
     overwrite, load = getattr(args, "logger.run_dir_overwrite"), getattr(args, "ckpt.load_enable")
+    output_dir = getattr(args, "ckpt.output_dir")
     checkpoint = checkpoint_dir(getattr(args, "ckpt.path"))
     if overwrite and load and checkpoint is not None:
         raise UsageError(OVERWRITE_FLAG, f"starts over, but {LOAD_FLAG} would resume from the checkpoint in "
@@ -122,6 +138,10 @@ def open_run_dir(args: argparse.Namespace, planned_steps: int | None = None) -> 
         elif not load:
             raise UsageError(FLAG, f"{run_dir} already holds {held}; pass {LOAD_FLAG} to resume it from its "
                              f"checkpoint, {OVERWRITE_FLAG} to erase them and start over, or another {FLAG}")
+        elif planned_steps is not None and last >= planned_steps and final_model_saved(output_dir, run_dir):
+            raise RunFinished(f"{run_dir} already holds all {planned_steps} planned step(s) and its final model in "
+                              f"{output_dir}; to train further add prompts or raise --train.num_episodes, or pass "
+                              f"{OVERWRITE_FLAG} to start over")
         elif checkpoint is None:
             raise UsageError(LOAD_FLAG, f"no checkpoint in {Path(getattr(args, 'ckpt.path')) / '_actor'} to resume "
                              f"{run_dir} ({held}) from; pass the --ckpt.path it was saved to, or {OVERWRITE_FLAG} "

@@ -6,19 +6,22 @@ flags are added to it. Bad input ends here, naming the flag, before Ray starts.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from openrlhf_tis import patches
-from openrlhf_tis.cli.checks import adapt_to_cpu, check_inputs, explicit_dests
+from openrlhf_tis.cli.checks import adapt_to_cpu, check_flags, check_inputs, explicit_dests
 from openrlhf_tis.cli.fork_flags import add_fork_arguments
 from openrlhf_tis.cli.lifetime import die_with_parent
 from openrlhf_tis.cli.ray_cluster import CPU_ENV, start_ray
 from openrlhf_tis.cli.rollout_engines import prepare_rollout_engines
-from openrlhf_tis.cli.run_dir import open_run_dir
+from openrlhf_tis.cli.run_dir import RunFinished, open_run_dir
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.patches import fork_classes
 from openrlhf_tis.patches._guard import UnsupportedUpstreamError
@@ -26,21 +29,58 @@ from openrlhf_tis.patches.upstream_cli import run_upstream_main, upstream_parser
 from openrlhf_tis.runs.reader import last_logged_step
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
     """Upstream's parser plus the fork's flags (patches must be in place to import upstream)."""
-    parser = upstream_parser()
+    with quiet_deepspeed_import():
+        parser = upstream_parser()
     parser.prog = "openrlhf_tis.cli.train_ppo_ray"
     add_fork_arguments(parser)
     return parser
 
 
+@contextmanager
+def quiet_deepspeed_import() -> Iterator[None]:
+    """While upstream's CLI module is first imported (it imports DeepSpeed), keep DeepSpeed off the console of whoever
+    checks flags (the main job, a sweep, a notebook kernel running one):
+
+    - where there is no CUDA, name the CPU as its accelerator, as its own detection would, so it does not print
+      "[WARNING] ... Setting accelerator to CPU";
+    - its op probe compiles test programs with their stderr sent where `sys.stderr`'s file descriptor points; in a
+      notebook kernel `sys.stderr` is not fd 2, which the compiler writes to (`ld: cannot find -laio`,
+      `collect2: error`), so the process's own stderr stands in for it meanwhile.
+
+    The environment and `sys.stderr` are left as they were."""
+    import torch
+
+    told = "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available()
+    if told:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    kernel_stderr = sys.stderr
+    if sys.__stderr__ is not None:
+        sys.stderr = sys.__stderr__
+    try:
+        yield
+    finally:
+        sys.stderr = kernel_stderr
+        if told:
+            del os.environ["DS_ACCELERATOR"]
+
+
+def parse_flags(parser: argparse.ArgumentParser, argv: list[str], cpu: bool) -> tuple[argparse.Namespace, list[str]]:
+    """`argv` parsed by `parser` (build_parser) and checked by what its flag values decide (checks.check_flags), no
+    file read; on a machine without CUDA upstream's GPU defaults are replaced first. Returns the arguments and what
+    was replaced; raises UsageError naming the flag at fault (argparse's own errors go to `parser.error`)."""
+    args = parser.parse_args(argv)
+    replaced = adapt_to_cpu(args, explicit_dests(parser, argv)) if cpu else []
+    check_flags(args)
+    return args, replaced
+
+
 def parse(argv: list[str], cpu: bool):
     """Parse and check the command line; raises UsageError naming the flag at fault."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if cpu:
-        for note in adapt_to_cpu(args, explicit_dests(parser, argv)):
-            print(f"[openrlhf_tis] no CUDA: {note}", file=sys.stderr)
+    args, replaced = parse_flags(build_parser(), argv, cpu)
+    for note in replaced:
+        print(f"[openrlhf_tis] no CUDA: {note}", file=sys.stderr)
     run_dir = getattr(args, "logger.run_dir") or time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())
     setattr(args, "logger.run_dir", os.path.abspath(run_dir))  # every Ray process writes to the same place
     planned = check_inputs(args)
@@ -60,6 +100,9 @@ def main(argv: list[str] | None = None) -> None:
         fork_classes.apply()
         prepare_rollout_engines(args)
         start_ray(args, cpu)
+    except RunFinished as done:  # a resume of a finished run: said at once, not after Ray, vLLM and DeepSpeed start
+        print(f"openrlhf_tis.cli.train_ppo_ray: nothing to do: {done}", file=sys.stderr)
+        raise SystemExit(0) from None
     except (UsageError, UnsupportedUpstreamError) as err:
         print(f"openrlhf_tis.cli.train_ppo_ray: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,13 +140,27 @@ class RejectionCriterion:
                 raise CorrectionConfigError(flag, f"{self.name} needs an upper bound > 0, got {self.upper}")
 
 
-def _option(default: Any, choices: tuple[str, ...] | None, doc: str) -> Any:
+BOUNDED_MODES = ("truncate", "clip", "mask")  # the modes that read `upper`
+
+
+@dataclass(frozen=True)
+class ReadWhen:
+    """When a field is read at all: `holds(config)`; otherwise `why` (formatted with the config's fields) says
+    what it would need. A field read only then changes neither the loss nor any metric elsewhere."""
+
+    holds: Callable[[CorrectionConfig], bool]
+    why: str
+
+
+def _option(default: Any, choices: tuple[str, ...] | None, doc: str, read_when: ReadWhen | None = None) -> Any:
     """A CorrectionConfig field and its documentation, which is also the help of its command-line flag.
 
     `--algo.correction.<name>` is generated from the field (cli/fork_flags.py): the flag's type follows the
-    annotation, its choices are `choices` (also what `validate()` accepts), its help is `doc`.
+    annotation, its choices are `choices` (also what `validate()` accepts), its help is `doc`. `read_when`: the
+    configurations that read the field (None: every one), so a value set where it does nothing is refused
+    (`CorrectionConfig.without_effect`).
     """
-    return field(default=default, metadata={"choices": choices, "help": " ".join(doc.split())})
+    return field(default=default, metadata={"choices": choices, "help": " ".join(doc.split()), "read_when": read_when})
 
 
 @dataclass(frozen=True)
@@ -166,8 +181,13 @@ class CorrectionConfig:
         TIS talk baseline) | none w = 1 (no IS weight; masks still apply).""")
     lower: float | None = _option(
         None, None,
-        """Lower bound on the weight for clip and mask; None means 1/upper (Miles, verl). Unused by truncate.""")
-    upper: float = _option(2.0, None, """Upper bound on the weight (TIS cap C = 2, Yao et al. 2025).""")
+        """Lower bound on the weight for clip and mask; None means 1/upper (Miles, verl). Unused by truncate.""",
+        ReadWhen(lambda c: c.mode in ("clip", "mask"),
+                 "it is read by mode clip or mask only, and the mode is {mode!r}"))
+    upper: float = _option(
+        2.0, None, """Upper bound on the weight (TIS cap C = 2, Yao et al. 2025).""",
+        ReadWhen(lambda c: c.mode in BOUNDED_MODES, "it is read by mode truncate, clip or mask only, and the mode is "
+                 "{mode!r}"))
     rejection: tuple[RejectionCriterion, ...] = _option(
         (), None,
         f"""Rejection-sampling criteria chained with AND (verl rollout_rs; Geo-RS = ratio:mean), each
@@ -178,7 +198,9 @@ class CorrectionConfig:
         """Catastrophic-token veto v in (0, 1): drop a whole sequence holding a token with r_t < v or r_t > 1/v
         (verl rollout_token_veto_threshold, Miles rs_veto_threshold). None: off.""")
     veto_sides: str = _option(
-        "both", ("both", "low"), """both: veto r_t < v and r_t > 1/v | low: only r_t < v (Miles, verl).""")
+        "both", ("both", "low"), """both: veto r_t < v and r_t > 1/v | low: only r_t < v (Miles, verl).""",
+        ReadWhen(lambda c: c.veto_threshold is not None,
+                 "it picks the sides of the ratio veto, and no --algo.correction.veto_threshold is set"))
     veto_min_prob: float | None = _option(
         None, None,
         """Probability veto: drop a sequence holding a token whose probability under μ or under π_old is below
@@ -190,11 +212,14 @@ class CorrectionConfig:
     batch_normalize: bool = _option(
         False, None,
         """Self-normalize: divide weights by the mean kept weight, so they average 1 (per kept token at token
-        level, per kept sequence at sequence/geometric level) (verl rollout_is_batch_normalize, Miles).""")
+        level, per kept sequence at sequence/geometric level) (verl rollout_is_batch_normalize, Miles).""",
+        ReadWhen(lambda c: c.mode != "none", "it rescales IS weights, and mode 'none' makes every weight 1"))
     normalize_scope: str = _option(
         "global", ("global", "local"),
         """global: the mean is taken over the whole data-parallel batch (all ranks, verl) | local: over this
-        process's batch only (Miles).""")
+        process's batch only (Miles).""",
+        ReadWhen(lambda c: c.batch_normalize and c.mode != "none", "it is read by --algo.correction.batch_normalize "
+                 "with IS weights only, and here batch_normalize is {batch_normalize} with mode {mode!r}"))
     loss: str = _option(
         "decoupled", LOSSES,
         """decoupled: 3-policy PPO, clip on π_θ/π_old times w(π_old/μ) (Hilton et al. 2021; TIS) |
@@ -203,7 +228,9 @@ class CorrectionConfig:
     denominator: str = _option(
         "all", DENOMINATORS,
         """Loss denominator: all = every action token (upstream; rejected tokens shrink the gradient) | kept =
-        only tokens that survived the masks (verl modified response mask).""")
+        only tokens that survived the masks (verl modified response mask).""",
+        ReadWhen(lambda c: c.enabled, "the correction is inactive (mode 'none', no rejection, veto or OPSM, the "
+                 "decoupled loss), so the loss keeps upstream's denominator"))
     nonfinite: str = _option(
         "sequence", ("sequence", "token"),
         """A NaN/inf log-prob makes its token invalid; `sequence` also drops the rest of its sequence (its
@@ -243,6 +270,17 @@ class CorrectionConfig:
 
     def replace(self, **changes: Any) -> CorrectionConfig:
         return dataclasses.replace(self, **changes)
+
+    def without_effect(self, names: Iterable[str]) -> dict[str, str]:
+        """Those of the fields `names` this configuration never reads (so their values change neither the loss nor
+        any metric), each with why, in field order: a value given for one of them would be silently ignored."""
+        wanted = set(names)
+        unread = {}
+        for f in dataclasses.fields(self):
+            read_when = f.metadata["read_when"]
+            if f.name in wanted and read_when is not None and not read_when.holds(self):
+                unread[f.name] = read_when.why.format(**vars(self))
+        return unread
 
     # ── validation ──
     def validate(self, *, training: bool = False) -> CorrectionConfig:

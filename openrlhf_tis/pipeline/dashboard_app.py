@@ -1,7 +1,8 @@
 """The dashboard's page (notebooks/dashboard.ipynb, served by `openrlhf-tis-dashboard`): the runs under a root,
 the token explorer and the run comparison, in tabs.
 
-Everything is read from the run store when the page opens and again on "reload", so a run still in progress
+Everything is read from the run store when the page opens and again on "reload" (the comparison, seconds of
+matplotlib, when its tab is opened), so a run still in progress
 shows what it has written so far (metrics.jsonl up to its last whole line, the token dumps already renamed into
 place) and a reload picks up its new steps and dumps. A root that does not exist or holds no runs yet, a run
 without token dumps, and runs that have logged no step are notices on the page, never an error: the server
@@ -34,6 +35,7 @@ DASHBOARD_PARAMS: ParamSpec = {
                   (str,)),
 }
 TABS = ("runs", "tokens", "compare")
+COMPARE_TAB = TABS.index("compare")
 
 
 def root_notice(root: Path, runs: list[Path]) -> str:
@@ -81,7 +83,9 @@ class Dashboard:
         self.reload_button.on_click(lambda _: self.reload())
         self.runs = widgets.HTML()
         self.comparison = widgets.Output()
+        self.compared = False  # whether `comparison` shows the run store as last read
         self.tabs = widgets.Tab()
+        self.tabs.observe(lambda change: self._on_tab(change["new"]), names="selected_index")
         header = widgets.HTML(f"<b>Runs under {html.escape(os.fspath(self.root))}</b>")
         self.widget = widgets.VBox([widgets.HBox([header, self.reload_button]), self.notice, self.tabs])
         self.reload()
@@ -91,21 +95,28 @@ class Dashboard:
 
     def reload(self) -> None:
         """Re-read the run store: the run list, the explorer (same run, step and sample where they still exist)
-        and the comparison."""
+        and the comparison, which is drawn (seconds of matplotlib) only while its tab is open: now if it is, else
+        when it is next opened."""
         self.run_paths = find_runs(self.root) if self.root.is_dir() else []
         self.notice.value = root_notice(self.root, self.run_paths)
         self.tabs.layout.display = None if self.run_paths else "none"
+        self.compared, self.shown = False, {}
+        self.comparison.clear_output()
         if not self.run_paths:
-            self.table, self.shown = pd.DataFrame(), {}
+            self.table = pd.DataFrame()
             return
         self.table = run_table(self.root, self.run_paths)
         self.runs.value = self.table.astype(object).fillna("–").to_html(index=False, classes="mm-runs", border=0)
         self.explorer = self._reopened_explorer()
-        self._draw_comparison()
         selected = self.tabs.selected_index
         self.tabs.children = [self.runs, self.explorer.widget, self.comparison]
         self.tabs.titles = TABS
         self.tabs.selected_index = selected
+        self._on_tab(self.tabs.selected_index)
+
+    def _on_tab(self, index: int | None) -> None:
+        if index == COMPARE_TAB and not self.compared and self.run_paths:
+            self._draw_comparison()
 
     def _reopened_explorer(self) -> TokenExplorer:
         """A fresh explorer (it reads the run store when built) on the run shown before, else the newest run with
@@ -126,7 +137,10 @@ class Dashboard:
         stepped = [path for path, ok in zip(self.run_paths, logged, strict=True) if ok]
         waiting = [run for run, ok in zip(self.table["run"], logged, strict=True) if not ok]
         display = ipython_display()
-        self.comparison.clear_output()
+        self.compared = True
+        with self.comparison:  # shown while matplotlib draws; replaced by the first figure or table
+            display(widgets.HTML(f"<i>Drawing the comparison of {len(stepped)} run(s)…</i>"))
+        self.comparison.clear_output(wait=True)
         with self.comparison:
             if waiting:
                 display(widgets.HTML(f"<i>No step logged yet (not compared): {html.escape(', '.join(waiting))}</i>"))

@@ -25,7 +25,7 @@ from openrlhf_tis.demo.task import write_task
 from openrlhf_tis.params import ParameterError, check_params
 from openrlhf_tis.pipeline.console import follow_run
 from openrlhf_tis.pipeline.execute import execute, export_html
-from openrlhf_tis.pipeline.train import TRAIN_PARAMS, log_tail
+from openrlhf_tis.pipeline.train import TRAIN_PARAMS, check_training_command, log_tail
 from openrlhf_tis.runs.heldout import engine_label
 from openrlhf_tis.runs.reader import load_metrics
 from openrlhf_tis.runs.summary import summary
@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="override a train.ipynb parameter (Python literal), e.g. --set steps=5")
     args, extra = parser.parse_known_args(argv)
+    check_model_option(parser, args.model)
     out = Path(args.out).expanduser().resolve()
     profile = cpu_profile()
     print(f"[main job] trainer {profile.name}: {profile.why}", file=sys.stderr)
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         params = check_params({**base, **overrides, "extra_args": [*base["extra_args"], *extra]},
                               TRAIN_PARAMS, where="main job")
-        check_training_flags(params["extra_args"])
+        check_training_command(params)
     except ParameterError as err:
         print(f"main_job: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -163,22 +164,11 @@ def main(argv: list[str] | None = None) -> None:
     print(describe(result))
 
 
-def check_training_flags(flags: list[str]) -> None:
-    """Parse the flags bound for the training CLI with its own parser, so a typo fails here in one line
-    (ParameterError) instead of after the notebook and the training process started."""
-    if not flags:
-        return
-    from openrlhf_tis import patches
-    from openrlhf_tis.cli.train_ppo_ray import build_parser
-
-    patches.apply_platform_patches()  # upstream's parser module cannot be imported without them on CPU
-    parser = build_parser()
-
-    def error(message: str):
-        raise ParameterError(f"training CLI flags: {message}")
-
-    parser.error = error
-    parser.parse_args(flags)
+def check_model_option(parser: argparse.ArgumentParser, model: str) -> None:
+    """`--model` (the main job's and the study's) judged as train.ipynb's `model` parameter, refused by `parser`
+    naming --model before anything is written."""
+    if (problem := TRAIN_PARAMS["model"].problem(model)) is not None:
+        parser.error(f"--model {model}: {problem}")
 
 
 def _literal(item: str) -> tuple[str, Any]:

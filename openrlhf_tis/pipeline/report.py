@@ -18,6 +18,7 @@ from openrlhf_tis.params import Param
 from openrlhf_tis.rollout.precision import PRECISION_FLAG, rollout_option
 from openrlhf_tis.runs.config import read_run_config
 from openrlhf_tis.runs.reader import load_metrics
+from openrlhf_tis.runs.summary import held_out_kept
 from openrlhf_tis.viz.compare import (
     config_diff,
     final_table,
@@ -110,13 +111,20 @@ def headings(policy: str, first_step: Any = 0) -> dict[str, str]:
     return {key: label.format(**held) for key, label in HEADINGS.items()}
 
 
-def run_table(row: pd.Series, policy: str) -> pd.DataFrame:
-    """One run's final_table row as a two-column table (quantity, value) that fits any page width."""
+def run_table(row: pd.Series, policy: str, kept: Mapping[str, Any] | None = None) -> pd.DataFrame:
+    """One run's final_table row as a two-column table (quantity, value) that fits any page width; with `kept`
+    (runs.summary.held_out_kept: what the console's summary prints) the kept policy's held-out pass1 on the base
+    model and on the saved final model follow the rollout engine's."""
     def fmt(value: Any) -> str:
         return "–" if value is None or (isinstance(value, float) and np.isnan(value)) else f"{value:.4g}"
 
-    labels = headings(policy, row["held_out_first_step"])
-    return pd.DataFrame({"value": {label: fmt(row[key]) for key, label in labels.items()}}).rename_axis(row.name)
+    values = {}
+    for key, label in headings(policy, row["held_out_first_step"]).items():
+        values[label] = fmt(row[key])
+        if key == "held_out_last" and kept:
+            values[held_out_label(kept["label"], "base model")] = fmt(kept["pass1_before"])
+            values[held_out_label(kept["label"], "saved final model")] = fmt(kept["pass1_after"])
+    return pd.DataFrame({"value": values}).rename_axis(row.name)
 
 
 def show_run(run_dir: str | Path, display: Callable[..., Any] | None = None) -> dict[str, Any]:
@@ -129,7 +137,7 @@ def show_run(run_dir: str | Path, display: Callable[..., Any] | None = None) -> 
     display(curves)
     display(plot_buckets(buckets))
     table = final_table({run_dir.name: metrics})
-    shown = run_table(table.iloc[0], rollout_policy(run_dir))
+    shown = run_table(table.iloc[0], rollout_policy(run_dir), held_out_kept(run_dir))
     display(shown)
     return {"metrics": metrics, "buckets": buckets, "table": table, "shown": shown}
 

@@ -32,8 +32,8 @@ import pandas as pd
 from openrlhf_tis.correction.config import PRESETS
 from openrlhf_tis.cpu_features import native_bf16
 from openrlhf_tis.params import ParameterError
-from openrlhf_tis.pipeline.main_job import job_params
-from openrlhf_tis.pipeline.sweep import SweepResult, recorded_cells, results_table, run_sweep, write_report
+from openrlhf_tis.pipeline.main_job import check_model_option, job_params
+from openrlhf_tis.pipeline.sweep import SweepResult, load_grid, recorded_cells, results_table, run_sweep, write_report
 from openrlhf_tis.rollout.precision import PRECISION_FLAG, WEIGHT_BITS_FLAG
 from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.runs.reader import load_metrics
@@ -260,7 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--async_queues", type=int, nargs="+", default=[0], metavar="N",
                         help="staleness axis: async queue sizes (0: synchronous, 1, 2: rollouts up to N batches "
                         "ahead of the trainer); default 0 only")
-    parser.add_argument("--dry_run", action="store_true", help="print the grid and its time estimate, run nothing")
+    parser.add_argument("--dry_run", action="store_true", help="check the grid's cells, print the grid and its time "
+                        "estimate, run nothing")
     parser.add_argument("--report", action="store_true", help="rebuild report.html and the tables from the cells "
                         "under --out, run nothing (any machine; the grid flags are ignored)")
     args = parser.parse_args(argv)
@@ -277,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         write_outputs(write_report(result, out, f"Dose-response study: {len(result.results)} cells"), out, start,
                       sitting=False)
         return
+    check_model_option(parser, args.model)
     try:
         cells = choose_cells(args)
     except ParameterError as err:
@@ -292,6 +294,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(err))
     grid_file = out / "study_grid.json"
     grid_file.write_text(json.dumps(grid, indent=1))
+    try:
+        load_grid(grid_file)  # every cell checked as the sweep will, so a dry run says what the real one would
+    except ParameterError as err:
+        parser.error(str(err))
     print(f"[study] {cell_count(grid)} cells of {grid['base']['steps']} steps, trainer {trainer}, seeds {list(seeds)}; "
           f"all cells ≈ {estimate_seconds(grid) / 60:.0f} min with SmolLM2 on this CPU's profile (finished cells "
           f"skip); grid {grid_file}\n"

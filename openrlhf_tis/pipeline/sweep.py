@@ -13,7 +13,8 @@ A grid file (TOML or JSON) has two tables, both of train.ipynb parameters:
 `[[grid]]` (a list of grid tables) takes the union of their cross products, in order, a cell named
 twice running once: e.g. a reference precision under one correction beside int8 under several.
 
-Every cell is checked before any cell runs (unknown keys, bad values). Each cell keeps its executed
+Every cell is checked before any cell runs (unknown keys, bad values, and the training command it becomes against
+the training CLI's own flag checks). Each cell keeps its executed
 notebook and run directory under OUT/cells/<cell>/ and a status.json written last: a re-run skips
 cells whose status says complete with the same parameters, and retries the others: a failed or changed
 cell, or one interrupted before its status (Ctrl-C, a kill), starts afresh with the earlier attempt's run
@@ -42,7 +43,7 @@ from tqdm.auto import tqdm
 from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.params import Param, ParameterError, check_params
 from openrlhf_tis.pipeline.execute import execute, export_html
-from openrlhf_tis.pipeline.train import TRAIN_PARAMS
+from openrlhf_tis.pipeline.train import TRAIN_PARAMS, check_training_command
 from openrlhf_tis.runs.identity import foreign_checkpoint
 from openrlhf_tis.runs.layout import atomic_write, unique_dir_name
 from openrlhf_tis.runs.reader import last_logged_step
@@ -122,9 +123,20 @@ def load_grid(path: str | Path) -> list[Cell]:
             chosen = dict(zip(axes, values, strict=True))
             params = {**base, **chosen}
             name = ",".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in chosen.items()) or "base"
-            check_params(params, TRAIN_PARAMS, where=f"{where}, cell {name}")
-            cells.setdefault(name, Cell(name, params))
+            if name not in cells:
+                check_cell(params, where=f"{where}, cell {name}")
+                cells[name] = Cell(name, params)
     return list(cells.values())
+
+
+def check_cell(params: dict[str, Any], where: str) -> None:
+    """A cell's parameters, then the training command they become, checked as the training CLI would (its flag
+    checks: pipeline/train.py `check_training_command`); raises ParameterError naming `where` and the fault."""
+    checked = check_params(params, TRAIN_PARAMS, where=where)
+    try:
+        check_training_command(checked)
+    except ParameterError as err:
+        raise ParameterError(f"{where}: {err}") from None
 
 
 def _status(cell_dir: Path) -> dict[str, Any] | None:

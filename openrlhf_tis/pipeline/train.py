@@ -25,7 +25,8 @@ from openrlhf_tis.cli.lifetime import PARENT_ENV
 from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.correction.config import FLAG_PREFIX, PRESETS, CorrectionConfig
 from openrlhf_tis.cpu_features import default_train_dtype
-from openrlhf_tis.params import Param, flag_argv, positive
+from openrlhf_tis.errors import UsageError
+from openrlhf_tis.params import Param, ParameterError, flag_argv, positive
 from openrlhf_tis.pipeline.heldout import KEPT_FILE, KEPT_MODEL_DIR
 from openrlhf_tis.rollout.precision import PRECISIONS
 from openrlhf_tis.runs.reader import read_metrics_records
@@ -240,6 +241,31 @@ def build_argv(params: dict[str, Any], model_dir: Path, prompts: Path, run_dir: 
     if params["async_queue"]:
         argv += ["--train.async_enable"]
     return argv + list(params["extra_args"])
+
+
+def check_training_command(params: dict[str, Any]) -> None:
+    """The training CLI's own checks of what its flags decide (cli/checks.py `check_flags`: batch sizes, async,
+    rollout precision, correction, ...) on the command line that checked `params` become, before any file is
+    written or process started, so a refusal costs seconds instead of a notebook's start-up. What needs the job's
+    files (the model, built later for 'tiny'; the prompt file, written later) is left to the CLI itself. Raises
+    ParameterError naming the flag."""
+    import torch
+
+    from openrlhf_tis import patches
+    from openrlhf_tis.cli.train_ppo_ray import build_parser, parse_flags
+
+    patches.apply_platform_patches()  # upstream's parser module cannot be imported without them on CPU
+    parser = build_parser()
+
+    def error(message: str):
+        raise ParameterError(f"training CLI flags: {message}")
+
+    parser.error = error
+    given = Path(params["model"]).expanduser(), Path(params["prompts"]), Path(params["run_dir"])
+    try:
+        parse_flags(parser, build_argv(params, *given)[3:], cpu=not torch.cuda.is_available())
+    except UsageError as err:
+        raise ParameterError(f"training CLI flags: {err}") from None
 
 
 def log_tail(path: Path, lines: int = 60) -> str:

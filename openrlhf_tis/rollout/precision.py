@@ -108,8 +108,17 @@ def check_rollout_precision(precision: str, model_dir: str, *, cuda: bool, calib
                             activations: str = DEFAULTS[ACTIVATIONS_FLAG],
                             weight_bits: str = DEFAULTS[WEIGHT_BITS_FLAG]) -> None:
     """Every precision problem, named by its flag, before any engine starts."""
-    from openrlhf_tis.rollout.calibration_file import CalibrationMismatchError, has_input_scales, load_calibration
-    from openrlhf_tis.rollout.checkpoint import NotQuantizableError, check_quantizable, read_config, weight_names
+    check_precision_flags(precision, cuda=cuda, calibration=calibration, scales=scales, fp32_head=fp32_head,
+                          activations=activations, weight_bits=weight_bits)
+    check_precision_files(precision, model_dir, cuda=cuda, calibration=calibration, activations=activations)
+
+
+def check_precision_flags(precision: str, *, cuda: bool, calibration: str | None = None,
+                          scales: str = DEFAULTS[SCALES_FLAG], fp32_head: bool = False,
+                          activations: str = DEFAULTS[ACTIVATIONS_FLAG],
+                          weight_bits: str = DEFAULTS[WEIGHT_BITS_FLAG]) -> None:
+    """The precision problems the flag values and this machine tell, no file read (a caller that has not
+    written the model or the calibration file yet can ask)."""
     from openrlhf_tis.rollout.quantize import ACTIVATION_MODES, WEIGHT_BITS_CHOICES
 
     if precision not in PRECISIONS:
@@ -135,35 +144,52 @@ def check_rollout_precision(precision: str, model_dir: str, *, cuda: bool, calib
                          "`python -m openrlhf_tis.rollout.calibration ... --static_activations`")
     if precision == "fp8":
         check_fp8_available(cuda)
-    if precision == "int8":
-        if not Path(model_dir).is_dir():
-            raise UsageError(PRECISION_FLAG,
-                             f"int8 rollouts quantize a local model directory; {model_dir!r} is not one")
-        try:
-            check_quantizable(model_dir)
-        except (NotQuantizableError, FileNotFoundError) as err:
-            raise UsageError(PRECISION_FLAG, f"int8: {err}") from err
-        if calibration:
-            if not Path(calibration).is_file():
-                raise UsageError(CALIBRATION_FLAG, f"calibration file {calibration!r} does not exist")
-            try:
-                _, cal_meta = load_calibration(calibration, read_config(model_dir), weight_names(model_dir))
-            except CalibrationMismatchError as err:
-                raise UsageError(CALIBRATION_FLAG, str(err)) from err
-            except Exception as err:  # not a safetensors file at all
-                raise UsageError(CALIBRATION_FLAG, f"cannot read {calibration!r}: {err}") from err
-            if activations == "static" and not has_input_scales(cal_meta):
-                raise UsageError(ACTIVATIONS_FLAG, f"static, but {calibration} has no activation scales (contents: "
-                                 f"{', '.join(cal_meta.get('contents', ['smoothing']))}); recalibrate with "
-                                 "`python -m openrlhf_tis.rollout.calibration ... --static_activations`")
-        if activations == "static" and (problem := static_int8_kernel_problem(cuda)):
-            raise UsageError(ACTIVATIONS_FLAG, f"static: {problem}")
     if fp32_head and precision == "fp32":
         raise UsageError(FP32_HEAD_FLAG, "the fp32 engine already runs its head in fp32")
 
 
+def check_precision_files(precision: str, model_dir: str, *, cuda: bool, calibration: str | None = None,
+                          activations: str = DEFAULTS[ACTIVATIONS_FLAG]) -> None:
+    """What int8 rollouts need of the model directory and the calibration file, then of the int8 kernel for
+    static activations (after the file: a calibration without activation scales is the more basic fault)."""
+    from openrlhf_tis.rollout.checkpoint import NotQuantizableError, check_quantizable
+
+    if precision != "int8":
+        return
+    if not Path(model_dir).is_dir():
+        raise UsageError(PRECISION_FLAG, f"int8 rollouts quantize a local model directory; {model_dir!r} is not one")
+    try:
+        check_quantizable(model_dir)
+    except (NotQuantizableError, FileNotFoundError) as err:
+        raise UsageError(PRECISION_FLAG, f"int8: {err}") from err
+    if calibration:
+        check_calibration_file(calibration, model_dir, activations)
+    if activations == "static" and (problem := static_int8_kernel_problem(cuda)):
+        raise UsageError(ACTIVATIONS_FLAG, f"static: {problem}")
+
+
+def check_calibration_file(calibration: str, model_dir: str, activations: str) -> None:
+    """The calibration file exists, was made for this model and, for static activations, holds their scales."""
+    from openrlhf_tis.rollout.calibration_file import CalibrationMismatchError, has_input_scales, load_calibration
+    from openrlhf_tis.rollout.checkpoint import read_config, weight_names
+
+    if not Path(calibration).is_file():
+        raise UsageError(CALIBRATION_FLAG, f"calibration file {calibration!r} does not exist")
+    try:
+        _, cal_meta = load_calibration(calibration, read_config(model_dir), weight_names(model_dir))
+    except CalibrationMismatchError as err:
+        raise UsageError(CALIBRATION_FLAG, str(err)) from err
+    except Exception as err:  # not a safetensors file at all
+        raise UsageError(CALIBRATION_FLAG, f"cannot read {calibration!r}: {err}") from err
+    if activations == "static" and not has_input_scales(cal_meta):
+        raise UsageError(ACTIVATIONS_FLAG, f"static, but {calibration} has no activation scales (contents: "
+                         f"{', '.join(cal_meta.get('contents', ['smoothing']))}); recalibrate with "
+                         "`python -m openrlhf_tis.rollout.calibration ... --static_activations`")
+
+
 def check_cli_precision(args) -> None:
-    """The train_ppo_ray checks: the generic ones plus what the training path does not wire yet."""
+    """The train_ppo_ray checks that the flag values tell, no file read (check_cli_precision_files reads them): the
+    generic ones plus what the training path does not wire yet."""
     import torch
 
     precision = rollout_option(args, PRECISION_FLAG)
@@ -174,14 +200,22 @@ def check_cli_precision(args) -> None:
         # engine refuses them. The CPU weight sync (rollout/cpu_worker_extension.py) handles all four.
         raise UsageError(PRECISION_FLAG,
                          f"{precision} rollouts are wired for the CPU weight sync only; on CUDA use bf16")
-    check_rollout_precision(precision, getattr(args, "actor.model_name_or_path"), cuda=cuda,
-                            calibration=rollout_option(args, CALIBRATION_FLAG),
-                            scales=rollout_option(args, SCALES_FLAG), fp32_head=rollout_option(args, FP32_HEAD_FLAG),
-                            activations=rollout_option(args, ACTIVATIONS_FLAG),
-                            weight_bits=rollout_option(args, WEIGHT_BITS_FLAG))
+    check_precision_flags(precision, cuda=cuda, calibration=rollout_option(args, CALIBRATION_FLAG),
+                          scales=rollout_option(args, SCALES_FLAG), fp32_head=rollout_option(args, FP32_HEAD_FLAG),
+                          activations=rollout_option(args, ACTIVATIONS_FLAG),
+                          weight_bits=rollout_option(args, WEIGHT_BITS_FLAG))
     train_dtype = getattr(args, "ds.param_dtype")
     if train_dtype == "fp32" and cuda:
         # Upstream's CUDA sync asserts that the trainer sends the engine's dtype (bf16).
         raise UsageError("--ds.param_dtype", "fp32 training is wired for the CPU weight sync only; on CUDA use bf16")
     if precision == "int8" and train_dtype not in ("bf16", "fp32"):
         raise UsageError("--ds.param_dtype", "int8 rollouts re-quantize the trainer's bf16 or fp32 weights")
+
+
+def check_cli_precision_files(args) -> None:
+    """The train_ppo_ray checks of the model directory and the calibration file (after check_cli_precision)."""
+    import torch
+
+    check_precision_files(rollout_option(args, PRECISION_FLAG), getattr(args, "actor.model_name_or_path"),
+                          cuda=torch.cuda.is_available(), calibration=rollout_option(args, CALIBRATION_FLAG),
+                          activations=rollout_option(args, ACTIVATIONS_FLAG))

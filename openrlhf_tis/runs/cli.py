@@ -87,17 +87,24 @@ def cmd_list(root: str, console: Console) -> int:
     return 0
 
 
-def _resolve_run(run: str, root: str) -> Path | None:
-    for candidate in (Path(run), Path(root) / run):
-        if is_run_dir(candidate):
-            return candidate
-    return None
+def _candidates(run: str, root: str) -> list[Path]:
+    """Where RUN may be: the path itself, then under ROOT (one place when both name it: an absolute RUN, ROOT '.')."""
+    return list(dict.fromkeys((Path(run), Path(root) / run)))
+
+
+def _not_found(run: str, root: str) -> str:
+    """Why RUN names no run: the directory that exists but holds none, else every place looked at."""
+    candidates = _candidates(run, root)
+    empty = [c for c in candidates if c.is_dir()]
+    if empty:
+        return f"{empty[0]} holds no run (no config.json, metrics.jsonl or tokens/ yet)"
+    return f"no run directory at {' or '.join(map(str, candidates))}"
 
 
 def cmd_show(run: str, root: str, as_json: bool, console: Console) -> int:
-    run_dir = _resolve_run(run, root)
+    run_dir = next((c for c in _candidates(run, root) if is_run_dir(c)), None)
     if run_dir is None:
-        console.print(f"[red]no run directory {run!r} (looked at {run} and {Path(root) / run})[/red]")
+        console.print(f"[red]{_not_found(run, root)}[/red]", highlight=False, soft_wrap=True)
         return 2
     info = summary(run_dir)
     if as_json:
