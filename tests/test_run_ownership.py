@@ -213,7 +213,7 @@ def _interrupted_cell(out, cell, run_id: str | None, checkpoint_by: str | None):
 @pytest.mark.parametrize(("checkpoint_by", "resumes"), [(None, False), ("r1", True), ("r0", False)])
 def test_an_interrupted_cell_restarts_or_resumes_on_the_next_sweep(tmp_path, monkeypatch, checkpoint_by, resumes):
     calls = []
-    monkeypatch.setattr(sweep, "execute", lambda name, notebook, params, cwd: calls.append(params))
+    monkeypatch.setattr(sweep, "execute_stoppable", lambda name, notebook, params, cwd: calls.append(params))
     cell = sweep.Cell("seed=1", {"seed": 1, "extra_args": []})
     run = _interrupted_cell(tmp_path, cell, "r1", checkpoint_by)
     result = sweep.run_cell(cell, tmp_path)
@@ -224,7 +224,7 @@ def test_an_interrupted_cell_restarts_or_resumes_on_the_next_sweep(tmp_path, mon
 
 
 def test_a_cell_whose_run_is_still_alive_is_failed_and_left_in_place(tmp_path, monkeypatch):
-    monkeypatch.setattr(sweep, "execute", lambda *args, **kwargs: pytest.fail("a cell ran over a live run"))
+    monkeypatch.setattr(sweep, "execute_stoppable", lambda *args, **kwargs: pytest.fail("a cell ran over a live run"))
     cell = sweep.Cell("seed=1", {"seed": 1, "extra_args": []})
     run = _interrupted_cell(tmp_path, cell, "r1", None)
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], stdout=subprocess.PIPE, text=True)

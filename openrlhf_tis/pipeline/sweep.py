@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shlex
 import sys
 import time
 import tomllib
@@ -39,11 +40,10 @@ from tqdm.auto import tqdm
 
 from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.params import Param, ParameterError, check_params
-from openrlhf_tis.pipeline.execute import execute, export_html
+from openrlhf_tis.pipeline.execute import export_html
+from openrlhf_tis.pipeline.interrupt import EXIT_CODE, Interrupted, execute_stoppable, kept, resumable, stopped
 from openrlhf_tis.pipeline.train import TRAIN_PARAMS
-from openrlhf_tis.runs.identity import foreign_checkpoint
 from openrlhf_tis.runs.layout import atomic_write, unique_dir_name
-from openrlhf_tis.runs.reader import last_logged_step
 
 GRID_TABLES = ("base", "grid")
 STATUS_FILE = "status.json"
@@ -158,7 +158,7 @@ def run_cell(cell: Cell, out_dir: Path) -> CellResult:
         _set_aside(run_dir)
     start = time.monotonic()
     try:
-        execute("train", notebook, params, cwd=cell_dir)
+        execute_stoppable("train", notebook, params, cwd=cell_dir)  # Ctrl-C: Stopped, no status (interrupted)
         result = CellResult(cell, "complete", run_dir, notebook)
     except Exception as err:  # papermill's error carries the failing cell; anything else is named too
         result = CellResult(cell, "failed", run_dir, notebook, _error_text(err))
@@ -169,21 +169,15 @@ def run_cell(cell: Cell, out_dir: Path) -> CellResult:
     return result
 
 
-def resumable(run_dir: Path) -> bool:
-    """Whether a cell's run directory holds steps and a checkpoint of that same history (train.ipynb saves
-    checkpoints under <run_dir>/ckpt, when its extra_args ask for them with --ckpt.save_steps)."""
-    actor = run_dir / "ckpt" / "_actor"
-    return ((actor / "latest").is_file() and bool(last_logged_step(run_dir))
-            and foreign_checkpoint(run_dir, actor) is None)
-
-
 def _set_aside(run_dir: Path) -> None:
     """Keep an earlier attempt's run directory (never delete results) under a numbered name."""
-    for n in itertools.count(1):
-        target = run_dir.with_name(f"{run_dir.name}.attempt{n}")
-        if not target.exists():
-            run_dir.rename(target)
-            return
+    run_dir.rename(_attempt_dir(run_dir))
+
+
+def _attempt_dir(run_dir: Path) -> Path:
+    """Where `_set_aside` keeps `run_dir`: the first free run.attemptN beside it."""
+    return next(target for n in itertools.count(1)
+                if not (target := run_dir.with_name(f"{run_dir.name}.attempt{n}")).exists())
 
 
 def run_sweep(grid: str | Path, out_dir: str | Path, title: str | None = None) -> SweepResult:
@@ -192,19 +186,43 @@ def run_sweep(grid: str | Path, out_dir: str | Path, title: str | None = None) -
     out_dir = Path(out_dir).expanduser().resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     result = SweepResult()
+    again = shlex.join(["openrlhf-tis-sweep", str(grid), str(out_dir), *(["--title", title] if title else [])])
     bar = tqdm(cells, desc="sweep cells", unit="cell")
     for cell in bar:
         bar.set_postfix_str(cell.name, refresh=True)
-        result.results.append(run_cell(cell, out_dir))
+        try:
+            result.results.append(run_cell(cell, out_dir))
+        except KeyboardInterrupt as stop:
+            bar.close()
+            raise Interrupted(_cell_interrupted(cell, out_dir, result, len(cells), stop, again)) from None
     bar.close()
     runs = [str(r.run_dir) for r in result.results if r.status != "failed"]
     report = out_dir / "report.ipynb"
     parameters = {"runs": runs or [str(out_dir / "cells")], "failures": result.failures,
                   "title": title or f"Sweep {Path(grid).name}: {len(cells)} cells"}
     if runs:
-        execute("compare", report, parameters, cwd=out_dir)
+        try:
+            execute_stoppable("compare", report, parameters, cwd=out_dir)
+        except KeyboardInterrupt:
+            raise Interrupted(f"interrupted while the comparison report ran; every cell is done; {again} draws "
+                              "it again (done cells are skipped)") from None
         result.report, result.html = report, export_html(report, out_dir / "report.html")
     return result
+
+
+def _cell_interrupted(cell: Cell, out_dir: Path, result: SweepResult, cells: int, stop: KeyboardInterrupt,
+                      again: str) -> str:
+    """The account of a Ctrl-C in a cell: what stopped, what the cell kept, what the next run does with it."""
+    run_dir = out_dir / "cells" / cell.slug / "run"
+    done = sum(r.status != "failed" for r in result.results)
+    where = f"interrupted in cell {cell.name} ({len(result.results) + 1} of {cells}; {done} done before it)"
+    if not run_dir.is_dir():
+        return f"{where} before its training started; {again} goes on (done cells are skipped)"
+    steps = cell.params.get("steps", TRAIN_PARAMS["steps"].default)
+    then = ("resumes from its checkpoint" if resumable(run_dir) else
+            f"starts afresh, this attempt kept as {_attempt_dir(run_dir).name}")
+    return (f"{where}: {stopped(getattr(stop, 'jobs', []))}; kept: {kept(run_dir, steps)}; {again} goes on (done "
+            f"cells are skipped, this one {then})")
 
 
 def results_table(result: SweepResult):
@@ -226,6 +244,10 @@ def main(argv: list[str] | None = None) -> None:
     except ParameterError as err:
         print(f"openrlhf-tis-sweep: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt as err:  # Interrupted says what was stopped; a bare one came before any cell ran
+        print(f"openrlhf-tis-sweep: {err if isinstance(err, Interrupted) else 'interrupted before any cell ran'}",
+              file=sys.stderr)
+        raise SystemExit(EXIT_CODE) from None
     print(results_table(result).to_string())
     if result.html:
         print(f"report: {result.html}")

@@ -21,7 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, TextIO
 
-from openrlhf_tis.cli.lifetime import PARENT_ENV
+from openrlhf_tis.cli.lifetime import PARENT_ENV, stop_process_tree
 from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.correction.config import FLAG_PREFIX, PRESETS, CorrectionConfig
 from openrlhf_tis.cpu_features import default_train_dtype
@@ -296,12 +296,9 @@ def run_training(
                 if done:
                     break
                 time.sleep(params["refresh_seconds"])
-        except BaseException:  # a notebook interrupt stops the job too, never leaves it running
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        except BaseException:  # a notebook interrupt stops the job and its Ray processes, never leaves them running
+            stop_process_tree([proc.pid])
+            proc.wait()
             raise
     if proc.returncode != 0:
         tail = log_tail(log_path)
