@@ -25,8 +25,9 @@ from openrlhf_tis.demo.task import write_task
 from openrlhf_tis.params import ParameterError, check_params
 from openrlhf_tis.pipeline.console import follow_run
 from openrlhf_tis.pipeline.execute import export_html
+from openrlhf_tis.pipeline.failure import log_tail, notebook_error
 from openrlhf_tis.pipeline.interrupt import EXIT_CODE, execute_stoppable, kept, resumable, stopped
-from openrlhf_tis.pipeline.train import TRAIN_PARAMS, log_tail
+from openrlhf_tis.pipeline.train import LOG_FILE, TRAIN_PARAMS
 from openrlhf_tis.runs.heldout import engine_label
 from openrlhf_tis.runs.reader import last_logged_step, load_metrics
 from openrlhf_tis.runs.summary import summary
@@ -82,6 +83,10 @@ def job_params(out: Path, model: str = "default") -> dict[str, Any]:
             "eval_prompts": str(held_out_file), "reward": str(TASK_REWARD)}
 
 
+class NotebookFailed(RuntimeError):
+    """train.ipynb failed: the message is the cause in one line, then where the report and the log are."""
+
+
 def run_main_job(params: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """Execute train.ipynb for checked `params` while the console follows the run; export the HTML report.
 
@@ -97,8 +102,9 @@ def run_main_job(params: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         failure = err
     html = export_html(notebook, out_dir / "report.html")
     if failure:
-        raise RuntimeError(f"the training notebook failed: {failure}\nreport: {html}\n"
-                           f"log tail:\n{log_tail(run_dir / 'train.log', 20)}")
+        log = run_dir / LOG_FILE
+        raise NotebookFailed(f"the training notebook failed at {notebook_error(failure)}\nreport: {html}; full log: "
+                             f"{log}; its last 20 lines:\n{log_tail(log, 20)}")
     metrics = load_metrics(run_dir)
     key = held_out_key(metrics)
     _, held = held_out(metrics, key) if key else (None, [])
@@ -175,6 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     except ParameterError as err:
         print(f"main_job: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except NotebookFailed as err:  # the cause says it all: no traceback of this process or of the kernel
+        print(f"main_job: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
     except KeyboardInterrupt as stop:
         print(f"main_job: {interrupted(params, stop, argv)}", file=sys.stderr)
         raise SystemExit(EXIT_CODE) from None

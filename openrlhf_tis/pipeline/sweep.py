@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.params import Param, ParameterError, check_params
 from openrlhf_tis.pipeline.execute import export_html
+from openrlhf_tis.pipeline.failure import notebook_error
 from openrlhf_tis.pipeline.interrupt import EXIT_CODE, Interrupted, execute_stoppable, kept, resumable, stopped
 from openrlhf_tis.pipeline.train import TRAIN_PARAMS
 from openrlhf_tis.runs.layout import atomic_write, unique_dir_name
@@ -132,14 +133,6 @@ def _status(cell_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def _error_text(err: BaseException) -> str:
-    """papermill's error as one readable line: which cell, which exception."""
-    cell = getattr(err, "cell_index", None)
-    ename, evalue = getattr(err, "ename", type(err).__name__), getattr(err, "evalue", str(err))
-    first_line = str(evalue).strip().splitlines()[0] if str(evalue).strip() else ""
-    return (f"cell {cell}: " if cell is not None else "") + f"{ename}: {first_line}"
-
-
 def run_cell(cell: Cell, out_dir: Path) -> CellResult:
     """Execute train.ipynb for one cell unless it completed before with the same parameters."""
     cell_dir = out_dir / "cells" / cell.slug
@@ -161,7 +154,7 @@ def run_cell(cell: Cell, out_dir: Path) -> CellResult:
         execute_stoppable("train", notebook, params, cwd=cell_dir)  # Ctrl-C: Stopped, no status (interrupted)
         result = CellResult(cell, "complete", run_dir, notebook)
     except Exception as err:  # papermill's error carries the failing cell; anything else is named too
-        result = CellResult(cell, "failed", run_dir, notebook, _error_text(err))
+        result = CellResult(cell, "failed", run_dir, notebook, notebook_error(err))
     result.seconds = round(time.monotonic() - start, 1)
     atomic_write(cell_dir / STATUS_FILE, json.dumps(
         {"cell": cell.name, "status": result.status, "params": cell.params, "error": result.error,
