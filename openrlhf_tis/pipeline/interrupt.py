@@ -37,7 +37,7 @@ class Stopped(KeyboardInterrupt):
     """Ctrl-C stopped a notebook's execution; `jobs` are the (pid, `python -m` module) the notebook had started."""
 
     def __init__(self, jobs: list[tuple[int, str]]):
-        super().__init__(", ".join(f"{module} (pid {pid})" for pid, module in jobs) or "no job running")
+        super().__init__(stopped(jobs))
         self.jobs = jobs
 
 
