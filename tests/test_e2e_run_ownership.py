@@ -152,7 +152,8 @@ def test_a_sweep_stopped_by_ctrl_c_finishes_its_cell_on_the_next_run(tiny_model_
     assert line.startswith("openrlhf-tis-sweep: interrupted in cell seed=1 (1 of 1; 0 done before it): stopped "
                            "openrlhf_tis.cli.train_ppo_ray (pid "), line
     again, metrics = shlex.join(["openrlhf-tis-sweep", str(grid), str(out)]), cell_dir / "run" / "metrics.jsonl"
-    assert (f"; kept: steps 1-{interrupted_at} of {SWEEP_STEPS} in {metrics}, no checkpoint; "
+    logged = "step 1" if interrupted_at == 1 else f"steps 1-{interrupted_at}"
+    assert (f"; kept: {logged} of {SWEEP_STEPS} in {metrics}, no checkpoint; "
             f"{again} goes on (done cells are skipped, this one starts afresh, this attempt kept as run.attempt1)"
             ) in line, line
     print(f"Ctrl-C to exit: {stop_seconds:.1f} s")

@@ -145,7 +145,7 @@ def test_ctrl_c_stops_the_training_and_says_in_one_line_what_was_kept(command, t
 
 
 def test_the_main_jobs_account_gives_the_resume_command_when_a_checkpoint_of_the_run_exists(tmp_path):
-    from openrlhf_tis.pipeline.interrupt import Stopped
+    from openrlhf_tis.pipeline.interrupt import Stopped, kept
     from openrlhf_tis.pipeline.main_job import interrupted
 
     run_dir = tmp_path / "run"
@@ -164,6 +164,10 @@ def test_the_main_jobs_account_gives_the_resume_command_when_a_checkpoint_of_the
                     f"{sys.executable} -m openrlhf_tis.pipeline.main_job --out w --ckpt.save_steps 2 "
                     f"--set run_dir={run_dir} --ckpt.load_enable")
     assert interrupted(None, KeyboardInterrupt(), ["--out", "w"]).startswith("interrupted before the training started")
+    one = tmp_path / "one"
+    RunWriter(one).append_metrics(1, {"reward": 0.0})
+    assert kept(one, 6) == f"step 1 of 6 in {one / 'metrics.jsonl'}, no checkpoint"
+    assert kept(tmp_path / "none", 6) == "no step, no checkpoint"
 
 
 def test_a_process_tree_that_ignores_sigterm_is_killed_after_the_timeout(tmp_path):

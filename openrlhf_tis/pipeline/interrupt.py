@@ -129,7 +129,8 @@ def resumable(run_dir: Path) -> bool:
 def kept(run_dir: Path, planned_steps: int) -> str:
     """What a stopped run left, to follow "kept: ": its logged steps and its checkpoint (under run_dir/ckpt)."""
     last = last_logged_step(run_dir) or 0
-    steps = f"steps 1-{last} of {planned_steps} in {run_dir / METRICS_FILE}" if last else "no step"
+    logged = "no step" if not last else "step 1" if last == 1 else f"steps 1-{last}"
+    steps = f"{logged} of {planned_steps} in {run_dir / METRICS_FILE}" if last else logged
     actor = checkpoint_dir(str(run_dir / "ckpt"))
     if actor is None:
         return f"{steps}, no checkpoint"
