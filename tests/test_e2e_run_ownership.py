@@ -1,11 +1,12 @@
 """Issue 21 for real (tiny model, Ray + DeepSpeed + vLLM, 1-3 steps per run): a second start into a live run's
 directory is refused, a stale Ray address file does not capture the run, an overwritten run that crashed is
 never resumed from the previous run's checkpoint, a killed run leaves no Ray process behind, and a sweep
-stopped by Ctrl-C finishes its cell on the next run."""
+stopped by Ctrl-C stops its training before it exits, says so in one line, and finishes the cell on the next run."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import psutil
 import pytest
 from _support import PREFIX, free_port, read_steps, train_argv, wait_for
 
+from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.demo.task import write_prompts
 from openrlhf_tis.pipeline.sweep import STATUS_FILE, load_grid
 from openrlhf_tis.runs import read_run_config, summary
@@ -45,6 +47,16 @@ def _ray_processes(marker: Path) -> list[str]:
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
         if str(marker) in cmdline and proc.info["cmdline"] and "pytest" not in cmdline:
+            found.append(cmdline[:160])
+    return found
+
+
+def _processes_naming(path: Path) -> list[str]:
+    """Command lines of live processes that name `path` (a training CLI names its run directory)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if str(path) in cmdline and "pytest" not in cmdline and proc.info["status"] != psutil.STATUS_ZOMBIE:
             found.append(cmdline[:160])
     return found
 
@@ -124,9 +136,27 @@ def test_a_sweep_stopped_by_ctrl_c_finishes_its_cell_on_the_next_run(tiny_model_
         assert wait_for(lambda: len(read_steps(cell_dir / "run")) >= 1, sweep), \
             (tmp_path / "interrupted.log").read_text()[-6000:]
         os.killpg(sweep.pid, signal.SIGINT)  # what Ctrl-C sends: the terminal's foreground process group
-        assert sweep.wait(timeout=180) != 0
+        start = time.monotonic()
+        code = sweep.wait(timeout=180)
+    stop_seconds = time.monotonic() - start
+    console = (tmp_path / "interrupted.log").read_text()
     interrupted_at = len(read_steps(cell_dir / "run"))
     assert 1 <= interrupted_at < SWEEP_STEPS and not (cell_dir / STATUS_FILE).exists()
+    # The training stopped with the sweep, not after it: its directory is free, no process names it, no step follows.
+    assert lock_owner(cell_dir / "run") is None and _processes_naming(cell_dir) == []
+    time.sleep(5)  # several of the tiny model's steps
+    assert len(read_steps(cell_dir / "run")) == interrupted_at
+    # One line says what was stopped, what was kept and how to go on; no traceback, no DeadKernelError.
+    assert code == 130 and "Traceback" not in console and "Task exception" not in console, console[-6000:]
+    line = console.strip().splitlines()[-1]
+    assert line.startswith("openrlhf-tis-sweep: interrupted in cell seed=1 (1 of 1; 0 done before it): stopped "
+                           "openrlhf_tis.cli.train_ppo_ray (pid "), line
+    again, metrics = shlex.join(["openrlhf-tis-sweep", str(grid), str(out)]), cell_dir / "run" / "metrics.jsonl"
+    logged = "step 1" if interrupted_at == 1 else f"steps 1-{interrupted_at}"
+    assert (f"; kept: {logged} of {SWEEP_STEPS} in {metrics}, no checkpoint; "
+            f"{again} goes on (done cells are skipped, this one starts afresh, this attempt kept as run.attempt1)"
+            ) in line, line
+    print(f"Ctrl-C to exit: {stop_seconds:.1f} s")
 
     rerun = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-6000:]

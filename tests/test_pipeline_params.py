@@ -11,7 +11,7 @@ from openrlhf_tis.params import Param, ParameterError, check_params, notebook_pa
 from openrlhf_tis.pipeline.execute import NOTEBOOKS
 from openrlhf_tis.pipeline.notebooks import NOTEBOOK_SOURCES
 from openrlhf_tis.pipeline.sweep import Cell, load_grid
-from openrlhf_tis.pipeline.train import TRAIN_PARAMS, build_argv, cause, resolve_prompts
+from openrlhf_tis.pipeline.train import TRAIN_PARAMS, build_argv, resolve_prompts
 
 SPEC = {"steps": Param(2, "steps", (int,), check=positive), "mode": Param("a", "mode", (str,), ("a", "b"))}
 
@@ -236,12 +236,6 @@ def test_the_prompt_file_holds_one_rollout_batch_per_step(tmp_path):
     short = resolve_prompts(str(given), run_dir, 100)  # a shorter file ends the run early, as upstream does
     assert len(short.read_text().splitlines()) == 40
     assert len(resolve_prompts("", run_dir, 6).read_text().splitlines()) == 6  # demo prompts
-
-
-def test_the_failure_cause_is_the_last_line_naming_an_error():
-    tail = "starting\nValueError: first\nopenrlhf_tis.cli.train_ppo_ray: error: --x: bad\nshutting down\n"
-    assert cause(tail) == "openrlhf_tis.cli.train_ppo_ray: error: --x: bad"
-    assert cause("only\nlines\n") == "lines" and cause("") == "(empty log)"
 
 
 def test_rerunning_the_check_cell_ignores_names_later_cells_defined():

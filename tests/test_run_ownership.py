@@ -4,18 +4,22 @@ sweep's interrupted cells, RAY_ADDRESS, and the smaller one-line refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from concurrent import futures
 from types import SimpleNamespace
 
 import pytest
-from _support import error_line, finished_run, refused, run_dir, with_value, write_calibration
+from _support import error_line, finished_run, free_port, refused, run_dir, with_value, write_calibration
 
 from openrlhf_tis.cli import train_ppo_ray
 from openrlhf_tis.cli.run_dir import lock_owner
@@ -249,7 +253,7 @@ def _interrupted_cell(out, cell, run_id: str | None, checkpoint_by: str | None):
 @pytest.mark.parametrize(("checkpoint_by", "resumes"), [(None, False), ("r1", True), ("r0", False)])
 def test_an_interrupted_cell_restarts_or_resumes_on_the_next_sweep(tmp_path, monkeypatch, checkpoint_by, resumes):
     calls = []
-    monkeypatch.setattr(sweep, "execute", lambda name, notebook, params, cwd: calls.append(params))
+    monkeypatch.setattr(sweep, "execute_stoppable", lambda name, notebook, params, cwd: calls.append(params))
     cell = sweep.Cell("seed=1", {"seed": 1, "extra_args": []})
     run = _interrupted_cell(tmp_path, cell, "r1", checkpoint_by)
     result = sweep.run_cell(cell, tmp_path)
@@ -260,7 +264,7 @@ def test_an_interrupted_cell_restarts_or_resumes_on_the_next_sweep(tmp_path, mon
 
 
 def test_a_cell_whose_run_is_still_alive_is_failed_and_left_in_place(tmp_path, monkeypatch):
-    monkeypatch.setattr(sweep, "execute", lambda *args, **kwargs: pytest.fail("a cell ran over a live run"))
+    monkeypatch.setattr(sweep, "execute_stoppable", lambda *args, **kwargs: pytest.fail("a cell ran over a live run"))
     cell = sweep.Cell("seed=1", {"seed": 1, "extra_args": []})
     run = _interrupted_cell(tmp_path, cell, "r1", None)
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], stdout=subprocess.PIPE, text=True)
@@ -278,14 +282,97 @@ def test_a_cell_whose_run_is_still_alive_is_failed_and_left_in_place(tmp_path, m
 # --- Ray: a local cluster unless RAY_ADDRESS names one that answers ------------------------------------
 
 def test_a_ray_address_that_answers_nothing_fails_in_one_line_quickly(valid_argv, capsys, monkeypatch):
-    from _support import free_port
-
     address = f"127.0.0.1:{free_port()}"
     monkeypatch.setenv("RAY_ADDRESS", address)
     start = time.monotonic()
     line = error_line(refused(valid_argv, capsys))
     assert time.monotonic() - start < 30
     assert line.startswith(f"RAY_ADDRESS: no Ray cluster answers at {address} (") and "unset RAY_ADDRESS" in line
+
+
+@pytest.fixture()
+def not_ray():
+    """A real TCP server on 127.0.0.1 that accepts connections and never answers (no Ray there); yields its port."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):  # the server closed at teardown
+            while True:
+                held.append(server.accept()[0])
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield server.getsockname()[1]
+    server.close()
+    for conn in held:
+        conn.close()
+
+
+@pytest.fixture()
+def no_ray_init(monkeypatch):
+    """ray.init fails the test: a refusal must come before it (joining no Ray retries for minutes)."""
+    from openrlhf_tis.cli import ray_cluster
+
+    def reached(**kwargs):
+        raise AssertionError(f"ray.init reached with RAY_ADDRESS={os.environ.get('RAY_ADDRESS')}")
+
+    monkeypatch.setattr(ray_cluster.ray, "init", reached)
+
+
+def test_a_ray_address_where_something_else_listens_is_refused_in_seconds(valid_argv, capsys, monkeypatch,
+                                                                           not_ray, no_ray_init):
+    address = f"127.0.0.1:{not_ray}"
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    start = time.monotonic()
+    line = error_line(refused(valid_argv, capsys))
+    assert time.monotonic() - start < 15
+    assert line.startswith(f"RAY_ADDRESS: something listens at {address} but it is not a Ray cluster ("), line
+
+
+@pytest.mark.parametrize("target", ["closed", "not_ray", "no_file"])
+def test_ray_address_auto_with_a_stale_address_file_is_refused_naming_the_address_and_file(
+        target, valid_argv, capsys, monkeypatch, tmp_path, not_ray, no_ray_init):
+    from ray._private import services
+
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # Ray's address file: $RAY_TMPDIR/ray/ray_current_cluster
+    monkeypatch.setattr(services, "find_gcs_addresses", frozenset)  # no live cluster of another test or user
+    address_file = tmp_path / "ray" / "ray_current_cluster"
+    address = f"127.0.0.1:{free_port() if target == 'closed' else not_ray}"
+    if target != "no_file":  # what `ray start` left behind, its cluster since gone
+        address_file.parent.mkdir()
+        address_file.write_text(address + "\n")
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    start = time.monotonic()
+    line = error_line(refused(valid_argv, capsys))
+    assert time.monotonic() - start < 15
+    if target == "no_file":
+        assert line.startswith(f"RAY_ADDRESS: auto finds no Ray cluster on this machine (no running Ray, no "
+                               f"{address_file})"), line
+        return
+    opening = "no Ray cluster answers at" if target == "closed" else "something listens at"
+    assert line.startswith(f"RAY_ADDRESS: {opening} {address} "), line
+    assert f"; RAY_ADDRESS=auto took it from {address_file})" in line
+
+
+def test_a_ray_gcs_passes_the_address_check():
+    """A real gRPC server answering GetClusterId as Ray's GCS does: the check lets ray.init have it."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    from openrlhf_tis.cli.ray_address import check_ray_address
+
+    class Gcs(gcs_service_pb2_grpc.NodeInfoGcsServiceServicer):
+        def GetClusterId(self, request, context):
+            return gcs_service_pb2.GetClusterIdReply(cluster_id=bytes(28))
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    gcs_service_pb2_grpc.add_NodeInfoGcsServiceServicer_to_server(Gcs(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        check_ray_address(f"127.0.0.1:{port}")
+    finally:
+        server.stop(grace=None)
 
 
 def test_without_ray_address_the_cli_starts_its_own_ray(valid_argv, monkeypatch):

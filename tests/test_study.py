@@ -197,7 +197,7 @@ def test_each_cell_keeps_its_time_so_a_later_sitting_still_counts_it(tmp_path, m
         if params["seed"] == 2:
             raise RuntimeError("boom")
 
-    monkeypatch.setattr(sweep, "execute", fake_execute)
+    monkeypatch.setattr(sweep, "execute_stoppable", fake_execute)
     cells = [Cell(f"seed={s}", {"seed": s}) for s in (1, 2)]
     first = [sweep.run_cell(c, tmp_path) for c in cells]
     assert [(r.status, r.seconds) for r in first] == [("complete", 60.5), ("failed", 30.0)]

@@ -11,10 +11,15 @@
   death to the dead GCS and linger. A watchdog (`python -m openrlhf_tis.cli.lifetime SESSION_DIR`, in its
   own session so a kill of the driver's process group spares it) waits for the driver's end (EOF on a
   pipe only the driver holds), then stops every process still running from that session's directory.
+- A training process stopped on purpose (Ctrl-C in a notebook, the main job or a sweep) is stopped with all it
+  started: `stop_process_tree` sends SIGTERM (the CLI's driver then shuts Ray down, which ends the run's actors,
+  the controller that writes metrics.jsonl among them) and returns only once every process of the tree has
+  ended, so no step is logged after the command that stopped it has said it stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -25,6 +30,8 @@ import time
 PARENT_ENV = "OPENRLHF_TIS_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
 GRACE_S = 3.0  # Ray's own shutdown (a normal exit, or fate-sharing after a kill) goes first
+# A stopped run's driver shuts Ray down (its actors, GCS and raylet, then the watchdog's sweep): ~10 s on 2 busy cores.
+STOP_TIMEOUT_S = 60.0
 _watchdogs: list[subprocess.Popen] = []  # their stdin pipes stay open for this process's life
 
 
@@ -57,6 +64,56 @@ def leftover_processes(marker: str) -> list:
         if proc.pid != os.getpid() and any(marker in part for part in proc.info["cmdline"] or ()):
             found.append(proc)
     return found
+
+
+def stop_process_tree(pids: list[int], timeout: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM the processes `pids`, then wait until they and every process they started have ended; SIGKILL
+    whatever is left after `timeout` seconds. The tree is re-read while it shrinks: a process started meanwhile,
+    or re-parented when its parent died, is waited for too."""
+    import psutil
+
+    roots = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):  # already gone
+            roots.append(psutil.Process(pid))
+    tree = {proc.pid: proc for proc in roots}
+
+    def alive() -> list:
+        children: dict[int, list] = {}
+        for proc in psutil.process_iter(["ppid"]):  # one pass over the process table per poll
+            children.setdefault(proc.info["ppid"], []).append(proc)
+        todo = list(tree)
+        while todo:
+            for child in children.get(todo.pop(), []):
+                if child.pid not in tree:
+                    tree[child.pid] = child
+                    todo.append(child.pid)
+        return [proc for proc in tree.values() if _running(proc)]
+
+    def wait(seconds: float) -> list:
+        deadline = time.monotonic() + seconds
+        while (left := alive()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return left
+
+    alive()
+    for proc in roots:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    for proc in wait(timeout):
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    wait(GRACE_S)  # never reaps: a caller's Popen keeps its child's exit code
+
+
+def _running(proc) -> bool:
+    """Alive and not a zombie (an ended child its parent has not reaped yet)."""
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _watch(marker: str) -> None:

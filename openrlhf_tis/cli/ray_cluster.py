@@ -3,26 +3,23 @@
 A fork run starts its own Ray (`address="local"`) unless `RAY_ADDRESS` names a cluster: a plain
 `ray.init()` would join whatever cluster Ray's address file (`ray_current_cluster`, left by `ray start`,
 even a dead one) points at, and then reject the CPU run's `num_cpus`/`num_gpus`. A `RAY_ADDRESS` is
-probed first, so one that answers nothing fails in one line instead of retrying for minutes. What a local
-cluster leaves after its driver is killed is stopped by cli/lifetime.py.
+checked first (cli/ray_address.py), so one where no Ray answers fails in one line instead of retrying for
+minutes. What a local cluster leaves after its driver is killed is stopped by cli/lifetime.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 import ray
 
 from openrlhf_tis.cli.build_locks import clear_stale_build_locks
 from openrlhf_tis.cli.lifetime import reap_when_gone
+from openrlhf_tis.cli.ray_address import ADDRESS_VAR, check_ray_address
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.patches import ENV_FLAG
-
-ADDRESS_VAR = "RAY_ADDRESS"
-PROBE_TIMEOUT_S = 10.0
 
 # Upstream's own ray.init env defaults (openrlhf/cli/train_ppo_ray.py train()), kept when the fork
 # starts Ray first, plus what a CPU run needs (docs/design.md §5): a small vLLM KV cache, an in-process
@@ -73,18 +70,6 @@ def declared_gpus(args: argparse.Namespace) -> int:
         total += slots("reward")
     total += (getattr(args, "vllm.num_engines") or 0) * getattr(args, "vllm.tensor_parallel_size")
     return total
-
-
-def check_ray_address(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
-    """A `host:port` (or `ray://host:port`) address must accept a connection within `timeout` seconds."""
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not sep or not port.isdigit():  # "auto" and other forms: Ray resolves them, failing fast on its own
-        return
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
-    except OSError as err:
-        raise UsageError(ADDRESS_VAR, f"no Ray cluster answers at {address} ({err.strerror or err}); start one "
-                         f"there, or unset {ADDRESS_VAR} to let the run start its own Ray") from None
 
 
 def start_ray(args: argparse.Namespace, cpu: bool) -> None:

@@ -12,8 +12,8 @@ bf16 (plain AVX2), the trainer runs in fp32, several times faster there.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -24,10 +24,12 @@ from openrlhf_tis.cpu_features import default_train_dtype, native_bf16
 from openrlhf_tis.demo.task import write_task
 from openrlhf_tis.params import ParameterError, check_params
 from openrlhf_tis.pipeline.console import follow_run
-from openrlhf_tis.pipeline.execute import execute, export_html
-from openrlhf_tis.pipeline.train import TRAIN_PARAMS, check_training_command, log_tail
+from openrlhf_tis.pipeline.execute import export_html
+from openrlhf_tis.pipeline.failure import log_tail, notebook_error
+from openrlhf_tis.pipeline.interrupt import EXIT_CODE, execute_stoppable, kept, resumable, stopped
+from openrlhf_tis.pipeline.train import LOG_FILE, TRAIN_PARAMS, check_training_command
 from openrlhf_tis.runs.heldout import engine_label
-from openrlhf_tis.runs.reader import load_metrics
+from openrlhf_tis.runs.reader import last_logged_step, load_metrics
 from openrlhf_tis.runs.summary import summary
 from openrlhf_tis.viz.compare import held_out_key
 from openrlhf_tis.viz.curves import held_out
@@ -80,34 +82,50 @@ def job_params(out: Path, model: str = "default") -> dict[str, Any]:
             "eval_prompts": str(held_out_file), "reward": str(TASK_REWARD)}
 
 
+class NotebookFailed(RuntimeError):
+    """train.ipynb failed: the message is the cause in one line, then where the report and the log are."""
+
+
 def run_main_job(params: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    """Execute train.ipynb for checked `params` while the console follows the run; export the HTML report."""
+    """Execute train.ipynb for checked `params` while the console follows the run; export the HTML report.
+
+    Ctrl-C raises interrupt.Stopped once the training and every process it started have ended.
+    """
     run_dir = Path(params["run_dir"])
     notebook = out_dir / "train.ipynb"
-    done, failure = threading.Event(), []
-
-    def work() -> None:
-        try:
-            execute("train", notebook, params, cwd=out_dir)
-        except BaseException as err:  # reported by the main thread, after the console stops
-            failure.append(err)
-        finally:
-            done.set()
-
-    thread = threading.Thread(target=work, daemon=True)
-    thread.start()
-    follow_run(run_dir, params["steps"], done)
-    thread.join()
+    failure = None
+    try:
+        execute_stoppable("train", notebook, params, cwd=out_dir,
+                          wait=lambda done: follow_run(run_dir, params["steps"], done))
+    except Exception as err:  # reported after the report is exported
+        failure = err
     html = export_html(notebook, out_dir / "report.html")
     if failure:
-        raise RuntimeError(f"the training notebook failed: {failure[0]}\nreport: {html}\n"
-                           f"log tail:\n{log_tail(run_dir / 'train.log', 20)}")
+        log = run_dir / LOG_FILE
+        raise NotebookFailed(f"the training notebook failed at {notebook_error(failure)}\nreport: {html}; full log: "
+                             f"{log}; its last 20 lines:\n{log_tail(log, 20)}")
     metrics = load_metrics(run_dir)
     key = held_out_key(metrics)
     _, held = held_out(metrics, key) if key else (None, [])
     return {"run_dir": run_dir, "notebook": notebook, "html": html, "summary": summary(run_dir),
             "held_out": (key, float(held[0]), float(held[-1])) if len(held) else None,
             "rollout_precision": params["rollout_precision"]}
+
+
+def interrupted(params: dict[str, Any] | None, stop: KeyboardInterrupt, argv: list[str]) -> str:
+    """The one line a Ctrl-C ends the main job with: what was stopped, what was kept, the command that goes on."""
+    again = shlex.join([sys.executable, "-m", "openrlhf_tis.pipeline.main_job", *argv])
+    run_dir = Path(params["run_dir"]) if params else None
+    if run_dir is None or not run_dir.is_dir():
+        return f"interrupted before the training started, nothing kept; start it again with: {again}"
+    account = f"interrupted: {stopped(getattr(stop, 'jobs', []))}; kept: {kept(run_dir, params['steps'])}"
+    last = last_logged_step(run_dir) or 0
+    if last >= params["steps"]:
+        return f"{account}; its training had ended; a new run: {again}"
+    if resumable(run_dir):
+        return f"{account}; resume it with: {again} --set run_dir={shlex.quote(str(run_dir))} --ckpt.load_enable"
+    why = "no step was logged" if not last else "the main job saves checkpoints only when given --ckpt.save_steps N"
+    return f"{account}; it cannot be resumed ({why}); start it again with: {again}"
 
 
 def describe(result: dict[str, Any]) -> str:
@@ -139,6 +157,7 @@ def describe(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="main_job", description=__doc__.split("\n")[0],
                                      epilog="Any other --flag goes to the training CLI (train_ppo_ray) and wins.")
     parser.add_argument("--out", default="work/main_job", help="working directory (task files, runs, report)")
@@ -148,19 +167,26 @@ def main(argv: list[str] | None = None) -> None:
     args, extra = parser.parse_known_args(argv)
     check_model_option(parser, args.model)
     out = Path(args.out).expanduser().resolve()
-    profile = cpu_profile()
-    print(f"[main job] trainer {profile.name}: {profile.why}", file=sys.stderr)
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    overrides = dict(_literal(item) for item in args.set)
-    base = {**job_params(out, args.model), "run_dir": str(out / "runs" / stamp)}
+    params = None
     try:
+        profile = cpu_profile()
+        print(f"[main job] trainer {profile.name}: {profile.why}", file=sys.stderr)
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        overrides = dict(_literal(item) for item in args.set)
+        base = {**job_params(out, args.model), "run_dir": str(out / "runs" / stamp)}
         params = check_params({**base, **overrides, "extra_args": [*base["extra_args"], *extra]},
                               TRAIN_PARAMS, where="main job")
         check_training_command(params)
+        result = run_main_job(params, Path(params["run_dir"]))
     except ParameterError as err:
         print(f"main_job: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    result = run_main_job(params, out / "runs" / stamp)
+    except NotebookFailed as err:  # the cause says it all: no traceback of this process or of the kernel
+        print(f"main_job: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt as stop:
+        print(f"main_job: {interrupted(params, stop, argv)}", file=sys.stderr)
+        raise SystemExit(EXIT_CODE) from None
     print(describe(result))
 
 

@@ -31,6 +31,7 @@ import argparse
 import itertools
 import json
 import os
+import shlex
 import sys
 import time
 import tomllib
@@ -42,11 +43,11 @@ from tqdm.auto import tqdm
 
 from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.params import Param, ParameterError, check_params
-from openrlhf_tis.pipeline.execute import execute, export_html
+from openrlhf_tis.pipeline.execute import export_html
+from openrlhf_tis.pipeline.failure import notebook_error
+from openrlhf_tis.pipeline.interrupt import EXIT_CODE, Interrupted, execute_stoppable, kept, resumable, stopped
 from openrlhf_tis.pipeline.train import TRAIN_PARAMS, check_training_command
-from openrlhf_tis.runs.identity import foreign_checkpoint
 from openrlhf_tis.runs.layout import atomic_write, unique_dir_name
-from openrlhf_tis.runs.reader import last_logged_step
 
 GRID_TABLES = ("base", "grid")
 STATUS_FILE = "status.json"
@@ -157,14 +158,6 @@ def portable(params: dict[str, Any], root: Path) -> dict[str, Any]:
     return {key: [rel(v) for v in value] if isinstance(value, list) else rel(value) for key, value in params.items()}
 
 
-def _error_text(err: BaseException) -> str:
-    """papermill's error as one readable line: which cell, which exception."""
-    cell = getattr(err, "cell_index", None)
-    ename, evalue = getattr(err, "ename", type(err).__name__), getattr(err, "evalue", str(err))
-    first_line = str(evalue).strip().splitlines()[0] if str(evalue).strip() else ""
-    return (f"cell {cell}: " if cell is not None else "") + f"{ename}: {first_line}"
-
-
 def run_cell(cell: Cell, out_dir: Path) -> CellResult:
     """Execute train.ipynb for one cell unless it completed before with the same parameters."""
     cell_dir = out_dir / "cells" / cell.slug
@@ -184,10 +177,10 @@ def run_cell(cell: Cell, out_dir: Path) -> CellResult:
         _set_aside(run_dir)
     start = time.monotonic()
     try:
-        execute("train", notebook, params, cwd=cell_dir)
+        execute_stoppable("train", notebook, params, cwd=cell_dir)  # Ctrl-C: Stopped, no status (interrupted)
         result = CellResult(cell, "complete", run_dir, notebook)
     except Exception as err:  # papermill's error carries the failing cell; anything else is named too
-        result = CellResult(cell, "failed", run_dir, notebook, _error_text(err))
+        result = CellResult(cell, "failed", run_dir, notebook, notebook_error(err))
     result.seconds = round(time.monotonic() - start, 1)
     atomic_write(cell_dir / STATUS_FILE, json.dumps(
         {"cell": cell.name, "status": result.status, "params": recorded, "error": result.error,
@@ -195,21 +188,15 @@ def run_cell(cell: Cell, out_dir: Path) -> CellResult:
     return result
 
 
-def resumable(run_dir: Path) -> bool:
-    """Whether a cell's run directory holds steps and a checkpoint of that same history (train.ipynb saves
-    checkpoints under <run_dir>/ckpt, when its extra_args ask for them with --ckpt.save_steps)."""
-    actor = run_dir / "ckpt" / "_actor"
-    return ((actor / "latest").is_file() and bool(last_logged_step(run_dir))
-            and foreign_checkpoint(run_dir, actor) is None)
-
-
 def _set_aside(run_dir: Path) -> None:
     """Keep an earlier attempt's run directory (never delete results) under a numbered name."""
-    for n in itertools.count(1):
-        target = run_dir.with_name(f"{run_dir.name}.attempt{n}")
-        if not target.exists():
-            run_dir.rename(target)
-            return
+    run_dir.rename(_attempt_dir(run_dir))
+
+
+def _attempt_dir(run_dir: Path) -> Path:
+    """Where `_set_aside` keeps `run_dir`: the first free run.attemptN beside it."""
+    return next(target for n in itertools.count(1)
+                if not (target := run_dir.with_name(f"{run_dir.name}.attempt{n}")).exists())
 
 
 def run_sweep(grid: str | Path, out_dir: str | Path, title: str | None = None) -> SweepResult:
@@ -218,12 +205,17 @@ def run_sweep(grid: str | Path, out_dir: str | Path, title: str | None = None) -
     out_dir = Path(out_dir).expanduser().resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     result = SweepResult()
+    again = shlex.join(["openrlhf-tis-sweep", str(grid), str(out_dir), *(["--title", title] if title else [])])
     bar = tqdm(cells, desc="sweep cells", unit="cell")
     for cell in bar:
         bar.set_postfix_str(cell.name, refresh=True)
-        result.results.append(run_cell(cell, out_dir))
+        try:
+            result.results.append(run_cell(cell, out_dir))
+        except KeyboardInterrupt as stop:
+            bar.close()
+            raise Interrupted(_cell_interrupted(cell, out_dir, result, len(cells), stop, again)) from None
     bar.close()
-    return write_report(result, out_dir, title or f"Sweep {Path(grid).name}: {len(cells)} cells")
+    return write_report(result, out_dir, title or f"Sweep {Path(grid).name}: {len(cells)} cells", again)
 
 
 def recorded_cells(out_dir: str | Path) -> SweepResult:
@@ -241,14 +233,35 @@ def recorded_cells(out_dir: str | Path) -> SweepResult:
     return result
 
 
-def write_report(result: SweepResult, out_dir: Path, title: str) -> SweepResult:
-    """compare.ipynb over the completed cells (failures named at its top): OUT/report.ipynb and report.html."""
+def write_report(result: SweepResult, out_dir: Path, title: str, again: str = "the same command") -> SweepResult:
+    """compare.ipynb over the completed cells (failures named at its top): OUT/report.ipynb and report.html.
+    `again`: the command that draws it again, named when Ctrl-C stops it."""
     runs = [str(r.run_dir) for r in result.results if r.status != "failed"]
     if runs:
         report = out_dir / "report.ipynb"
-        execute("compare", report, {"runs": runs, "failures": result.failures, "title": title}, cwd=out_dir)
+        try:
+            execute_stoppable("compare", report, {"runs": runs, "failures": result.failures, "title": title},
+                              cwd=out_dir)
+        except KeyboardInterrupt:
+            raise Interrupted(f"interrupted while the comparison report ran; every cell is done; {again} draws "
+                              "it again (done cells are skipped)") from None
         result.report, result.html = report, export_html(report, out_dir / "report.html")
     return result
+
+
+def _cell_interrupted(cell: Cell, out_dir: Path, result: SweepResult, cells: int, stop: KeyboardInterrupt,
+                      again: str) -> str:
+    """The account of a Ctrl-C in a cell: what stopped, what the cell kept, what the next run does with it."""
+    run_dir = out_dir / "cells" / cell.slug / "run"
+    done = sum(r.status != "failed" for r in result.results)
+    where = f"interrupted in cell {cell.name} ({len(result.results) + 1} of {cells}; {done} done before it)"
+    if not run_dir.is_dir():
+        return f"{where} before its training started; {again} goes on (done cells are skipped)"
+    steps = cell.params.get("steps", TRAIN_PARAMS["steps"].default)
+    then = ("resumes from its checkpoint" if resumable(run_dir) else
+            f"starts afresh, this attempt kept as {_attempt_dir(run_dir).name}")
+    return (f"{where}: {stopped(getattr(stop, 'jobs', []))}; kept: {kept(run_dir, steps)}; {again} goes on (done "
+            f"cells are skipped, this one {then})")
 
 
 def results_table(result: SweepResult):
@@ -270,6 +283,10 @@ def main(argv: list[str] | None = None) -> None:
     except ParameterError as err:
         print(f"openrlhf-tis-sweep: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt as err:  # Interrupted says what was stopped; a bare one came before any cell ran
+        print(f"openrlhf-tis-sweep: {err if isinstance(err, Interrupted) else 'interrupted before any cell ran'}",
+              file=sys.stderr)
+        raise SystemExit(EXIT_CODE) from None
     print(results_table(result).to_string())
     if result.html:
         print(f"report: {result.html}")

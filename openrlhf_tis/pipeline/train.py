@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -21,12 +20,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, TextIO
 
-from openrlhf_tis.cli.lifetime import PARENT_ENV
+from openrlhf_tis.cli.lifetime import PARENT_ENV, stop_process_tree
 from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.correction.config import FLAG_PREFIX, PRESETS, CorrectionConfig
 from openrlhf_tis.cpu_features import default_train_dtype
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.params import Param, ParameterError, flag_argv, positive
+from openrlhf_tis.pipeline.failure import failure
 from openrlhf_tis.pipeline.heldout import KEPT_FILE, KEPT_MODEL_DIR
 from openrlhf_tis.rollout.precision import PRECISIONS
 from openrlhf_tis.runs.reader import read_metrics_records
@@ -141,9 +141,7 @@ def resolve_model(model: str, cache: Path, log: TextIO) -> Path:
         done = subprocess.run([sys.executable, "-m", module, str(path)], stdin=subprocess.DEVNULL, stdout=log,
                               stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         if done.returncode != 0:
-            tail = log_tail(Path(log.name))
-            raise TrainingFailed(f"building the {model} model failed (exit {done.returncode}): {cause(tail)}\n"
-                                 f"full log: {log.name}; its tail:\n{tail}")
+            raise TrainingFailed(failure(f"building the {model} model", done.returncode, Path(log.name)))
     return path
 
 
@@ -268,23 +266,6 @@ def check_training_command(params: dict[str, Any]) -> None:
         raise ParameterError(f"training CLI flags: {err}") from None
 
 
-def log_tail(path: Path, lines: int = 60) -> str:
-    """The last `lines` lines of a log (read from its end only)."""
-    if not path.is_file():
-        return "(no log written)"
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        f.seek(max(0, f.tell() - (1 << 16)))
-        return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
-
-
-def cause(tail: str) -> str:
-    """The line of a log tail most likely to say why the job failed: the last one naming an error."""
-    lines = [line.strip() for line in tail.splitlines() if line.strip()]
-    named = [line for line in lines if re.search(r"error|exception|refused", line, re.IGNORECASE)]
-    return (named or lines or ["(empty log)"])[-1]
-
-
 def run_training(
     params: dict[str, Any],
     on_progress: Callable[[list[dict[str, Any]]], None] | None = None,
@@ -322,17 +303,12 @@ def run_training(
                 if done:
                     break
                 time.sleep(params["refresh_seconds"])
-        except BaseException:  # a notebook interrupt stops the job too, never leaves it running
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        except BaseException:  # a notebook interrupt stops the job and its Ray processes, never leaves them running
+            stop_process_tree([proc.pid])
+            proc.wait()
             raise
     if proc.returncode != 0:
-        tail = log_tail(log_path)
-        raise TrainingFailed(f"training exited with code {proc.returncode}: {cause(tail)}\n"
-                             f"full log: {log_path}; its tail:\n{tail}")
+        raise TrainingFailed(failure("training", proc.returncode, log_path))
     if params["eval_prompts"] and params["eval_kept"]:
         evaluate_kept_policy(params, model, run_dir)
     return run_dir
@@ -349,7 +325,5 @@ def evaluate_kept_policy(params: dict[str, Any], model_dir: Path, run_dir: Path)
         code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir.parent,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True).returncode
     if code != 0:
-        tail = log_tail(log_path)
-        raise TrainingFailed(f"the held-out evaluation of the kept policy exited with code {code}: {cause(tail)}\n"
-                             f"full log: {log_path}; its tail:\n{tail}")
+        raise TrainingFailed(failure("the held-out evaluation of the kept policy", code, log_path))
     return run_dir / KEPT_FILE
