@@ -79,7 +79,7 @@ COMMAND = textwrap.dedent("""
         return output
 
     interrupt.execute = execute
-    main_job.check_training_flags = lambda flags: None
+    main_job.check_training_command = lambda params: None
     (main_job if sys.argv[1] == "main_job" else sweep).main(sys.argv[2:])
 """)
 

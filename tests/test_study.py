@@ -215,7 +215,8 @@ def test_a_finished_cell_skips_wherever_the_checkout_lies(tmp_path, monkeypatch)
     from openrlhf_tis.pipeline import sweep
 
     calls = []
-    monkeypatch.setattr(sweep, "execute", lambda name, notebook, params, cwd: calls.append(params["run_dir"]))
+    monkeypatch.setattr(sweep, "execute_stoppable",
+                        lambda name, notebook, params, cwd: calls.append(params["run_dir"]))
 
     def cell(checkout: Path, seed: int = 1) -> tuple[Cell, Path]:  # as study_grid gives it: task under the root,
         root = checkout / "results" / "study" / "x"                  # the reward inside the package
@@ -266,7 +267,8 @@ def test_report_rebuilds_the_tables_from_the_recorded_cells_and_runs_nothing(tmp
 
     _recorded_study(tmp_path)
     executed = []
-    monkeypatch.setattr(sweep, "execute", lambda name, notebook, params, cwd: executed.append((name, params)))
+    monkeypatch.setattr(sweep, "execute_stoppable",
+                        lambda name, notebook, params, cwd: executed.append((name, params)))
     monkeypatch.setattr(sweep, "export_html", lambda notebook, html: html)
     monkeypatch.setattr(study, "choose_cells", lambda args: pytest.fail("--report chose a grid"))
     with pytest.raises(SystemExit) as err:  # a failed cell is reported, as after a sitting
