@@ -6,14 +6,22 @@ flags are added to it. Bad input ends here, naming the flag, before Ray starts.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
 
-import torch
-
 from openrlhf_tis import patches
 from openrlhf_tis.cli.checks import adapt_to_cpu, check_inputs, explicit_dests
+from openrlhf_tis.cli.cluster_device import (
+    DEVICE_DEST,
+    RESOURCES_DEST,
+    ClusterResources,
+    assumed_cluster,
+    decide_device,
+    describe_decision,
+    read_cluster,
+)
 from openrlhf_tis.cli.fork_flags import add_fork_arguments
 from openrlhf_tis.cli.lifetime import die_with_parent
 from openrlhf_tis.cli.ray_cluster import CPU_ENV, start_ray
@@ -34,13 +42,20 @@ def build_parser():
     return parser
 
 
-def parse(argv: list[str], cpu: bool):
-    """Parse and check the command line; raises UsageError naming the flag at fault."""
+def parse(argv: list[str], cpu: bool | None = None, cluster: ClusterResources | None = None):
+    """Parse and check the command line for the run's `cluster`; raises UsageError naming the flag at fault.
+
+    Without `cluster`, `cpu` assumes a CPU (True) or CUDA (False) one, and None reads the cluster the run will use
+    (cli/cluster_device.py read_cluster).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
-    if cpu:
-        for note in adapt_to_cpu(args, explicit_dests(parser, argv)):
-            print(f"[openrlhf_tis] no CUDA: {note}", file=sys.stderr)
+    if cluster is None:
+        cluster = read_cluster() if cpu is None else assumed_cluster(cuda=not cpu)
+    if settle_device(args, cluster) == "cpu":
+        go_offline()
+        for note in adapt_to_cpu(args, explicit_dests(parser, argv), str(cluster)):
+            print(f"[openrlhf_tis] CPU run: {note}", file=sys.stderr)
     run_dir = getattr(args, "logger.run_dir") or time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())
     setattr(args, "logger.run_dir", os.path.abspath(run_dir))  # every Ray process writes to the same place
     planned = check_inputs(args)
@@ -48,18 +63,35 @@ def parse(argv: list[str], cpu: bool):
     return args
 
 
+def settle_device(args: argparse.Namespace, cluster: ClusterResources) -> str:
+    """Replace `--cluster.device` in `args` by the device `cluster` decides (cpu or cuda), record the cluster
+    beside it, say both on the console; returns the device."""
+    requested = getattr(args, DEVICE_DEST)
+    device = decide_device(requested, cluster)
+    setattr(args, DEVICE_DEST, device)
+    setattr(args, RESOURCES_DEST, str(cluster))
+    print(f"[openrlhf_tis] {describe_decision(requested, device, cluster)}", file=sys.stderr)
+    return device
+
+
+def go_offline() -> None:
+    """Every process of a CPU run is offline (ray_cluster.CPU_ENV): the driver too, so hub model ids are judged the
+    same way."""
+    os.environ.setdefault("HF_HUB_OFFLINE", CPU_ENV["HF_HUB_OFFLINE"])
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    cpu = not torch.cuda.is_available()
     die_with_parent()
-    if cpu:  # every process of a CPU run is offline (ray_cluster.CPU_ENV): judge hub model ids the same way
-        os.environ.setdefault("HF_HUB_OFFLINE", CPU_ENV["HF_HUB_OFFLINE"])
     try:
+        cluster = read_cluster()
+        if cluster.gpus <= 0:  # a CPU run (or a refused one): before the patches import huggingface_hub, which
+            go_offline()       # reads HF_HUB_OFFLINE once
         patches.apply_platform_patches()
-        args = parse(argv, cpu)
+        args = parse(argv, cluster=cluster)
         fork_classes.apply()
         prepare_rollout_engines(args)
-        start_ray(args, cpu)
+        start_ray(args, cpu=getattr(args, DEVICE_DEST) == "cpu")
     except (UsageError, UnsupportedUpstreamError) as err:
         print(f"openrlhf_tis.cli.train_ppo_ray: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
