@@ -152,3 +152,34 @@ def test_a_running_ray_cluster_decides_not_the_driver(tmp_path, monkeypatch):
                                                                                  1, ())
     assert decide_device("auto", cluster) == "cuda"  # the driver has no CUDA: not an error
     assert decide_device("cpu", cluster) == "cpu"  # logical slots: a CPU cluster may declare them
+
+
+@pytest.mark.parametrize(("cluster", "precision"), [(GPU_CLUSTER, "bf16"), (CPU_CLUSTER, "int8")])
+def test_the_main_job_runs_what_its_cluster_accepts(cluster, precision, tiny_model_dir, tmp_path, monkeypatch):
+    """The same demo task with TIS: INT8 rollouts on a CPU cluster, bf16 ones on a CUDA cluster (which refuses INT8),
+    and the command it builds passes every check of the training CLI on that cluster."""
+    from openrlhf_tis.pipeline import main_job
+    from openrlhf_tis.pipeline.train import build_argv
+
+    captured = {}
+    monkeypatch.setattr(main_job, "read_cluster", lambda: cluster)
+    monkeypatch.setattr(main_job, "run_main_job", lambda params, out_dir: captured.update(params) or {})
+    monkeypatch.setattr(main_job, "describe", lambda result: "")
+    main_job.main(["--out", str(tmp_path), "--model", "tiny"])
+    assert (captured["rollout_precision"], captured["correction"]) == (precision, "tis")
+    argv = build_argv(captured, tiny_model_dir, Path(captured["prompts"]), tmp_path / "run")
+    assert argv[1:3] == ["-m", "openrlhf_tis.cli.train_ppo_ray"]
+    args = train_ppo_ray.parse(argv[3:], cluster=cluster)
+    assert getattr(args, "cluster.device") == ("cuda" if cluster is GPU_CLUSTER else "cpu")
+    if cluster is GPU_CLUSTER:  # one GPU on any CUDA machine: the actor and the engine share it
+        assert getattr(args, "actor.num_gpus_per_node") == 1 and getattr(args, "train.colocate_all")
+
+
+def test_the_main_job_refuses_a_device_its_cluster_cannot_run_in_one_line(tmp_path, monkeypatch, capsys):
+    from openrlhf_tis.pipeline import main_job
+
+    monkeypatch.setattr(main_job, "read_cluster", lambda: CPU_CLUSTER)
+    with pytest.raises(SystemExit) as exit_info:
+        main_job.main(["--out", str(tmp_path), "--model", "tiny", "--cluster.device", "cuda"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("main_job: error: --cluster.device: cuda, but")
