@@ -97,6 +97,7 @@ CUDA_REFUSED = [
     (["--vllm.rollout_precision", "fp8"], "--vllm.rollout_precision", "fp8 rollouts"),
     (["--vllm.rollout_precision", "fp32"], "--vllm.rollout_precision", "fp32 rollouts"),
     (["--ds.param_dtype", "fp32"], "--ds.param_dtype", "fp32 training"),
+    (["--ds.param_dtype", "fp16", "--vllm.num_engines", "1"], "--ds.param_dtype", "fp16 training"),
     (["--vllm.fp32_lm_head"], "--vllm.fp32_lm_head", "fp32 lm_head"),
 ]
 
@@ -117,6 +118,7 @@ def test_the_cuda_rule_names_the_first_offending_choice_and_passes_plain_bf16(va
     assert cuda_refusal(parser.parse_args(valid_argv)) is None
     both = parser.parse_args(valid_argv + ["--ds.param_dtype", "fp32", "--vllm.fp32_lm_head"])
     assert cuda_refusal(both)[0] == "--ds.param_dtype"
+    assert cuda_refusal(parser.parse_args(valid_argv + ["--ds.param_dtype", "fp16"])) is None  # no engine: no sync
 
 
 def test_the_cpu_choices_cuda_refuses_run_on_a_cpu_cluster(valid_argv):

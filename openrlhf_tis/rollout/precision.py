@@ -164,13 +164,14 @@ def check_rollout_precision(precision: str, model_dir: str, *, cuda: bool, calib
 
 # The one rule for CUDA (docs/gpu.md, "Refused on CUDA"): there the trainer's weights reach the engines through
 # upstream's own weight update (openrlhf WorkerWrap.update_weight), which asserts that the trainer sends the engine's
-# dtype (bf16) and loads each tensor straight into the engine's parameters, cast but never re-quantized: bf16 values
-# land unscaled in int8 / fp8 parameters (docs/design.md §5, trap 5). The fork's sync that re-quantizes, re-casts and
-# refreshes an fp32 head (rollout/cpu_worker_extension.py, rollout/fp32_head.py) is built for the CPU path only.
+# dtype (bf16, hard-coded by upstream's engine factory: an fp16 trainer fails it at the first sync) and loads each
+# tensor straight into the engine's parameters, cast but never re-quantized: bf16 values land unscaled in int8 / fp8
+# parameters (docs/design.md §5, trap 5). The fork's sync that re-quantizes, re-casts and refreshes an fp32 head
+# (rollout/cpu_worker_extension.py, rollout/fp32_head.py) is built for the CPU path only.
 CUDA_SYNC_WHY = ("on CUDA the trainer's weights reach the engines through upstream's weight update, which casts "
                  "the trainer's bf16 tensors straight into the engine's parameters (unscaled into int8/fp8 ones; "
-                 "an fp32 engine or trainer fails its dtype assertion); the fork's re-quantizing sync, and its fp32 "
-                 "head, are built for the CPU path only")
+                 "an engine or trainer not in bf16 fails its dtype assertion); the fork's re-quantizing sync, and "
+                 "its fp32 head, are built for the CPU path only")
 CUDA_INSTEAD = "and a correction preset (--algo.correction.preset tis, ...) for the mismatch that remains"
 
 
@@ -179,8 +180,9 @@ def cuda_refusal(args) -> tuple[str, str, str] | None:
     precision = rollout_option(args, PRECISION_FLAG)
     if precision != "bf16":
         return PRECISION_FLAG, f"{precision} rollouts", f"bf16 rollouts ({PRECISION_FLAG} bf16)"
-    if getattr(args, "ds.param_dtype") == "fp32":
-        return "--ds.param_dtype", "fp32 training", "bf16 training (--ds.param_dtype bf16)"
+    train_dtype = getattr(args, "ds.param_dtype")
+    if train_dtype == "fp32" or (train_dtype == "fp16" and getattr(args, "vllm.num_engines")):
+        return "--ds.param_dtype", f"{train_dtype} training", "bf16 training (--ds.param_dtype bf16)"
     if rollout_option(args, FP32_HEAD_FLAG):
         return FP32_HEAD_FLAG, "fp32 lm_head", f"bf16 rollouts without {FP32_HEAD_FLAG}"
     return None
