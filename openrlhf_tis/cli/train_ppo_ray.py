@@ -85,8 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     try:
         cluster = read_cluster()
-        if cluster.gpus <= 0:  # a CPU run (or a refused one): before the patches import huggingface_hub, which
-            go_offline()       # reads HF_HUB_OFFLINE once
+        # No GPU: a CPU run (or a refused one). Offline before the patches import huggingface_hub, which reads
+        # HF_HUB_OFFLINE once; parse() sets it too, for a CPU run on logical GPU slots.
+        if cluster.gpus <= 0:
+            go_offline()
         patches.apply_platform_patches()
         args = parse(argv, cluster=cluster)
         fork_classes.apply()
