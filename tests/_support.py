@@ -3,8 +3,16 @@ on vLLM vs HF."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -218,3 +226,61 @@ def engine_input_scales(llm) -> dict[str, float]:
                 if getattr(module, "input_scale", None) is not None}
 
     return llm.collective_rpc(read)[0]
+
+
+RAY = Path(sys.executable).with_name("ray")
+
+
+@contextlib.contextmanager
+def ray_head(options: list[str], env: dict[str, str], log: Path, ready: Callable[[], bool],
+             timeout: float = 300) -> Iterator[str]:
+    """A Ray head of the test's own (`ray start --head --block` on 127.0.0.1, its own temp dir and GCS port, the
+    given `options`), yielding its GCS address once `ready()` holds. Stopped by killing its process group and any
+    process still naming its temp dir, by PID; never `ray stop`, which stops every Ray cluster of the machine's user.
+    Started again when its raylet misses Ray's fixed 30 s registration window (a loaded machine, see
+    cli/ray_cluster.init_local_ray). Its logs are copied beside `log` (kept for a failure message)."""
+    from openrlhf_tis.cli.ray_cluster import RAY_START_ENV, STARTUP_TRIES
+
+    for attempt in range(1, STARTUP_TRIES + 1):
+        temp_dir = tempfile.mkdtemp(prefix="rh-", dir="/tmp")  # short: Ray's unix sockets live under it
+        port = free_port()
+        argv = [str(RAY), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                "--temp-dir", temp_dir, "--disable-usage-stats", *options]
+        with log.open("wb") as out:
+            head = subprocess.Popen(argv, env={**RAY_START_ENV, **env}, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        try:
+            deadline = time.monotonic() + timeout
+            while not ready() and head.poll() is None:
+                assert time.monotonic() < deadline, f"no Ray head after {timeout} s:\n{log.read_text()[-3000:]}"
+                time.sleep(1)
+            if head.poll() is None:
+                yield f"127.0.0.1:{port}"
+                return
+            late = "timed out during startup" in log.read_text()
+            assert late and attempt < STARTUP_TRIES, f"ray start exited with {head.returncode}:\n" \
+                f"{log.read_text()[-3000:]}"
+        finally:
+            _kill_ray_head(head, temp_dir)
+            logs = Path(temp_dir) / "session_latest" / "logs"
+            if logs.is_dir():
+                shutil.copytree(logs, log.parent / "ray_logs", dirs_exist_ok=True)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _kill_ray_head(group: subprocess.Popen, temp_dir: str) -> None:
+    """SIGTERM `ray start --block`'s process group (it stops what it started), then SIGKILL whatever of this
+    cluster is left: its group, and any process whose command line names the cluster's temp dir."""
+    import psutil
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        group.wait(timeout=30)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group.pid, signal.SIGKILL)
+    group.wait(timeout=30)
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if any(temp_dir in arg for arg in proc.info["cmdline"] or []):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()

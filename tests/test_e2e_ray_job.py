@@ -2,9 +2,9 @@
 against a Ray cluster that was already running (`ray start --head` on 127.0.0.1, with the dashboard `ray job
 submit` talks to), training the tiny model to completion with its run directory written.
 
-The cluster is this test's own: its own temp dir and ports, started with `ray start --block` in a new process
-group and stopped by killing that group and any process still naming the temp dir, by PID; never `ray stop`,
-which stops every Ray cluster of the machine's user.
+The cluster is this test's own (_support.ray_head: its own temp dir and ports, stopped by PID, never `ray stop`).
+It declares logical GPU slots for CPU processes, so the run says `--cluster.device cpu` (auto would read a GPU
+cluster there).
 """
 
 from __future__ import annotations
@@ -12,27 +12,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
-from _support import free_port, train_argv
+from _support import RAY, free_port, ray_head, train_argv
 
 from openrlhf_tis.demo.task import write_prompts
 
 pytestmark = [
     pytest.mark.e2e,
 ]
-RAY = Path(sys.executable).with_name("ray")
 STEPS = 2
 # Logical slots the tiny run's placement asks for (cli/ray_cluster.declared_gpus: 1 actor + 1 vLLM engine; no
 # reference model with KL 0, a local reward); a CPU cluster declares them as "GPUs" (docs/design.md §5).
@@ -40,52 +34,17 @@ GPU_SLOTS = 2
 START_S = 300
 
 
-def _kill_cluster(group: subprocess.Popen, temp_dir: str) -> None:
-    """SIGTERM `ray start --block`'s process group (it stops what it started), then SIGKILL whatever of this
-    cluster is left: its group, and any process whose command line names the cluster's temp dir."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(group.pid, signal.SIGTERM)
-    try:
-        group.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(group.pid, signal.SIGKILL)
-    group.wait(timeout=30)
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        if any(temp_dir in arg for arg in proc.info["cmdline"] or []):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.kill()
-
-
 @contextlib.contextmanager
 def ray_cluster(env: dict[str, str], log: Path) -> Iterator[str]:
     """A head node on 127.0.0.1 with its dashboard; yields the dashboard's address."""
-    temp_dir = tempfile.mkdtemp(prefix="rj-", dir="/tmp")  # short: Ray's unix sockets live under it
     dashboard, agent = free_port(), free_port()
-    argv = [str(RAY), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(free_port()),
-            "--num-cpus", "8", "--num-gpus", str(GPU_SLOTS), "--include-dashboard", "true",
-            "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
-            "--dashboard-agent-listen-port", str(agent), "--ray-client-server-port", str(free_port()),
-            "--temp-dir", temp_dir, "--disable-usage-stats"]
-    with log.open("wb") as out:
-        head = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    options = ["--num-cpus", "8", "--num-gpus", str(GPU_SLOTS), "--include-dashboard", "true",
+               "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
+               "--dashboard-agent-listen-port", str(agent), "--ray-client-server-port", str(free_port())]
     address = f"http://127.0.0.1:{dashboard}"
-    try:
-        deadline = time.monotonic() + START_S
-        while True:
-            assert head.poll() is None, f"ray start exited with {head.returncode}:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"no job API at {address} after {START_S} s:\n{log.read_text()[-3000:]}"
-            if _answers(f"{address}/api/jobs/") and _listening(agent):  # a job goes through the node's agent
-                break
-            time.sleep(1)
+    # a job goes through the node's agent
+    with ray_head(options, env, log, lambda: _answers(f"{address}/api/jobs/") and _listening(agent), START_S):
         yield address
-    finally:
-        _kill_cluster(head, temp_dir)
-        logs = Path(temp_dir) / "session_latest" / "logs"
-        if logs.is_dir():  # kept for the failure message
-            shutil.copytree(logs, log.parent / "ray_logs", dirs_exist_ok=True)
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _answers(url: str) -> bool:
@@ -108,7 +67,7 @@ def test_ray_job_submit_trains_on_an_existing_cluster(tiny_model_dir, tmp_path):
     # Each dashboard module gets 30 s to start by default; on a loaded 2-core machine some took longer.
     env["RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT"] = str(START_S)
     with ray_cluster(env, work / "ray_head.log") as address:
-        train = train_argv(tiny_model_dir, work, STEPS, 0, save_steps=STEPS, load=False)
+        train = [*train_argv(tiny_model_dir, work, STEPS, 0, save_steps=STEPS, load=False), "--cluster.device", "cpu"]
         # env_vars the job sets that the fork sets too (upstream's README passes a runtime env the same way)
         job_env = json.dumps({"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
         submit = [str(RAY), "job", "submit", "--address", address, "--runtime-env-json", job_env, "--", *train]

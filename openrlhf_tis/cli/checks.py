@@ -1,7 +1,8 @@
 """Argument checks that must end a run before Ray starts, each naming the flag at fault.
 
-On a machine without CUDA, upstream's GPU *defaults* are replaced by choices that run there
-(docs/design.md §5) unless the user set the flag; a GPU-only choice the user did make is refused.
+On a CPU cluster (cli/cluster_device.py), upstream's GPU *defaults* are replaced by choices that run there
+(docs/design.md §5) unless the user set the flag; a GPU-only choice the user did make is refused. On a CUDA
+cluster, the CPU-only choices are refused (rollout/precision.py check_cuda_weight_sync).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 
+from openrlhf_tis.cli.cluster_device import DEVICE_DEST, RESOURCES_DEST
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.model_files import check_model_path
 from openrlhf_tis.prompt_files import PromptFileError, local_files, read_prompt_file
@@ -66,15 +68,18 @@ GPU_ONLY = (
 )
 
 
-def adapt_to_cpu(args: argparse.Namespace, explicit: set[str]) -> list[str]:
-    """Replace unset GPU defaults, refuse explicit GPU-only choices. Returns what was replaced."""
+def adapt_to_cpu(args: argparse.Namespace, explicit: set[str], cluster: str = "a CPU cluster") -> list[str]:
+    """Replace unset GPU defaults, refuse explicit GPU-only choices (naming `cluster`, the run's resources).
+    Returns what was replaced."""
     for rule in GPU_ONLY:
         value = getattr(args, rule.dest)
         if rule.refused(value):
             if rule.dest in explicit:
-                raise UsageError(f"--{rule.dest}", f"{value!r} is not available on a machine without CUDA: {rule.why}")
+                raise UsageError(f"--{rule.dest}", f"{value!r} needs CUDA, and this is a CPU run on {cluster}: "
+                                 f"{rule.why}")
             if rule.dest not in CPU_DEFAULTS:
-                raise UsageError(f"--{rule.dest}", f"default {value!r} cannot run without CUDA: {rule.why}")
+                raise UsageError(f"--{rule.dest}", f"default {value!r} needs CUDA, and this is a CPU run on "
+                                 f"{cluster}: {rule.why}")
     replaced = []
     for dest, cpu_value in CPU_DEFAULTS.items():
         if dest not in explicit and getattr(args, dest) != cpu_value:
@@ -183,7 +188,7 @@ def check_inputs(args: argparse.Namespace) -> int | None:
     from openrlhf_tis.cli.reward_probe import probe_reward_script
     from openrlhf_tis.rollout.precision import check_cli_precision_files
 
-    check_cli_precision_files(args)
+    check_cli_precision_files(args, cuda=getattr(args, DEVICE_DEST) == "cuda")
     if first_prompt is not None:
         probe_reward_script("--reward.remote_url", getattr(args, "reward.remote_url"), first_prompt, args)
     return planned_steps(args, prompts)
@@ -205,7 +210,7 @@ def check_flags(args: argparse.Namespace) -> None:
                          "(and evaluates) on, so the run would train no step")
     check_async(args)
     check_batches(args)
-    check_cli_precision(args)
+    check_cli_precision(args, cuda=getattr(args, DEVICE_DEST) == "cuda", cluster=getattr(args, RESOURCES_DEST))
     check_correction(args)
 
 

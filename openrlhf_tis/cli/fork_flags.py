@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from openrlhf_tis.cli.cluster_device import DEVICE_FLAG, DEVICES
 from openrlhf_tis.rollout.precision import (
     ACTIVATIONS_FLAG,
     CALIBRATION_FLAG,
@@ -29,6 +30,16 @@ def allow_fp32_training(parser: argparse.ArgumentParser) -> None:
 
 def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
     allow_fp32_training(parser)
+    parser.add_argument(
+        DEVICE_FLAG,
+        type=str,
+        default="auto",
+        choices=list(DEVICES),
+        help="What the run computes on, decided by its cluster, never by the driver: auto reads the Ray cluster "
+        "RAY_ADDRESS names (any GPU there: cuda), else this machine's CUDA devices. cpu or cuda must agree with the "
+        "cluster (cpu on a cluster declaring logical GPU slots for CPU processes is fine). On cpu, upstream's GPU "
+        "defaults are replaced and GPU-only flags refused; on cuda, CPU-only choices are refused.",
+    )
     parser.add_argument(
         "--vllm.sync_check_steps",
         type=int,

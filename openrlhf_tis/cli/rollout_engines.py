@@ -6,6 +6,7 @@ the rollout layer below only writes the directory (`rollout.checkpoint.write_rol
 
 from __future__ import annotations
 
+from openrlhf_tis.cli.cluster_device import DEVICE_DEST
 from openrlhf_tis.rollout.precision import (
     ACTIVATIONS_FLAG,
     CALIBRATION_FLAG,
@@ -26,8 +27,6 @@ def prepare_rollout_engines(args) -> str | None:
     """
     import os
 
-    import torch
-
     precision, fp32_head = rollout_option(args, PRECISION_FLAG), rollout_option(args, FP32_HEAD_FLAG)
     if precision == "bf16" and not fp32_head:  # upstream's engines as they are
         return None
@@ -36,7 +35,8 @@ def prepare_rollout_engines(args) -> str | None:
     from openrlhf_tis.rollout.quantize import int8_weight_bits
 
     dst = os.path.abspath(os.path.join(getattr(args, "logger.run_dir"), ROLLOUT_MODEL_DIR))
-    bits = int8_weight_bits(rollout_option(args, WEIGHT_BITS_FLAG), cuda=torch.cuda.is_available())
+    # the cluster's device, never the driver's (only CPU clusters get here: cuda refuses all but plain bf16)
+    bits = int8_weight_bits(rollout_option(args, WEIGHT_BITS_FLAG), cuda=getattr(args, DEVICE_DEST) == "cuda")
     activations = rollout_option(args, ACTIVATIONS_FLAG)
     write_rollout_model(getattr(args, "actor.model_name_or_path"), dst, precision=precision,
                         scale_mode=rollout_option(args, SCALES_FLAG),

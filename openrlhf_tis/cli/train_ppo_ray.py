@@ -13,10 +13,17 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
-
 from openrlhf_tis import patches
 from openrlhf_tis.cli.checks import adapt_to_cpu, check_flags, check_inputs, explicit_dests
+from openrlhf_tis.cli.cluster_device import (
+    DEVICE_DEST,
+    RESOURCES_DEST,
+    ClusterResources,
+    assumed_cluster,
+    decide_device,
+    describe_decision,
+    read_cluster,
+)
 from openrlhf_tis.cli.fork_flags import add_fork_arguments
 from openrlhf_tis.cli.lifetime import die_with_parent
 from openrlhf_tis.cli.ray_cluster import CPU_ENV, start_ray
@@ -66,21 +73,32 @@ def quiet_deepspeed_import() -> Iterator[None]:
             del os.environ["DS_ACCELERATOR"]
 
 
-def parse_flags(parser: argparse.ArgumentParser, argv: list[str], cpu: bool) -> tuple[argparse.Namespace, list[str]]:
-    """`argv` parsed by `parser` (build_parser) and checked by what its flag values decide (checks.check_flags), no
-    file read; on a machine without CUDA upstream's GPU defaults are replaced first. Returns the arguments and what
-    was replaced; raises UsageError naming the flag at fault (argparse's own errors go to `parser.error`)."""
+def parse_flags(parser: argparse.ArgumentParser, argv: list[str],
+                cluster: ClusterResources) -> tuple[argparse.Namespace, list[str]]:
+    """`argv` parsed by `parser` (build_parser) for a run on `cluster` and checked by what its flag values decide
+    (checks.check_flags), no file read; on a CPU cluster upstream's GPU defaults are replaced first. Returns the
+    arguments and the console lines that say what the run computes on and what was replaced; raises UsageError
+    naming the flag at fault (argparse's own errors go to `parser.error`)."""
     args = parser.parse_args(argv)
-    replaced = adapt_to_cpu(args, explicit_dests(parser, argv)) if cpu else []
+    notes = [settle_device(args, cluster)]
+    if getattr(args, DEVICE_DEST) == "cpu":
+        go_offline()
+        notes += [f"CPU run: {note}" for note in adapt_to_cpu(args, explicit_dests(parser, argv), str(cluster))]
     check_flags(args)
-    return args, replaced
+    return args, notes
 
 
-def parse(argv: list[str], cpu: bool):
-    """Parse and check the command line; raises UsageError naming the flag at fault."""
-    args, replaced = parse_flags(build_parser(), argv, cpu)
-    for note in replaced:
-        print(f"[openrlhf_tis] no CUDA: {note}", file=sys.stderr)
+def parse(argv: list[str], cpu: bool | None = None, cluster: ClusterResources | None = None):
+    """Parse and check the command line for the run's `cluster`; raises UsageError naming the flag at fault.
+
+    Without `cluster`, `cpu` assumes a CPU (True) or CUDA (False) one, and None reads the cluster the run will use
+    (cli/cluster_device.py read_cluster).
+    """
+    if cluster is None:
+        cluster = read_cluster() if cpu is None else assumed_cluster(cuda=not cpu)
+    args, notes = parse_flags(build_parser(), argv, cluster)
+    for note in notes:
+        print(f"[openrlhf_tis] {note}", file=sys.stderr)
     run_dir = getattr(args, "logger.run_dir") or time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())
     setattr(args, "logger.run_dir", os.path.abspath(run_dir))  # every Ray process writes to the same place
     planned = check_inputs(args)
@@ -88,18 +106,36 @@ def parse(argv: list[str], cpu: bool):
     return args
 
 
+def settle_device(args: argparse.Namespace, cluster: ClusterResources) -> str:
+    """Replace `--cluster.device` in `args` by the device `cluster` decides (cpu or cuda) and record the cluster
+    beside it; returns the console line that says both."""
+    requested = getattr(args, DEVICE_DEST)
+    device = decide_device(requested, cluster)
+    setattr(args, DEVICE_DEST, device)
+    setattr(args, RESOURCES_DEST, str(cluster))
+    return describe_decision(requested, device, cluster)
+
+
+def go_offline() -> None:
+    """Every process of a CPU run is offline (ray_cluster.CPU_ENV): the driver too, so hub model ids are judged the
+    same way."""
+    os.environ.setdefault("HF_HUB_OFFLINE", CPU_ENV["HF_HUB_OFFLINE"])
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    cpu = not torch.cuda.is_available()
     die_with_parent()
-    if cpu:  # every process of a CPU run is offline (ray_cluster.CPU_ENV): judge hub model ids the same way
-        os.environ.setdefault("HF_HUB_OFFLINE", CPU_ENV["HF_HUB_OFFLINE"])
     try:
+        cluster = read_cluster()
+        # No GPU: a CPU run (or a refused one). Offline before the patches import huggingface_hub, which reads
+        # HF_HUB_OFFLINE once; parse() sets it too, for a CPU run on logical GPU slots.
+        if cluster.gpus <= 0:
+            go_offline()
         patches.apply_platform_patches()
-        args = parse(argv, cpu)
+        args = parse(argv, cluster=cluster)
         fork_classes.apply()
         prepare_rollout_engines(args)
-        start_ray(args, cpu)
+        start_ray(args, cpu=getattr(args, DEVICE_DEST) == "cpu")
     except RunFinished as done:  # a resume of a finished run: said at once, not after Ray, vLLM and DeepSpeed start
         print(f"openrlhf_tis.cli.train_ppo_ray: nothing to do: {done}", file=sys.stderr)
         raise SystemExit(0) from None

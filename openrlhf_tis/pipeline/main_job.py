@@ -6,7 +6,8 @@ notebook and its HTML export are the report), while the console shows a progress
 log of Ray, vLLM and DeepSpeed goes to `<run_dir>/train.log`. The held-out questions are scored before the first
 step and at the end, through the rollout engine (INT8 here) and, after training, on the policy a user keeps: the
 saved final weights in the trainer's dtype against the base model (pipeline/heldout.py). Where the CPU emulates
-bf16 (plain AVX2), the trainer runs in fp32, several times faster there.
+bf16 (plain AVX2), the trainer runs in fp32, several times faster there. On a CUDA cluster, which refuses INT8
+rollouts, the same task runs with bf16 rollouts and token TIS (`job_profile`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from openrlhf_tis.cpu_features import default_train_dtype, native_bf16
+from openrlhf_tis.cli.cluster_device import DEVICE_DEST, DEVICE_FLAG, decide_device, read_cluster
+from openrlhf_tis.cpu_features import native_bf16
 from openrlhf_tis.demo.task import write_task
+from openrlhf_tis.errors import UsageError
 from openrlhf_tis.params import ParameterError, check_params
 from openrlhf_tis.pipeline.console import follow_run
 from openrlhf_tis.pipeline.execute import export_html
@@ -50,34 +53,58 @@ MAIN_JOB_PARAMS: dict[str, Any] = {
 }
 
 
+# On CUDA the job asks for one GPU, whatever the machine has: the actor (upstream's default is 8 per node) and the
+# one vLLM engine share it (upstream's hybrid engine, --train.colocate_all), the engine's memory capped so DeepSpeed
+# fits beside it; no --vllm.enable_sleep, which the 135M model does not need.
+ONE_GPU = ["--actor.num_gpus_per_node", "1", "--train.colocate_all", "--vllm.gpu_memory_utilization", "0.4"]
+
+
 @dataclass(frozen=True)
-class CpuProfile:
+class Profile:
     name: str
     why: str
     params: dict[str, Any]  # train.ipynb parameters over MAIN_JOB_PARAMS
 
 
-def cpu_profile() -> CpuProfile:
-    """The main job's trainer precision for this CPU (printed at the start of the job)."""
-    if default_train_dtype() == "bf16":
-        where = "CUDA" if not native_bf16() else "this CPU computes bf16 in hardware (AVX-512 BF16/AMX)"
-        return CpuProfile("bf16", f"{where}: trainer in bf16, by default 24 steps and held-out x4 samples",
-                          {"train_dtype": "bf16", "eval_samples": 4})
+def job_profile(cuda: bool) -> Profile:
+    """The main job's rollouts and trainer for its cluster's device (printed at the start of the job)."""
+    if cuda:
+        # CUDA refuses INT8 rollouts (rollout/precision.py check_cuda_weight_sync): the same task with bf16 engines,
+        # whose smaller mismatch TIS still measures and corrects.
+        return Profile("cuda", "a CUDA cluster: bf16 rollouts (CUDA refuses INT8 ones) + token TIS, trainer in bf16, "
+                       "actor and engine sharing one GPU, by default 24 steps and held-out x4 samples",
+                       {"rollout_precision": "bf16", "train_dtype": "bf16", "eval_samples": 4,
+                        "extra_args": [*MAIN_JOB_PARAMS["extra_args"], *ONE_GPU]})
+    if native_bf16():
+        return Profile("bf16", "this CPU computes bf16 in hardware (AVX-512 BF16/AMX): INT8 rollouts + token TIS, "
+                       "trainer in bf16, by default 24 steps and held-out x4 samples",
+                       {"train_dtype": "bf16", "eval_samples": 4})
     # With the fp32 trainer on a 2-core CPU a step of 4 prompts x 4 INT8 rollouts, the start-up and each held-out
     # pass take about a minute each, so 6 steps keep the job near 10 minutes; two prompts a step learned less for
     # the time (docs/measurements.md: the AVX2 profile).
-    return CpuProfile("fp32", "this CPU emulates bf16 (no AVX-512 BF16/AMX): trainer in fp32 (several times faster "
-                      "here), by default 6 steps and held-out x1 sample", {"train_dtype": "fp32", "steps": 6})
+    return Profile("fp32", "this CPU emulates bf16 (no AVX-512 BF16/AMX): INT8 rollouts + token TIS, trainer in fp32 "
+                   "(several times faster here), by default 6 steps and held-out x1 sample",
+                   {"train_dtype": "fp32", "steps": 6})
 
 
-def job_params(out: Path, model: str = "default") -> dict[str, Any]:
-    """The main job's train.ipynb parameters on this CPU, with the demo task's files written under `out`.
+def job_device(flags: list[str]) -> str:
+    """cpu or cuda: what the training CLI will decide for the job's `flags` (their --cluster.device, else auto) on
+    the cluster it will use (cli/cluster_device.py); UsageError when they disagree."""
+    probe = argparse.ArgumentParser(add_help=False)
+    probe.add_argument(DEVICE_FLAG, default="auto")
+    requested = getattr(probe.parse_known_args(flags)[0], DEVICE_DEST)
+    return decide_device(requested, read_cluster())
+
+
+def job_params(out: Path, model: str = "default", cuda: bool = False) -> dict[str, Any]:
+    """The main job's train.ipynb parameters on a CPU or CUDA (`cuda`) cluster, with the demo task's files written
+    under `out`.
 
     The mismatch study (pipeline/study.py) runs this same recipe in every cell, so its int8 + tis cells
     are the main job under other seeds.
     """
     train, held_out_file = write_task(out)
-    profile = cpu_profile()
+    profile = job_profile(cuda)
     return {**MAIN_JOB_PARAMS, **profile.params, "model": model, "prompts": str(train),
             "eval_prompts": str(held_out_file), "reward": str(TASK_REWARD)}
 
@@ -169,11 +196,16 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out).expanduser().resolve()
     params = None
     try:
-        profile = cpu_profile()
-        print(f"[main job] trainer {profile.name}: {profile.why}", file=sys.stderr)
+        cuda = job_device(extra) == "cuda"
+    except UsageError as err:
+        print(f"main_job: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    try:
+        profile = job_profile(cuda)
+        print(f"[main job] {profile.name}: {profile.why}", file=sys.stderr)
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         overrides = dict(_literal(item) for item in args.set)
-        base = {**job_params(out, args.model), "run_dir": str(out / "runs" / stamp)}
+        base = {**job_params(out, args.model, cuda), "run_dir": str(out / "runs" / stamp)}
         params = check_params({**base, **overrides, "extra_args": [*base["extra_args"], *extra]},
                               TRAIN_PARAMS, where="main job")
         check_training_command(params)

@@ -187,35 +187,56 @@ def check_calibration_file(calibration: str, model_dir: str, activations: str) -
                          "`python -m openrlhf_tis.rollout.calibration ... --static_activations`")
 
 
-def check_cli_precision(args) -> None:
-    """The train_ppo_ray checks that the flag values tell, no file read (check_cli_precision_files reads them): the
-    generic ones plus what the training path does not wire yet."""
-    import torch
+# The one rule for CUDA (docs/gpu.md, "Refused on CUDA"): there the trainer's weights reach the engines through
+# upstream's own weight update (openrlhf WorkerWrap.update_weight), which asserts that the trainer sends the engine's
+# dtype (bf16, hard-coded by upstream's engine factory: an fp16 trainer fails it at the first sync) and loads each
+# tensor straight into the engine's parameters, cast but never re-quantized: bf16 values land unscaled in int8 / fp8
+# parameters (docs/design.md §5, trap 5). The fork's sync that re-quantizes, re-casts and refreshes an fp32 head
+# (rollout/cpu_worker_extension.py, rollout/fp32_head.py) is built for the CPU path only.
+CUDA_SYNC_WHY = ("on CUDA the trainer's weights reach the engines through upstream's weight update, which casts "
+                 "the trainer's bf16 tensors straight into the engine's parameters (unscaled into int8/fp8 ones; "
+                 "an engine or trainer not in bf16 fails its dtype assertion); the fork's re-quantizing sync, and "
+                 "its fp32 head, are built for the CPU path only")
+CUDA_INSTEAD = "and a correction preset (--algo.correction.preset tis, ...) for the mismatch that remains"
 
+
+def cuda_refusal(args) -> tuple[str, str, str] | None:
+    """(flag, what it asks for, what to use instead) for the first choice the CUDA weight sync cannot serve."""
     precision = rollout_option(args, PRECISION_FLAG)
-    cuda = torch.cuda.is_available()
-    if precision != "bf16" and cuda:
-        # On CUDA upstream's WorkerWrap.update_weight loads tensor by tensor and asserts the trainer's dtype:
-        # bf16 weights would be cast into int8 / fp8 parameters unscaled (docs/design.md §5, trap 5), and an fp32
-        # engine refuses them. The CPU weight sync (rollout/cpu_worker_extension.py) handles all four.
-        raise UsageError(PRECISION_FLAG,
-                         f"{precision} rollouts are wired for the CPU weight sync only; on CUDA use bf16")
+    if precision != "bf16":
+        return PRECISION_FLAG, f"{precision} rollouts", f"bf16 rollouts ({PRECISION_FLAG} bf16)"
+    train_dtype = getattr(args, "ds.param_dtype")
+    if train_dtype == "fp32" or (train_dtype == "fp16" and getattr(args, "vllm.num_engines")):
+        return "--ds.param_dtype", f"{train_dtype} training", "bf16 training (--ds.param_dtype bf16)"
+    if rollout_option(args, FP32_HEAD_FLAG):
+        return FP32_HEAD_FLAG, "fp32 lm_head", f"bf16 rollouts without {FP32_HEAD_FLAG}"
+    return None
+
+
+def check_cuda_weight_sync(args, cluster: str) -> None:
+    """Refuse what the CUDA weight sync cannot serve, naming the flag and `cluster` (the run's resources)."""
+    refusal = cuda_refusal(args)
+    if refusal:
+        flag, asked, instead = refusal
+        raise UsageError(flag, f"no {asked} on CUDA ({cluster}): {CUDA_SYNC_WHY}; use {instead}, {CUDA_INSTEAD}")
+
+
+def check_cli_precision(args, *, cuda: bool, cluster: str) -> None:
+    """The train_ppo_ray checks that the flag values tell for a run on a CUDA (`cuda`) or CPU cluster, `cluster`
+    naming its resources; no file read (check_cli_precision_files reads them)."""
+    if cuda:
+        check_cuda_weight_sync(args, cluster)
+    precision = rollout_option(args, PRECISION_FLAG)
     check_precision_flags(precision, cuda=cuda, calibration=rollout_option(args, CALIBRATION_FLAG),
                           scales=rollout_option(args, SCALES_FLAG), fp32_head=rollout_option(args, FP32_HEAD_FLAG),
                           activations=rollout_option(args, ACTIVATIONS_FLAG),
                           weight_bits=rollout_option(args, WEIGHT_BITS_FLAG))
-    train_dtype = getattr(args, "ds.param_dtype")
-    if train_dtype == "fp32" and cuda:
-        # Upstream's CUDA sync asserts that the trainer sends the engine's dtype (bf16).
-        raise UsageError("--ds.param_dtype", "fp32 training is wired for the CPU weight sync only; on CUDA use bf16")
-    if precision == "int8" and train_dtype not in ("bf16", "fp32"):
+    if precision == "int8" and getattr(args, "ds.param_dtype") not in ("bf16", "fp32"):
         raise UsageError("--ds.param_dtype", "int8 rollouts re-quantize the trainer's bf16 or fp32 weights")
 
 
-def check_cli_precision_files(args) -> None:
+def check_cli_precision_files(args, *, cuda: bool) -> None:
     """The train_ppo_ray checks of the model directory and the calibration file (after check_cli_precision)."""
-    import torch
-
     check_precision_files(rollout_option(args, PRECISION_FLAG), getattr(args, "actor.model_name_or_path"),
-                          cuda=torch.cuda.is_available(), calibration=rollout_option(args, CALIBRATION_FLAG),
+                          cuda=cuda, calibration=rollout_option(args, CALIBRATION_FLAG),
                           activations=rollout_option(args, ACTIVATIONS_FLAG))

@@ -46,6 +46,7 @@ RESUME_IGNORED: tuple[str, ...] = (
     "*.offload",
     "ds.adam_offload",
     "reward.nonfinite",  # resuming a run that failed on a NaN reward with `drop` is what the flag is for
+    "cluster.*",  # where the run computes: what the device changes in training shows in the flags it sets
 )
 
 VERSIONED_PACKAGES = (

@@ -1,0 +1,187 @@
+"""CPU or CUDA is decided by the cluster a run uses, never by the driver (cli/cluster_device.py), and what each
+device cannot run is refused before Ray starts, naming the flag and the cluster's resources.
+
+The driver here has no CUDA, so every CUDA case is a driver without CUDA facing a GPU cluster: a fake one
+(`ray.cluster_resources()` as Ray reports 2 nodes of 8 H100s), or a real Ray head declaring GPU slots.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+from _support import error_line, ray_head, refused
+
+from openrlhf_tis.cli import train_ppo_ray
+from openrlhf_tis.cli.cluster_device import (
+    ClusterResources,
+    decide_device,
+    describe_decision,
+    from_ray_resources,
+    read_cluster,
+)
+from openrlhf_tis.cli.ray_cluster import CPU_ENV, worker_env
+from openrlhf_tis.errors import UsageError
+from openrlhf_tis.rollout.precision import cuda_refusal
+
+H100_NODES = {"CPU": 208.0, "GPU": 16.0, "accelerator_type:H100": 2.0, "memory": 2e12, "node:10.0.0.1": 1.0}
+CPU_HEAD = {"CPU": 8.0, "memory": 3e10, "node:10.0.0.2": 1.0}
+LOGICAL_SLOTS = {"CPU": 4.0, "GPU": 2.0}  # `ray start --num-gpus 2` on a CPU machine
+GPU_CLUSTER = from_ray_resources("the Ray cluster at 10.0.0.1:6379", H100_NODES)
+CPU_CLUSTER = from_ray_resources("the Ray cluster at 10.0.0.2:6379", CPU_HEAD)
+
+
+def test_ray_resources_are_read_as_gpus_cpus_and_detected_hardware():
+    assert GPU_CLUSTER == ClusterResources("the Ray cluster at 10.0.0.1:6379", 16, 208, ("H100",))
+    assert str(GPU_CLUSTER) == "the Ray cluster at 10.0.0.1:6379 (GPU: 16, CPU: 208; H100)"
+    assert str(CPU_CLUSTER) == "the Ray cluster at 10.0.0.2:6379 (GPU: 0, CPU: 8; no GPU hardware detected)"
+
+
+@pytest.mark.parametrize(("resources", "expected"), [(H100_NODES, "cuda"), (CPU_HEAD, "cpu"),
+                                                     (LOGICAL_SLOTS, "cuda"), ({"GPU": 0.5, "CPU": 1}, "cuda")])
+def test_auto_is_cuda_exactly_when_the_cluster_has_a_gpu(resources, expected):
+    assert decide_device("auto", from_ray_resources("c", resources)) == expected
+
+
+def test_an_explicit_device_must_agree_with_the_cluster():
+    with pytest.raises(UsageError) as err:
+        decide_device("cuda", CPU_CLUSTER)
+    assert str(err.value).startswith("--cluster.device: cuda, but the Ray cluster at 10.0.0.2:6379 (GPU: 0, CPU: 8;")
+    with pytest.raises(UsageError) as err:
+        decide_device("cpu", GPU_CLUSTER)
+    assert str(err.value).startswith("--cluster.device: cpu, but the Ray cluster at 10.0.0.1:6379 (GPU: 16, CPU: 208; "
+                                     "H100) has GPU hardware")
+    logical = from_ray_resources("c", LOGICAL_SLOTS)
+    assert decide_device("cpu", logical) == "cpu"  # GPU slots of a CPU cluster: no hardware behind them
+    assert decide_device("cuda", logical) == "cuda"
+    assert decide_device("cuda", GPU_CLUSTER) == "cuda" and decide_device("cpu", CPU_CLUSTER) == "cpu"
+    assert "pass --cluster.device cpu" in describe_decision("auto", "cuda", logical)  # the hint where it may apply
+    assert "pass --cluster.device cpu" not in describe_decision("auto", "cuda", GPU_CLUSTER)
+
+
+@pytest.fixture()
+def cluster_of(monkeypatch):
+    """Make the CLI's run face `cluster` (what read_cluster would have read)."""
+    def face(cluster: ClusterResources) -> None:
+        monkeypatch.setattr(train_ppo_ray, "read_cluster", lambda: cluster)
+    return face
+
+
+def test_a_driver_without_cuda_facing_a_gpu_cluster_runs_a_cuda_run(valid_argv, monkeypatch):
+    for key in CPU_ENV:
+        monkeypatch.delenv(key, raising=False)
+    gpu_flags = ["--vllm.enable_sleep", "--vllm.sync_backend", "nccl", "--ds.attn_implementation", "flash_attention_2"]
+    args = train_ppo_ray.parse(valid_argv + gpu_flags, cluster=GPU_CLUSTER)
+    assert getattr(args, "cluster.device") == "cuda" and getattr(args, "cluster.resources") == str(GPU_CLUSTER)
+    assert getattr(args, "vllm.enable_sleep") and getattr(args, "vllm.sync_backend") == "nccl"
+    defaults = train_ppo_ray.parse(valid_argv + ["--logger.run_dir_overwrite"], cluster=GPU_CLUSTER)
+    assert getattr(defaults, "vllm.enforce_eager") is False  # upstream's GPU defaults stay (a CPU run replaces it)
+    assert not set(CPU_ENV) & set(worker_env(cpu=False))  # GPU workers get no CPU settings
+    assert "HF_HUB_OFFLINE" in worker_env(cpu=True)
+
+
+@pytest.mark.parametrize(("extra", "flag"), [(["--vllm.enable_sleep"], "--vllm.enable_sleep"),
+                                             (["--cluster.device", "cuda"], "--cluster.device")])
+def test_a_gpu_choice_on_a_cpu_cluster_is_refused_naming_flag_and_resources(valid_argv, extra, flag, cluster_of,
+                                                                            capsys):
+    cluster_of(CPU_CLUSTER)
+    line = error_line(refused(valid_argv + extra, capsys))
+    assert line.startswith(f"{flag}: ") and str(CPU_CLUSTER) in line
+
+
+CUDA_REFUSED = [
+    (["--vllm.rollout_precision", "int8"], "--vllm.rollout_precision", "int8 rollouts"),
+    (["--vllm.rollout_precision", "fp8"], "--vllm.rollout_precision", "fp8 rollouts"),
+    (["--vllm.rollout_precision", "fp32"], "--vllm.rollout_precision", "fp32 rollouts"),
+    (["--ds.param_dtype", "fp32"], "--ds.param_dtype", "fp32 training"),
+    (["--ds.param_dtype", "fp16", "--vllm.num_engines", "1"], "--ds.param_dtype", "fp16 training"),
+    (["--vllm.fp32_lm_head"], "--vllm.fp32_lm_head", "fp32 lm_head"),
+]
+
+
+@pytest.mark.parametrize(("extra", "flag", "asked"), CUDA_REFUSED)
+def test_cuda_refuses_what_its_weight_sync_cannot_serve_with_one_message(valid_argv, extra, flag, asked, cluster_of,
+                                                                        capsys):
+    cluster_of(GPU_CLUSTER)
+    line = error_line(refused(valid_argv + extra, capsys))
+    assert line.startswith(f"{flag}: no {asked} on CUDA ({GPU_CLUSTER}): ")
+    assert "casts the trainer's bf16 tensors straight into the engine's parameters" in line  # why
+    assert "use bf16" in line and "--algo.correction.preset tis" in line  # what instead
+    assert not (Path(valid_argv[valid_argv.index("--logger.run_dir") + 1]) / "rollout_model").exists()
+
+
+def test_the_cuda_rule_names_the_first_offending_choice_and_passes_plain_bf16(valid_argv):
+    parser = train_ppo_ray.build_parser()
+    assert cuda_refusal(parser.parse_args(valid_argv)) is None
+    both = parser.parse_args(valid_argv + ["--ds.param_dtype", "fp32", "--vllm.fp32_lm_head"])
+    assert cuda_refusal(both)[0] == "--ds.param_dtype"
+    assert cuda_refusal(parser.parse_args(valid_argv + ["--ds.param_dtype", "fp16"])) is None  # no engine: no sync
+
+
+def test_the_cpu_choices_cuda_refuses_run_on_a_cpu_cluster(valid_argv):
+    args = train_ppo_ray.parse(valid_argv + ["--ds.param_dtype", "fp32", "--vllm.fp32_lm_head"], cluster=CPU_CLUSTER)
+    assert getattr(args, "cluster.device") == "cpu" and getattr(args, "vllm.fp32_lm_head")
+
+
+def test_without_a_ray_address_this_machine_decides(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cluster = read_cluster()
+    assert (cluster.where, cluster.gpus, cluster.accelerators) == ("this machine", 0, ())  # no CUDA here
+    assert decide_device("auto", cluster) == "cpu" and not ray.is_initialized()
+
+
+def test_a_running_ray_cluster_decides_not_the_driver(tmp_path, monkeypatch):
+    """A real head declaring 2 GPUs (`ray start --num-gpus 2` on this CPU machine; a cluster without GPUs is the
+    fake CPU_HEAD above): its GPUs decide, the probe leaves it, and the run can join it for good afterwards (as the
+    CLI does, with its runtime environment)."""
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    log = tmp_path / "head.log"
+    options = ["--num-cpus", "1", "--num-gpus", "2", "--include-dashboard", "false"]
+    with ray_head(options, env, log, lambda: "Ray runtime started" in log.read_text()) as address:
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        cluster = read_cluster()
+        assert not ray.is_initialized()
+        ray.init(address=address)
+        try:
+            assert ray.cluster_resources()["GPU"] == 2
+        finally:
+            ray.shutdown()
+    assert (cluster.where, cluster.gpus, cluster.cpus, cluster.accelerators) == (f"the Ray cluster at {address}", 2,
+                                                                                 1, ())
+    assert decide_device("auto", cluster) == "cuda"  # the driver has no CUDA: not an error
+    assert decide_device("cpu", cluster) == "cpu"  # logical slots: a CPU cluster may declare them
+
+
+@pytest.mark.parametrize(("cluster", "precision"), [(GPU_CLUSTER, "bf16"), (CPU_CLUSTER, "int8")])
+def test_the_main_job_runs_what_its_cluster_accepts(cluster, precision, tiny_model_dir, tmp_path, monkeypatch):
+    """The same demo task with TIS: INT8 rollouts on a CPU cluster, bf16 ones on a CUDA cluster (which refuses INT8),
+    and the command it builds passes every check of the training CLI on that cluster."""
+    from openrlhf_tis.pipeline import main_job
+    from openrlhf_tis.pipeline.train import build_argv
+
+    captured = {}
+    monkeypatch.setattr(main_job, "read_cluster", lambda: cluster)
+    monkeypatch.setattr(main_job, "run_main_job", lambda params, out_dir: captured.update(params) or {})
+    monkeypatch.setattr(main_job, "describe", lambda result: "")
+    main_job.main(["--out", str(tmp_path), "--model", "tiny"])
+    assert (captured["rollout_precision"], captured["correction"]) == (precision, "tis")
+    argv = build_argv(captured, tiny_model_dir, Path(captured["prompts"]), tmp_path / "run")
+    assert argv[1:3] == ["-m", "openrlhf_tis.cli.train_ppo_ray"]
+    args = train_ppo_ray.parse(argv[3:], cluster=cluster)
+    assert getattr(args, "cluster.device") == ("cuda" if cluster is GPU_CLUSTER else "cpu")
+    if cluster is GPU_CLUSTER:  # one GPU on any CUDA machine: the actor and the engine share it
+        assert getattr(args, "actor.num_gpus_per_node") == 1 and getattr(args, "train.colocate_all")
+
+
+def test_the_main_job_refuses_a_device_its_cluster_cannot_run_in_one_line(tmp_path, monkeypatch, capsys):
+    from openrlhf_tis.pipeline import main_job
+
+    monkeypatch.setattr(main_job, "read_cluster", lambda: CPU_CLUSTER)
+    with pytest.raises(SystemExit) as exit_info:
+        main_job.main(["--out", str(tmp_path), "--model", "tiny", "--cluster.device", "cuda"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("main_job: error: --cluster.device: cuda, but")
