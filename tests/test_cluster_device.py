@@ -133,6 +133,7 @@ def test_without_a_ray_address_this_machine_decides(monkeypatch):
     assert decide_device("auto", cluster) == "cpu" and not ray.is_initialized()
 
 
+@pytest.mark.e2e  # starts a real Ray head (its own --temp-dir): tens of seconds
 def test_a_running_ray_cluster_decides_not_the_driver(tmp_path, monkeypatch):
     """A real head declaring 2 GPUs (`ray start --num-gpus 2` on this CPU machine; a cluster without GPUs is the
     fake CPU_HEAD above): its GPUs decide, the probe leaves it, and the run can join it for good afterwards (as the

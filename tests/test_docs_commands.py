@@ -159,13 +159,18 @@ def dry_run(argv: list[str], tmp: Path) -> str:
             return _pytest_args(args[1:])
         module = re.search(r"-m (openrlhf_tis[\w.]+)", script.read_text())
         return _module_command(module.group(1), args[1:], tmp) if module else "script exists (the set-up)"
-    if tool in ("python", "python3"):
+    if re.fullmatch(r"python(3(\.\d+)?)?", tool):
         assert args[0] == "-m", "only `python -m MODULE` commands are checked"
+        if args[1] in ("venv", "pip"):
+            return "Python's own module"
         return _module_command(args[1], args[2:], tmp)
     if tool in _console_scripts():
         return _module_command(_console_scripts()[tool], args, tmp)
     if tool == "pip":
-        wanted = set(re.findall(r"\.\[([\w,]+)\]", " ".join(args))[0].split(","))
+        extras = re.findall(r"\.\[([\w,]+)\]", " ".join(args))
+        if not extras:
+            return "packages from the registry"
+        wanted = set(extras[0].split(","))
         assert wanted <= _extras(), f"setup.py has no extras {sorted(wanted - _extras())}"
         return "extras exist"
     if tool == "ray":

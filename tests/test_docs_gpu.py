@@ -48,9 +48,17 @@ def _flag_spans(text: str) -> list[str]:
     return [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", text) if span.startswith("--")]
 
 
+# What makes a correction active; a span of other fields alone (prose: "add `--algo.correction.denominator kept`")
+# is read on top of one, as the text means it (alone the fork refuses a field the resolved correction never reads).
+SOURCES = ("--algo.correction.preset", "--algo.correction.mode", "--algo.correction.loss",
+           "--algo.correction.rejection", "--algo.advantage.is_correction")
+
+
 def _resolve(parser, span: str):
     """The CorrectionConfig a span of flags resolves to (an engine added: a correction needs rollout log-probs)."""
-    return check_correction(parser.parse_args([*span.split(), "--vllm.num_engines", "1"]))
+    base = [] if any(source in span for source in SOURCES) else ["--algo.correction.preset", "tis"] + (
+        ["--algo.correction.batch_normalize"] if "normalize_scope" in span else [])
+    return check_correction(parser.parse_args([*base, *span.split(), "--vllm.num_engines", "1"]))
 
 
 def test_each_training_command_passes_the_clis_checks_on_the_gpus_the_page_describes(parser):

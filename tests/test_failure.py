@@ -73,7 +73,7 @@ def test_the_main_job_prints_a_failed_training_as_its_cause_without_tracebacks(t
 
     monkeypatch.setattr(main_job, "execute_stoppable", execute_stoppable)
     monkeypatch.setattr(main_job, "export_html", lambda notebook, html: html)
-    monkeypatch.setattr(main_job, "check_training_command", lambda params: None)
+    monkeypatch.setattr(main_job, "check_training_command", lambda params, cluster=None: None)
     with pytest.raises(SystemExit) as ended:
         main_job.main(["--out", str(tmp_path), "--model", "tiny", "--set", f"run_dir={run_dir}"])
     err = capsys.readouterr().err

@@ -79,7 +79,7 @@ COMMAND = textwrap.dedent("""
         return output
 
     interrupt.execute = execute
-    main_job.check_training_command = lambda params: None
+    main_job.check_training_command = lambda params, cluster=None: None
     (main_job if sys.argv[1] == "main_job" else sweep).main(sys.argv[2:])
 """)
 
@@ -133,7 +133,7 @@ def test_ctrl_c_stops_the_training_and_says_in_one_line_what_was_kept(command, t
     kept = (f"stopped fake (pid {pids['training']}); kept: steps 1-{logged} of {STEPS} in {run_dir / 'metrics.jsonl'}, "
             "no checkpoint; ")
     if command == "main_job":
-        assert stderr.strip().splitlines()[0].startswith("[main job] trainer") and len(stderr.strip().splitlines()) == 2
+        assert stderr.strip().splitlines()[0].startswith("[main job] ") and len(stderr.strip().splitlines()) == 2
         assert line == (f"main_job: interrupted: {kept}it cannot be resumed (the main job saves checkpoints only "
                         "when given --ckpt.save_steps N); start it again with: "
                         f"{shlex.join([sys.executable, '-m', 'openrlhf_tis.pipeline.main_job', *argv])}"), line

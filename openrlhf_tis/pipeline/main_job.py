@@ -21,7 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from openrlhf_tis.cli.cluster_device import DEVICE_DEST, DEVICE_FLAG, decide_device, read_cluster
+from openrlhf_tis.cli.cluster_device import DEVICE_DEST, DEVICE_FLAG, ClusterResources, decide_device, read_cluster
 from openrlhf_tis.cpu_features import native_bf16
 from openrlhf_tis.demo.task import write_task
 from openrlhf_tis.errors import UsageError
@@ -87,13 +87,13 @@ def job_profile(cuda: bool) -> Profile:
                    {"train_dtype": "fp32", "steps": 6})
 
 
-def job_device(flags: list[str]) -> str:
+def job_device(flags: list[str], cluster: ClusterResources) -> str:
     """cpu or cuda: what the training CLI will decide for the job's `flags` (their --cluster.device, else auto) on
-    the cluster it will use (cli/cluster_device.py); UsageError when they disagree."""
+    `cluster`, the one it will use (cli/cluster_device.py); UsageError when they disagree."""
     probe = argparse.ArgumentParser(add_help=False)
     probe.add_argument(DEVICE_FLAG, default="auto")
     requested = getattr(probe.parse_known_args(flags)[0], DEVICE_DEST)
-    return decide_device(requested, read_cluster())
+    return decide_device(requested, cluster)
 
 
 def job_params(out: Path, model: str = "default", cuda: bool = False) -> dict[str, Any]:
@@ -194,9 +194,9 @@ def main(argv: list[str] | None = None) -> None:
     args, extra = parser.parse_known_args(argv)
     check_model_option(parser, args.model)
     out = Path(args.out).expanduser().resolve()
-    params = None
+    params, cluster = None, read_cluster()
     try:
-        cuda = job_device(extra) == "cuda"
+        cuda = job_device(extra, cluster) == "cuda"
     except UsageError as err:
         print(f"main_job: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         base = {**job_params(out, args.model, cuda), "run_dir": str(out / "runs" / stamp)}
         params = check_params({**base, **overrides, "extra_args": [*base["extra_args"], *extra]},
                               TRAIN_PARAMS, where="main job")
-        check_training_command(params)
+        check_training_command(params, cluster)
         result = run_main_job(params, Path(params["run_dir"]))
     except ParameterError as err:
         print(f"main_job: error: {err}", file=sys.stderr)

@@ -20,6 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, TextIO
 
+from openrlhf_tis.cli.cluster_device import ClusterResources, read_cluster
 from openrlhf_tis.cli.lifetime import PARENT_ENV, stop_process_tree
 from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.correction.config import FLAG_PREFIX, PRESETS, CorrectionConfig
@@ -241,14 +242,13 @@ def build_argv(params: dict[str, Any], model_dir: Path, prompts: Path, run_dir: 
     return argv + list(params["extra_args"])
 
 
-def check_training_command(params: dict[str, Any], cluster=None) -> None:
+def check_training_command(params: dict[str, Any], cluster: ClusterResources | None = None) -> None:
     """The training CLI's own checks of what its flags decide (cli/checks.py `check_flags`: batch sizes, async,
     rollout precision, correction, ...) on the command line that checked `params` become, before any file is
     written or process started, so a refusal costs seconds instead of a notebook's start-up. What needs the job's
     files (the model, built later for 'tiny'; the prompt file, written later) is left to the CLI itself. Raises
     ParameterError naming the flag. `cluster`: the run's (cli/cluster_device.py ClusterResources), read when None."""
     from openrlhf_tis import patches
-    from openrlhf_tis.cli.cluster_device import read_cluster
     from openrlhf_tis.cli.train_ppo_ray import build_parser, parse_flags
 
     patches.apply_platform_patches()  # upstream's parser module cannot be imported without them on CPU
