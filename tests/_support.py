@@ -237,8 +237,9 @@ def ray_head(options: list[str], env: dict[str, str], log: Path, ready: Callable
     """A Ray head of the test's own (`ray start --head --block` on 127.0.0.1, its own temp dir and GCS port, the
     given `options`), yielding its GCS address once `ready()` holds. Stopped by killing its process group and any
     process still naming its temp dir, by PID; never `ray stop`, which stops every Ray cluster of the machine's user.
-    Started again when its raylet misses Ray's fixed 30 s registration window (a loaded machine, see
-    cli/ray_cluster.init_local_ray). Its logs are copied beside `log` (kept for a failure message)."""
+    Started again when its raylet misses Ray's fixed 30 s registration window, or a process waiting for the raylet
+    gives up (a loaded machine, see cli/ray_cluster.init_local_ray). Its logs are copied beside `log` (kept for a
+    failure message)."""
     from openrlhf_tis.cli.ray_cluster import RAY_START_ENV, STARTUP_TRIES
 
     for attempt in range(1, STARTUP_TRIES + 1):
@@ -257,7 +258,8 @@ def ray_head(options: list[str], env: dict[str, str], log: Path, ready: Callable
             if head.poll() is None:
                 yield f"127.0.0.1:{port}"
                 return
-            late = "timed out during startup" in log.read_text()
+            # the raylet late, or a process that waits for it (ray_client_server: its own fixed 30 s) given up
+            late = any(sign in log.read_text() for sign in ("timed out during startup", "exited unexpectedly"))
             assert late and attempt < STARTUP_TRIES, f"ray start exited with {head.returncode}:\n" \
                 f"{log.read_text()[-3000:]}"
         finally:
