@@ -59,20 +59,11 @@ def _moments(x: torch.Tensor, mask: torch.Tensor, n: torch.Tensor) -> list[torch
 
 
 @functools.lru_cache(maxsize=8)
-def _bucket_edges(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The probability buckets' edges on the device, made once (a host-to-device copy syncs)."""
-    return torch.tensor(names.PROB_BUCKET_EDGES, dtype=dtype, device=device)
-
-
-def _bucket_sums(bucket: torch.Tensor, abs_lr: torch.Tensor, valid: torch.Tensor) -> tuple[list, list]:
-    """Valid tokens and Σ|log r| per probability bucket, from each token's bucket index (0 off V, where
-    |log r| = 0). Each bucket's Σ|log r| is summed on its own, so a small bucket stays exact in float32;
-    the counts are sums of ones, exact below 2^24 in any order."""
-    counts = torch.zeros(len(names.BUCKET_NAMES), dtype=valid.dtype, device=valid.device)
-    counts = counts.index_add_(0, bucket.reshape(-1), valid.reshape(-1))
-    in_bucket = torch.empty_like(abs_lr)
-    gaps = [dot(torch.eq(bucket, b, out=in_bucket), abs_lr) for b in range(len(names.BUCKET_NAMES))]
-    return list(counts.unbind()), gaps
+def _bucket_edges(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The probability buckets' edges, and the bucket indices 1..5 shaped to broadcast against (B, T), on the
+    device; made once, as a host-to-device copy synchronizes."""
+    edges = torch.tensor(names.PROB_BUCKET_EDGES, dtype=dtype, device=device)
+    return edges, torch.arange(1, len(edges) + 1, dtype=torch.int32, device=device).view(-1, 1, 1)
 
 
 def _count(flag: torch.Tensor, valid: torch.Tensor, n_seq_tok: torch.Tensor) -> torch.Tensor:
@@ -83,18 +74,42 @@ def _count(flag: torch.Tensor, valid: torch.Tensor, n_seq_tok: torch.Tensor) -> 
 def metric_sums(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor | None,
                 cfg: CorrectionConfig) -> dict[str, list[torch.Tensor]]:
     """Every reduction the metrics need, as named groups of 0-d tensors, from the core's intermediates
-    (weights before self-normalization); `metrics_from_sums` reads the names. Takes over the core's raw
-    weights, which it overwrites in place."""
+    (weights before self-normalization); `metrics_from_sums` reads the names. Takes the core's flags and
+    raw weights out of `c` (the raw weights are overwritten in place), so their memory goes first."""
     valid, lr = c["valid"], c["lr"]
     clamp = cfg.log_ratio_clamp
-    n_seq_tok = c["n_seq_tok"].squeeze(-1)
-    n_valid, n_kept = n_seq_tok.sum(), c["n_kept_tok"].sum()
+    n_seq_tok, lr_sum = c["n_seq_tok"].squeeze(-1), c["lr_sum"].squeeze(-1)  # |V_s|, log ρ_s
     seq_valid = indicator(torch.gt, n_seq_tok, 0)
+    per_seq = torch.stack([c["n_act_tok"], c["n_seq_tok"], c["n_kept_tok"], c["n_nonfinite"], c["lr_sum"]])
+    n_act, n_valid, n_kept, n_nonfinite, sum_lr = per_seq.sum((1, 2)).unbind()
     n_seq = seq_valid.sum()
-    lr_sum = c["lr_sum"].squeeze(-1)  # log ρ_s
-    sums = {"kl": [lr_sum.sum(), dot(lr, lr)]}
+    sums = {"kl": [sum_lr, dot(lr, lr)], "tokens": [n_act, n_valid, n_kept, n_nonfinite]}
+    flags = c.pop("flags")
+    for name, flag in flags.items():
+        sums[name] = [_count(flag, valid, c["n_seq_tok"])]
+    if "vetoed" in flags:
+        sums["vetoed_seqs"] = [flags["vetoed"].sum(), (c["n_act_tok"] > 0).sum().to(lr.dtype)]
+    del flags
 
-    # log π_old and log μ, 0 off V: per sequence their means (perplexities), per token their probabilities
+    # weights: exp(clamp(log r)) on V, 0 off V (at token level the core's raw weight is exactly that) ...
+    raw = c.pop("raw")
+    r = own(raw) if cfg.level == "token" else c["r_tok"].clamp(math.exp(-clamp), math.exp(clamp))
+    sums["ratio_token"] = _moments(r.mul_(valid), valid, n_valid)
+    del r
+    sums["ratio_seq"] = _moments(torch.exp(lr_sum.clamp(-clamp, clamp)).mul_(seq_valid), seq_valid, n_seq)
+    if cfg.level == "token":  # the raw weight is r itself: its moments are ratio_token's
+        sums["weight"] = _moments(c["weights"], c["keep"], n_kept)  # weights are 0 off keep
+    else:  # one weight per sequence, constant on its kept tokens
+        sums["raw"] = _moments(raw.squeeze(-1) * seq_valid, seq_valid, n_seq)
+        kept_seq = indicator(torch.gt, c["n_kept_tok"].squeeze(-1), 0)
+        sums["weight"] = _moments(c["weights"].amax(-1), kept_seq, kept_seq.sum())
+    del raw
+    if entropy is not None:
+        sums["entropy"] = [dot(torch.nan_to_num(entropy.detach().to(lr.dtype)), valid)]
+    if log_probs is not None:
+        sums["entropy_sampled"] = [dot(torch.nan_to_num(log_probs.detach().to(lr.dtype)), valid)]
+
+    # ... log π_old and log μ, 0 off V: per sequence their means (perplexities), per token their probabilities
     log_p = zero_off(torch.stack([c["old"], c["roll"]]), valid, scratch=True)
     means = log_p.sum(-1).div_(c["nf"].squeeze(-1))  # (2, B)
     ppl = torch.exp(-means)  # training, rollout perplexity
@@ -104,40 +119,23 @@ def metric_sums(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor |
     abs_dp = torch.sub(p[0], p[1]).abs_()
     dp_sums = [abs_dp.sum(), abs_dp.amax()]
     del abs_dp
-    bucket = torch.bucketize(p[1], _bucket_edges(p.device, p.dtype), right=True, out_int32=True)  # edges ≤ μ
+    edges, upper_buckets = _bucket_edges(p.device, p.dtype)
+    bucket = torch.bucketize(p[1], edges, right=True, out_int32=True)  # its bucket: the edges ≤ μ(a_t)
     # Moments about the batch means (on the device, no sync): raw E[x²] − E[x]² cancels catastrophically when
     # the probabilities barely vary, and a correlation must stay within [−1, 1].
     d = p.sub_((p.sum((1, 2)) / n_valid.clamp_min(1)).view(2, 1, 1)).mul_(valid)
     sums["pearson"] = [*d.sum((1, 2)).unbind(), dot(d[0], d[0]), dot(d[1], d[1]), dot(d[0], d[1])]
     del p, d, log_p
 
+    # ... and |log r|, overall and per probability bucket
+    at_or_above = (bucket >= upper_buckets).sum((1, 2)).to(lr.dtype)  # exact counts (edge 0: all valid tokens)
+    sums["bucket_at_or_above"] = [n_valid, *at_or_above.unbind()]
     abs_lr = lr.abs()  # 0 off V
     sums["gaps"] = [*dp_sums, abs_lr.sum(), abs_lr.amax()]
-    sums["bucket_counts"], sums["bucket_gaps"] = _bucket_sums(bucket, abs_lr, valid)
-    del bucket, abs_lr
-    if entropy is not None:
-        sums["entropy"] = [dot(torch.nan_to_num(entropy.detach().to(lr.dtype)), valid)]
-    if log_probs is not None:
-        sums["entropy_sampled"] = [dot(torch.nan_to_num(log_probs.detach().to(lr.dtype)), valid)]
-
-    # exp(clamp(log r)) on V, 0 off V; at token level the core's raw weight is exactly that
-    r = own(c["raw"]) if cfg.level == "token" else c["r_tok"].clamp(math.exp(-clamp), math.exp(clamp))
-    sums["ratio_token"] = _moments(r.mul_(valid), valid, n_valid)
-    del r
-    sums["ratio_seq"] = _moments(torch.exp(lr_sum.clamp(-clamp, clamp)).mul_(seq_valid), seq_valid, n_seq)
-    if cfg.level == "token":  # the raw weight is r itself: its moments are ratio_token's
-        sums["weight"] = _moments(c["weights"], c["keep"], n_kept)  # weights are 0 off keep
-    else:  # one weight per sequence, constant on its kept tokens
-        sums["raw"] = _moments(c["raw"].squeeze(-1) * seq_valid, seq_valid, n_seq)
-        kept_seq = indicator(torch.gt, c["n_kept_tok"].squeeze(-1), 0)
-        sums["weight"] = _moments(c["weights"].amax(-1), kept_seq, kept_seq.sum())
-
-    n_act_tok = c["n_act_tok"]
-    sums["tokens"] = [n_act_tok.sum(), n_valid, n_kept, c["n_nonfinite"].sum()]
-    for name, flag in c["flags"].items():
-        sums[name] = [_count(flag, valid, c["n_seq_tok"])]
-    if "vetoed" in c["flags"]:
-        sums["vetoed_seqs"] = [c["flags"]["vetoed"].sum(), (n_act_tok > 0).sum().to(lr.dtype)]
+    # Each bucket's Σ|log r| on its own, so a small bucket stays exact in float32 (a scatter-add would also
+    # queue its atomics on six addresses); off V |log r| = 0, whatever the bucket.
+    in_bucket = torch.empty_like(abs_lr)
+    sums["bucket_gaps"] = [dot(torch.eq(bucket, b, out=in_bucket), abs_lr) for b in range(len(names.BUCKET_NAMES))]
     return sums
 
 
@@ -197,8 +195,10 @@ def metrics_from_sums(s: Sums, cfg: CorrectionConfig) -> dict[str, float]:
     den = math.sqrt(var_o * var_r)
     out[names.PEARSON_P] = min(1.0, max(-1.0, (sor - so * sr) / den)) if den > 0 else 0.0
 
-    for gap_key, frac_key, gap, count in zip(names.BUCKET_GAP_KEYS, names.BUCKET_FRAC_KEYS, s["bucket_gaps"],
-                                             s["bucket_counts"], strict=True):
+    at_or_above = [*s["bucket_at_or_above"], 0.0]
+    for b, (gap_key, frac_key, gap) in enumerate(zip(names.BUCKET_GAP_KEYS, names.BUCKET_FRAC_KEYS, s["bucket_gaps"],
+                                                     strict=True)):
+        count = at_or_above[b] - at_or_above[b + 1]  # differences of exact token counts
         out[gap_key] = gap / max(count, 1.0)
         out[frac_key] = count / n
     if "entropy" in s:

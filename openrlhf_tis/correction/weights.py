@@ -129,16 +129,21 @@ def _bounded(r: torch.Tensor, raw: torch.Tensor, cfg: CorrectionConfig) -> tuple
     return (raw.clone() if cfg.mode == "raw" else torch.ones_like(r)), {}  # vanilla IS | none
 
 
-def _veto(r_tok: torch.Tensor, log_p: tuple[torch.Tensor, torch.Tensor] | None,
+def _veto(r_tok: torch.Tensor, log_p: tuple[torch.Tensor, torch.Tensor] | None, valid: torch.Tensor,
           cfg: CorrectionConfig) -> torch.Tensor:
     """(B, 1) 1.0 for a sequence holding a catastrophic valid token (ratio or probability veto), read off
-    each sequence's extremes: off V, r_t = 1 and both log-probs are 0, which no test flags (v < 1, p < 1)."""
+    each sequence's extremes: off V, r_t = 1 and both log-probs are 0, which no test flags (v < 1, p ≤ 1)."""
     vetoed = []
     if cfg.veto_threshold is not None:
-        lowest, highest = torch.aminmax(r_tok, dim=-1, keepdim=True)
-        vetoed.append(lowest < cfg.veto_threshold)
+        v = cfg.veto_threshold
+        if v < 1:
+            lowest, highest = torch.aminmax(r_tok, dim=-1, keepdim=True)
+        else:  # only the bare core takes v ≥ 1 (training refuses it), which r_t = 1 off V would trip
+            lowest = torch.where(valid > 0, r_tok, math.inf).amin(-1, keepdim=True)
+            highest = (r_tok * valid).amax(-1, keepdim=True)
+        vetoed.append(lowest < v)
         if cfg.veto_sides == "both":
-            vetoed.append(highest > 1.0 / cfg.veto_threshold)
+            vetoed.append(highest > 1.0 / v)
     if cfg.veto_min_prob is not None:  # near-impossible under μ or under π_old
         vetoed.append(torch.minimum(*log_p).amin(-1, keepdim=True) < math.log(cfg.veto_min_prob))
     return functools.reduce(torch.logical_or, vetoed).to(r_tok.dtype)
@@ -161,6 +166,7 @@ def _core(old: torch.Tensor, roll: torch.Tensor, action_mask: torch.Tensor, log_
     n_nonfinite = n_act_tok - valid.sum(-1, keepdim=True)  # per sequence
     if cfg.nonfinite == "sequence":
         valid.mul_(n_nonfinite == 0)
+    action = action if details else None  # only the dumps read it again
 
     lr = zero_off(lr, valid, scratch=True)  # log r_t, 0 off V
     # the log-probs themselves, 0 off V, only for the statistics that read them (the metrics zero their own)
@@ -200,7 +206,7 @@ def _core(old: torch.Tensor, roll: torch.Tensor, action_mask: torch.Tensor, log_
 
     # ── veto: one catastrophic token drops its whole sequence ──
     if cfg.veto_threshold is not None or cfg.veto_min_prob is not None:
-        flags["vetoed"] = _veto(r_tok, log_p, cfg)
+        flags["vetoed"] = _veto(r_tok, log_p, valid, cfg)
         drop(flags["vetoed"])
 
     # ── OPSM: negative-advantage sequences that drifted too far from μ ──
@@ -225,7 +231,7 @@ def _core(old: torch.Tensor, roll: torch.Tensor, action_mask: torch.Tensor, log_
         "n_seq_tok": n_seq_tok, "n_act_tok": n_act_tok, "n_kept_tok": n_kept_tok, "n_nonfinite": n_nonfinite,
         "old": old, "roll": roll, "raw": raw, "flags": flags, "norm": norm,
         # the token ratio for the metrics where `raw` is not it; the action tokens for the dumps
-        "r_tok": None if cfg.level == "token" else r_tok, "action": action if details else None,
+        "r_tok": None if cfg.level == "token" else r_tok, "action": action,
     }
 
 
