@@ -119,7 +119,8 @@ def metric_sums(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor |
     abs_dp = torch.sub(p[0], p[1]).abs_()
     dp_sums = [abs_dp.sum(), abs_dp.amax()]
     del abs_dp
-    edges, upper_buckets = _bucket_edges(p.device, p.dtype)
+    make_edges = _bucket_edges.__wrapped__ if torch.compiler.is_compiling() else _bucket_edges  # constants there
+    edges, upper_buckets = make_edges(p.device, p.dtype)
     bucket = torch.bucketize(p[1], edges, right=True, out_int32=True)  # its bucket: the edges ≤ μ(a_t)
     # Moments about the batch means (on the device, no sync): raw E[x²] − E[x]² cancels catastrophically when
     # the probabilities barely vary, and a correlation must stay within [−1, 1].

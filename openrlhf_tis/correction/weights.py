@@ -91,20 +91,22 @@ def _aggregate(s: torch.Tensor, nf: torch.Tensor, agg: str) -> torch.Tensor:
     return total if agg == "sum" else total / nf
 
 
-def _in_bounds(x: torch.Tensor, lower: float | None, upper: float | None) -> torch.Tensor:
-    """1.0 where lower ≤ x ≤ upper (None: unbounded), else 0.0."""
+def _out_of_bounds(x: torch.Tensor, lower: float | None, upper: float | None) -> torch.Tensor:
+    """1.0 where x < lower or x > upper (None: unbounded), else 0.0. No statistic is NaN on V (every one is
+    finite or ±inf there), so this is exactly "not lower ≤ x ≤ upper"."""
     if lower is None:
-        return indicator(torch.le, x, upper)
+        return indicator(torch.gt, x, upper)
     if upper is None:
-        return indicator(torch.ge, x, lower)
-    return indicator(torch.ge, x, lower).mul_(indicator(torch.le, x, upper))
+        return indicator(torch.lt, x, lower)
+    return indicator(torch.lt, x, lower).add_(x > upper)  # disjoint: validate() keeps lower <= upper
 
 
-def _criterion_keep(crit: RejectionCriterion, lr, r_tok, nf, old, roll) -> torch.Tensor:
+def _criterion_rejects(crit: RejectionCriterion, lr, r_tok, nf, old, roll) -> torch.Tensor:
+    """1.0 for each token (B, T) or sequence (B, 1) the criterion rejects."""
     value = _aggregate(_token_statistic(crit.statistic, lr, r_tok, old, roll), nf, crit.agg)
     if crit.statistic == "ratio":
         value = torch.exp(value)  # token r_t, sequence Π r_t, geometric exp(mean log r_t); inf/0 compare fine
-    return _in_bounds(value, crit.lower, crit.upper)
+    return _out_of_bounds(value, crit.lower, crit.upper)
 
 
 def _needs_log_probs(cfg: CorrectionConfig) -> bool:
@@ -198,7 +200,7 @@ def _core(old: torch.Tensor, roll: torch.Tensor, action_mask: torch.Tensor, log_
     # ── rejection sampling, chained with AND ──
     old0, roll0 = log_p or (None, None)
     for crit in cfg.rejection:
-        flags[f"rs_{crit.name}"] = 1.0 - _criterion_keep(crit, lr, r_tok, nf, old0, roll0)
+        flags[f"rs_{crit.name}"] = _criterion_rejects(crit, lr, r_tok, nf, old0, roll0)
         drop(flags[f"rs_{crit.name}"])
     if cfg.rejection:
         fails = [flags[f"rs_{crit.name}"] for crit in cfg.rejection]
