@@ -80,7 +80,8 @@ def metric_sums(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor |
     clamp = cfg.log_ratio_clamp
     n_seq_tok, lr_sum = c["n_seq_tok"].squeeze(-1), c["lr_sum"].squeeze(-1)  # |V_s|, log ρ_s
     seq_valid = indicator(torch.gt, n_seq_tok, 0)
-    per_seq = torch.stack([c["n_act_tok"], c["n_seq_tok"], c["n_kept_tok"], c["n_nonfinite"], c["lr_sum"]])
+    n_kept_tok = c["keep"].sum(-1, keepdim=True)
+    per_seq = torch.stack([c["n_act_tok"], c["n_seq_tok"], n_kept_tok, c["n_nonfinite"], c["lr_sum"]])
     n_act, n_valid, n_kept, n_nonfinite, sum_lr = per_seq.sum((1, 2)).unbind()
     n_seq = seq_valid.sum()
     sums = {"kl": [sum_lr, dot(lr, lr)], "tokens": [n_act, n_valid, n_kept, n_nonfinite]}
@@ -101,7 +102,7 @@ def metric_sums(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor |
         sums["weight"] = _moments(c["weights"], c["keep"], n_kept)  # weights are 0 off keep
     else:  # one weight per sequence, constant on its kept tokens
         sums["raw"] = _moments(raw.squeeze(-1) * seq_valid, seq_valid, n_seq)
-        kept_seq = indicator(torch.gt, c["n_kept_tok"].squeeze(-1), 0)
+        kept_seq = indicator(torch.gt, n_kept_tok.squeeze(-1), 0)
         sums["weight"] = _moments(c["weights"].amax(-1), kept_seq, kept_seq.sum())
     del raw
     if entropy is not None:

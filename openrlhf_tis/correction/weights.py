@@ -36,7 +36,7 @@ import torch
 
 from .config import CorrectionConfig, RejectionCriterion
 from .metrics import metric_sums, metric_vector, metrics_from_sums, metrics_to_dict
-from .ops import finite, indicator, zero_off
+from .ops import dot, finite, indicator, zero_off
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a tensor over the data-parallel ranks and returns the sum (e.g. wraps dist.all_reduce)."""
@@ -101,9 +101,13 @@ def _out_of_bounds(x: torch.Tensor, lower: float | None, upper: float | None) ->
     return indicator(torch.lt, x, lower).add_(x > upper)  # disjoint: validate() keeps lower <= upper
 
 
-def _criterion_rejects(crit: RejectionCriterion, lr, r_tok, nf, old, roll) -> torch.Tensor:
+def _criterion_rejects(crit: RejectionCriterion, lr, lr_sum, r_tok, nf, old, roll) -> torch.Tensor:
     """1.0 for each token (B, T) or sequence (B, 1) the criterion rejects."""
-    value = _aggregate(_token_statistic(crit.statistic, lr, r_tok, old, roll), nf, crit.agg)
+    if crit.statistic in ("ratio", "k1") and crit.agg in ("sum", "mean"):  # from Σ log r, summed once already
+        total = lr_sum if crit.statistic == "ratio" else -lr_sum
+        value = total if crit.agg == "sum" else total / nf
+    else:
+        value = _aggregate(_token_statistic(crit.statistic, lr, r_tok, old, roll), nf, crit.agg)
     if crit.statistic == "ratio":
         value = torch.exp(value)  # token r_t, sequence Π r_t, geometric exp(mean log r_t); inf/0 compare fine
     return _out_of_bounds(value, crit.lower, crit.upper)
@@ -148,7 +152,12 @@ def _veto(r_tok: torch.Tensor, log_p: tuple[torch.Tensor, torch.Tensor] | None, 
             vetoed.append(highest > 1.0 / v)
     if cfg.veto_min_prob is not None:  # near-impossible under μ or under π_old
         vetoed.append(torch.minimum(*log_p).amin(-1, keepdim=True) < math.log(cfg.veto_min_prob))
-    return functools.reduce(torch.logical_or, vetoed).to(r_tok.dtype)
+    if len(vetoed) == 1:
+        return vetoed[0].to(r_tok.dtype)
+    flag = torch.logical_or(*vetoed[:2], out=torch.empty(vetoed[0].shape, dtype=r_tok.dtype, device=r_tok.device))
+    for more in vetoed[2:]:
+        torch.logical_or(flag, more, out=flag)
+    return flag
 
 
 def _core(old: torch.Tensor, roll: torch.Tensor, action_mask: torch.Tensor, log_probs: torch.Tensor | None,
@@ -200,11 +209,11 @@ def _core(old: torch.Tensor, roll: torch.Tensor, action_mask: torch.Tensor, log_
     # ── rejection sampling, chained with AND ──
     old0, roll0 = log_p or (None, None)
     for crit in cfg.rejection:
-        flags[f"rs_{crit.name}"] = _criterion_rejects(crit, lr, r_tok, nf, old0, roll0)
-        drop(flags[f"rs_{crit.name}"])
+        flags[f"rs_{crit.name}"] = _criterion_rejects(crit, lr, lr_sum, r_tok, nf, old0, roll0)
     if cfg.rejection:
         fails = [flags[f"rs_{crit.name}"] for crit in cfg.rejection]
         flags["rejected"] = functools.reduce(torch.maximum, fails)  # OR of 0/1 floats
+        drop(flags["rejected"])
 
     # ── veto: one catastrophic token drops its whole sequence ──
     if cfg.veto_threshold is not None or cfg.veto_min_prob is not None:
@@ -221,16 +230,16 @@ def _core(old: torch.Tensor, roll: torch.Tensor, action_mask: torch.Tensor, log_
     weights = w * keep if cfg.sequence_level else w.mul_(keep)  # w: (B, 1) per sequence, else (B, T)
 
     # Sums for self-normalization: per kept token, or per kept sequence (one weight per sequence).
-    n_kept_tok = keep.sum(-1, keepdim=True)
-    if cfg.level == "token":
-        norm = torch.stack([weights.sum(), n_kept_tok.sum()])
-    else:
-        kept_seq = (n_kept_tok > 0).to(dt)
-        norm = torch.stack([(w * kept_seq).sum(), kept_seq.sum()])
+    norm = None
+    if cfg.batch_normalize and cfg.level == "token":
+        norm = torch.stack([weights.sum(), keep.sum()])
+    elif cfg.batch_normalize:
+        kept_seq = keep.amax(-1, keepdim=True)  # 0/1: whether the sequence kept a token
+        norm = torch.stack([dot(w, kept_seq), kept_seq.sum()])
 
     return {
         "weights": weights, "keep": keep, "valid": valid, "lr": lr, "lr_sum": lr_sum, "nf": nf,
-        "n_seq_tok": n_seq_tok, "n_act_tok": n_act_tok, "n_kept_tok": n_kept_tok, "n_nonfinite": n_nonfinite,
+        "n_seq_tok": n_seq_tok, "n_act_tok": n_act_tok, "n_nonfinite": n_nonfinite,
         "old": old, "roll": roll, "raw": raw, "flags": flags, "norm": norm,
         # the token ratio for the metrics where `raw` is not it; the action tokens for the dumps
         "r_tok": None if cfg.level == "token" else r_tok, "action": action,
@@ -396,8 +405,7 @@ def compute_correction(
             norm = c["norm"]
             if allreduce is not None and cfg.normalize_scope == "global":
                 norm = allreduce(norm.clone())
-            factor = norm[0] / norm[1].clamp(min=1)  # 0 unless some weight was kept and is positive
-            factor = torch.where(factor > 0, factor, 1.0)
+            factor = torch.where(norm[0] > 0, norm[0] / norm[1], 1.0)  # Σ kept weights > 0: something kept
         weights = weights.div_(factor)  # the core's own tensor
 
     metrics: dict[str, float] = {}
