@@ -31,9 +31,12 @@ from collections.abc import Callable
 from types import ModuleType
 
 import torch
+import torch._inductor.config as inductor_config
 from torch.profiler import ProfilerActivity, profile
 
 from openrlhf_tis import correction
+
+inductor_config.cpp.enable_kernel_profile = True  # Inductor's CPU kernels show in a profile (set before compiling)
 
 # Operations that launch no kernel: views, allocations, metadata, and the host side of a transfer.
 _NO_KERNEL = frozenset(f"aten::{name}" for name in (
@@ -77,9 +80,6 @@ def _dispatched(event) -> bool:
 def kernel_count(fn: Callable[[], object], device: str) -> int:
     """Kernels one call of fn launches (after two warm-up calls): CUDA kernels, memcpys and memsets on a GPU;
     on CPU the outermost kernel-launching operations (see the module docstring)."""
-    import torch._inductor.config as inductor_config
-
-    inductor_config.cpp.enable_kernel_profile = True  # Inductor's CPU kernels appear in the profile
     fn()
     fn()
     _sync(device)

@@ -75,13 +75,15 @@ def metric_sums(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor |
                 cfg: CorrectionConfig) -> dict[str, list[torch.Tensor]]:
     """Every reduction the metrics need, as named groups of 0-d tensors, from the core's intermediates
     (weights before self-normalization); `metrics_from_sums` reads the names. Takes the core's flags and
-    raw weights out of `c` (the raw weights are overwritten in place), so their memory goes first."""
+    token ratios out of `c` (the ratios are overwritten in place), so their memory goes first."""
     valid, lr = c["valid"], c["lr"]
     clamp = cfg.log_ratio_clamp
-    n_seq_tok, lr_sum = c["n_seq_tok"].squeeze(-1), c["lr_sum"].squeeze(-1)  # |V_s|, log ρ_s
-    seq_valid = indicator(torch.gt, n_seq_tok, 0)
+    lr_sum = c["lr_sum"] if c["lr_sum"] is not None else lr.sum(-1, keepdim=True)  # log ρ_s
+    nf = c["nf"] if c["nf"] is not None else c["n_seq_tok"].clamp(min=1.0)  # |V_s|, at least 1
+    seq_valid = indicator(torch.gt, c["n_seq_tok"].squeeze(-1), 0)
     n_kept_tok = c["keep"].sum(-1, keepdim=True)
-    per_seq = torch.stack([c["n_act_tok"], c["n_seq_tok"], n_kept_tok, c["n_nonfinite"], c["lr_sum"]])
+    per_seq = torch.stack([c["n_act_tok"], c["n_seq_tok"], n_kept_tok, c["n_nonfinite"], lr_sum])
+    lr_sum = lr_sum.squeeze(-1)
     n_act, n_valid, n_kept, n_nonfinite, sum_lr = per_seq.sum((1, 2)).unbind()
     n_seq = seq_valid.sum()
     sums = {"kl": [sum_lr, dot(lr, lr)], "tokens": [n_act, n_valid, n_kept, n_nonfinite]}
@@ -92,19 +94,18 @@ def metric_sums(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor |
         sums["vetoed_seqs"] = [flags["vetoed"].sum(), (c["n_act_tok"] > 0).sum().to(lr.dtype)]
     del flags
 
-    # weights: exp(clamp(log r)) on V, 0 off V (at token level the core's raw weight is exactly that) ...
-    raw = c.pop("raw")
-    r = own(raw) if cfg.level == "token" else c["r_tok"].clamp(math.exp(-clamp), math.exp(clamp))
-    sums["ratio_token"] = _moments(r.mul_(valid), valid, n_valid)
+    # weights: the token ratio exp(clamp(log r)) on V, 0 off V (at token level the raw weight) ...
+    r = own(c.pop("r_tok")).clamp_(math.exp(-clamp), math.exp(clamp)).mul_(valid)
+    sums["ratio_token"] = _moments(r, valid, n_valid)
     del r
     sums["ratio_seq"] = _moments(torch.exp(lr_sum.clamp(-clamp, clamp)).mul_(seq_valid), seq_valid, n_seq)
     if cfg.level == "token":  # the raw weight is r itself: its moments are ratio_token's
         sums["weight"] = _moments(c["weights"], c["keep"], n_kept)  # weights are 0 off keep
     else:  # one weight per sequence, constant on its kept tokens
-        sums["raw"] = _moments(raw.squeeze(-1) * seq_valid, seq_valid, n_seq)
+        raw = c["r"].squeeze(-1).clamp(math.exp(-clamp), math.exp(clamp))
+        sums["raw"] = _moments(raw.mul_(seq_valid), seq_valid, n_seq)
         kept_seq = indicator(torch.gt, n_kept_tok.squeeze(-1), 0)
         sums["weight"] = _moments(c["weights"].amax(-1), kept_seq, kept_seq.sum())
-    del raw
     if entropy is not None:
         sums["entropy"] = [dot(torch.nan_to_num(entropy.detach().to(lr.dtype)), valid)]
     if log_probs is not None:
@@ -112,7 +113,7 @@ def metric_sums(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor |
 
     # ... log π_old and log μ, 0 off V: per sequence their means (perplexities), per token their probabilities
     log_p = zero_off(torch.stack([c["old"], c["roll"]]), valid, scratch=True)
-    means = log_p.sum(-1).div_(c["nf"].squeeze(-1))  # (2, B)
+    means = log_p.sum(-1).div_(nf.squeeze(-1))  # (2, B)
     ppl = torch.exp(-means)  # training, rollout perplexity
     log_ratio = means[1] - means[0]  # mean log μ − mean log π_old = log(ppl_train / ppl_rollout)
     sums["ppl"] = list((torch.stack([ppl[1], ppl[0], log_ratio.exp(), log_ratio]) @ seq_valid).unbind())

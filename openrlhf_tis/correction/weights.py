@@ -119,7 +119,12 @@ def _needs_log_probs(cfg: CorrectionConfig) -> bool:
             or any(c.statistic in ("binary_kl", "binary_kl_sym", "tv") for c in cfg.rejection))
 
 
-def _bounded(r: torch.Tensor, raw: torch.Tensor, cfg: CorrectionConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def clamped(r: torch.Tensor, cfg: CorrectionConfig) -> torch.Tensor:
+    """The raw weight exp(clamp(log r, ±log_ratio_clamp)) as clamp(r, e^∓clamp): a new tensor."""
+    return r.clamp(math.exp(-cfg.log_ratio_clamp), math.exp(cfg.log_ratio_clamp))
+
+
+def _bounded(r: torch.Tensor, cfg: CorrectionConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The weight after the mode's bounds (a tensor of its own), and 0/1 flags named for their metrics:
     where the bounds bind (truncate, clip), or `bounds_masked` where mode mask drops the token (the caller
     drops it)."""
@@ -132,7 +137,7 @@ def _bounded(r: torch.Tensor, raw: torch.Tensor, cfg: CorrectionConfig) -> tuple
     if cfg.mode == "mask":  # IcePop / MIS: keep iff L <= r <= U; r.clamp(max=U) = r wherever kept
         outside = indicator(torch.lt, r, L).add_(r > U)  # disjoint: validate() keeps L <= U
         return r.clamp(max=U), {"bounds_masked": outside}
-    return (raw.clone() if cfg.mode == "raw" else torch.ones_like(r)), {}  # vanilla IS | none
+    return (clamped(r, cfg) if cfg.mode == "raw" else torch.ones_like(r)), {}  # vanilla IS | none
 
 
 def _veto(r_tok: torch.Tensor, log_p: tuple[torch.Tensor, torch.Tensor] | None, valid: torch.Tensor,
@@ -183,8 +188,9 @@ def _core(old: torch.Tensor, roll: torch.Tensor, action_mask: torch.Tensor, log_
     # the log-probs themselves, 0 off V, only for the statistics that read them (the metrics zero their own)
     log_p = (zero_off(old, valid), zero_off(roll, valid)) if _needs_log_probs(cfg) else None
     n_seq_tok = valid.sum(-1, keepdim=True)
-    nf = n_seq_tok.clamp(min=1.0)  # |V| per sequence
-    lr_sum = lr.sum(-1, keepdim=True)
+    nf = lr_sum = None  # |V| and Σ log r per sequence, where the weights need them (else the metrics make them)
+    if cfg.level != "token" or cfg.opsm_delta is not None or any(c.agg in ("sum", "mean") for c in cfg.rejection):
+        nf, lr_sum = n_seq_tok.clamp(min=1.0), lr.sum(-1, keepdim=True)
     r_tok = torch.exp(lr)  # r_t, exact (inf/0 at the extremes, which every comparison handles); 1 off V
 
     # ── IS weight at the chosen level, then its bounds ──
@@ -192,9 +198,8 @@ def _core(old: torch.Tensor, roll: torch.Tensor, action_mask: torch.Tensor, log_
         r = r_tok
     else:
         r = torch.exp(lr_sum if cfg.level == "sequence" else lr_sum / nf)  # Π r, or exp(mean log r)
-    raw = r.clamp(math.exp(-cfg.log_ratio_clamp), math.exp(cfg.log_ratio_clamp))  # = exp(clamp(log w))
     # Flags are 0/1 per token (B, T) or per sequence (B, 1), named for their metrics; they count on V only.
-    w, flags = _bounded(r, raw, cfg)
+    w, flags = _bounded(r, cfg)
 
     keep = valid  # the survivors; each filter below drops its flagged tokens
 
@@ -240,9 +245,8 @@ def _core(old: torch.Tensor, roll: torch.Tensor, action_mask: torch.Tensor, log_
     return {
         "weights": weights, "keep": keep, "valid": valid, "lr": lr, "lr_sum": lr_sum, "nf": nf,
         "n_seq_tok": n_seq_tok, "n_act_tok": n_act_tok, "n_nonfinite": n_nonfinite,
-        "old": old, "roll": roll, "raw": raw, "flags": flags, "norm": norm,
-        # the token ratio for the metrics where `raw` is not it; the action tokens for the dumps
-        "r_tok": None if cfg.level == "token" else r_tok, "action": action,
+        "old": old, "roll": roll, "r": r, "r_tok": r_tok, "flags": flags, "norm": norm,
+        "action": action,  # for the dumps only
     }
 
 
@@ -265,9 +269,9 @@ def _correct(old: torch.Tensor, roll: torch.Tensor, action_mask: torch.Tensor, l
     out = {"weights": c["weights"], "mask": c["keep"].to(action_mask.dtype), "norm": c["norm"]}
     if details:  # before the metrics, which reuse some of the core's tensors
         flags, valid = c["flags"], c["valid"]
-        out.update(raw=c["raw"] * valid, nan=c.pop("action") > valid, bounds=_reason(flags.get("bounds_masked"), valid),
-                   rejection=_reason(flags.get("rejected"), valid), veto=_reason(flags.get("vetoed"), valid),
-                   opsm=_reason(flags.get("opsm"), valid))
+        out.update(raw=clamped(c["r"], cfg) * valid, nan=c.pop("action") > valid,
+                   bounds=_reason(flags.get("bounds_masked"), valid), rejection=_reason(flags.get("rejected"), valid),
+                   veto=_reason(flags.get("vetoed"), valid), opsm=_reason(flags.get("opsm"), valid))
     if metrics:
         out["metrics"] = metric_pass(c, log_probs, entropy, cfg=cfg)
     return out
