@@ -30,7 +30,6 @@ to the host in one transfer, where `metrics_from_sums` derives every logged valu
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -39,6 +38,7 @@ from . import names
 from .config import CorrectionConfig
 from .ops import dot, indicator, own, zero_off
 
+_ABOVE_ANY_WEIGHT = 1e30  # added off a mask before a min; weights and ratios are clamped at e^20
 Sums = dict[str, list[float]]
 """`metric_sums` on the host: each named group of reductions as floats."""
 
@@ -50,20 +50,28 @@ Sums = dict[str, list[float]]
 
 def _moments(x: torch.Tensor, mask: torch.Tensor, n: torch.Tensor) -> list[torch.Tensor]:
     """[n, Σx, Σx², Σy, Σy², min, max] of weights x ≥ 0, 0 off a 0/1 mask holding n ones, with y = x − 1 on
-    the mask (read by `_summary` and `_chi2`)."""
-    y = torch.sub(x, mask)
-    sums = [n, x.sum(), dot(x, x), y.sum(), dot(y, y)]
-    del y  # before the next temporary
-    lowest = torch.where(mask > 0, x, math.inf).amin()  # off the mask: above every weight
-    return [*sums, lowest, x.amax()]  # x ≥ 0: the zeros off the mask never win
+    the mask (read by `_summary` and `_chi2`); one scratch tensor serves the min and then y."""
+    scratch = torch.rsub(mask, 1.0)
+    lowest = torch.add(x, scratch, alpha=_ABOVE_ANY_WEIGHT, out=scratch).amin()  # off the mask: above every weight
+    y = torch.sub(x, mask, out=scratch)
+    return [n, x.sum(), dot(x, x), y.sum(), dot(y, y), lowest, x.amax()]  # x ≥ 0: the zeros off the mask never win
 
 
-@functools.lru_cache(maxsize=8)
-def _bucket_edges(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The probability buckets' edges, and the bucket indices 1..5 shaped to broadcast against (B, T), on the
-    device; made once, as a host-to-device copy synchronizes."""
-    edges = torch.tensor(names.PROB_BUCKET_EDGES, dtype=dtype, device=device)
-    return edges, torch.arange(1, len(edges) + 1, dtype=torch.int32, device=device).view(-1, 1, 1)
+def _bucket_sums(p: torch.Tensor, abs_lr: torch.Tensor, n_valid: torch.Tensor) -> tuple[list, list]:
+    """Valid tokens at or above each bucket edge (edge 0: all), exact counts, and Σ|log r| per bucket, for p
+    the rollout probability on V and 0 off it (lower edges inclusive). Each bucket's Σ|log r| is summed on
+    its own, so a small bucket stays exact in float32, through two 0/1 buffers reused in place (a bucket
+    index would cost a slow search or a wide comparison on the CPU; a scatter-add, atomics on six addresses
+    on a GPU)."""
+    in_bucket, above = torch.ones_like(p), torch.empty_like(p)
+    at_or_above, gaps = [n_valid], []
+    for edge in names.PROB_BUCKET_EDGES:
+        torch.ge(p, edge, out=above)  # off V, p = 0 lies below every edge
+        at_or_above.append(above.sum())
+        gaps.append(dot(in_bucket.sub_(above), abs_lr))  # the bucket below this edge
+        in_bucket, above = above, in_bucket  # the next bucket starts at this edge
+    gaps.append(dot(in_bucket, abs_lr))  # the last bucket: at or above the last edge
+    return at_or_above, gaps
 
 
 def _count(flag: torch.Tensor, valid: torch.Tensor, n_seq_tok: torch.Tensor) -> torch.Tensor:
@@ -74,8 +82,8 @@ def _count(flag: torch.Tensor, valid: torch.Tensor, n_seq_tok: torch.Tensor) -> 
 def metric_sums(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor | None,
                 cfg: CorrectionConfig) -> dict[str, list[torch.Tensor]]:
     """Every reduction the metrics need, as named groups of 0-d tensors, from the core's intermediates
-    (weights before self-normalization); `metrics_from_sums` reads the names. Takes the core's flags and
-    token ratios out of `c` (the ratios are overwritten in place), so their memory goes first."""
+    (weights before self-normalization); `metrics_from_sums` reads the names. Takes the core's flags, ratios
+    and log-ratios out of `c` (overwriting them in place), so their memory goes as soon as they are used."""
     valid, lr = c["valid"], c["lr"]
     clamp = cfg.log_ratio_clamp
     lr_sum = c["lr_sum"] if c["lr_sum"] is not None else lr.sum(-1, keepdim=True)  # log ρ_s
@@ -88,13 +96,13 @@ def metric_sums(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor |
     n_seq = seq_valid.sum()
     sums = {"kl": [sum_lr, dot(lr, lr)], "tokens": [n_act, n_valid, n_kept, n_nonfinite]}
     flags = c.pop("flags")
-    for name, flag in flags.items():
-        sums[name] = [_count(flag, valid, c["n_seq_tok"])]
+    sums.update({name: [_count(flag, valid, c["n_seq_tok"])] for name, flag in flags.items()})
     if "vetoed" in flags:
-        sums["vetoed_seqs"] = [flags["vetoed"].sum(), (c["n_act_tok"] > 0).sum().to(lr.dtype)]
+        sums["vetoed_seqs"] = [flags["vetoed"].sum(), (c["n_act_tok"] > 0).sum().to(valid.dtype)]
     del flags
 
     # weights: the token ratio exp(clamp(log r)) on V, 0 off V (at token level the raw weight) ...
+    level_r = c.pop("r")  # the weight at the configured level: r_tok itself at token level
     r = own(c.pop("r_tok")).clamp_(math.exp(-clamp), math.exp(clamp)).mul_(valid)
     sums["ratio_token"] = _moments(r, valid, n_valid)
     del r
@@ -102,14 +110,15 @@ def metric_sums(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor |
     if cfg.level == "token":  # the raw weight is r itself: its moments are ratio_token's
         sums["weight"] = _moments(c["weights"], c["keep"], n_kept)  # weights are 0 off keep
     else:  # one weight per sequence, constant on its kept tokens
-        raw = c["r"].squeeze(-1).clamp(math.exp(-clamp), math.exp(clamp))
+        raw = level_r.squeeze(-1).clamp(math.exp(-clamp), math.exp(clamp))
         sums["raw"] = _moments(raw.mul_(seq_valid), seq_valid, n_seq)
         kept_seq = indicator(torch.gt, n_kept_tok.squeeze(-1), 0)
         sums["weight"] = _moments(c["weights"].amax(-1), kept_seq, kept_seq.sum())
+    del level_r
     if entropy is not None:
-        sums["entropy"] = [dot(torch.nan_to_num(entropy.detach().to(lr.dtype)), valid)]
+        sums["entropy"] = [dot(torch.nan_to_num(entropy.detach().to(valid.dtype)), valid)]
     if log_probs is not None:
-        sums["entropy_sampled"] = [dot(torch.nan_to_num(log_probs.detach().to(lr.dtype)), valid)]
+        sums["entropy_sampled"] = [dot(torch.nan_to_num(log_probs.detach().to(valid.dtype)), valid)]
 
     # ... log π_old and log μ, 0 off V: per sequence their means (perplexities), per token their probabilities
     log_p = zero_off(torch.stack([c["old"], c["roll"]]), valid, scratch=True)
@@ -121,24 +130,16 @@ def metric_sums(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor |
     abs_dp = torch.sub(p[0], p[1]).abs_()
     dp_sums = [abs_dp.sum(), abs_dp.amax()]
     del abs_dp
-    make_edges = _bucket_edges.__wrapped__ if torch.compiler.is_compiling() else _bucket_edges  # constants there
-    edges, upper_buckets = make_edges(p.device, p.dtype)
-    bucket = torch.bucketize(p[1], edges, right=True, out_int32=True)  # its bucket: the edges ≤ μ(a_t)
+    abs_lr = own(c.pop("lr")).abs_()  # 0 off V; the last use of log r
+    sums["gaps"] = [*dp_sums, abs_lr.sum(), abs_lr.amax()]
+    sums["bucket_at_or_above"], sums["bucket_gaps"] = _bucket_sums(p[1], abs_lr, n_valid)
+    del abs_lr
     # Moments about the batch means (on the device, no sync): raw E[x²] − E[x]² cancels catastrophically when
     # the probabilities barely vary, and a correlation must stay within [−1, 1].
     d = p.sub_((p.sum((1, 2)) / n_valid.clamp_min(1)).view(2, 1, 1)).mul_(valid)
     sums["pearson"] = [*d.sum((1, 2)).unbind(), dot(d[0], d[0]), dot(d[1], d[1]), dot(d[0], d[1])]
     del p, d, log_p
 
-    # ... and |log r|, overall and per probability bucket
-    at_or_above = (bucket >= upper_buckets).sum((1, 2)).to(lr.dtype)  # exact counts (edge 0: all valid tokens)
-    sums["bucket_at_or_above"] = [n_valid, *at_or_above.unbind()]
-    abs_lr = lr.abs()  # 0 off V
-    sums["gaps"] = [*dp_sums, abs_lr.sum(), abs_lr.amax()]
-    # Each bucket's Σ|log r| on its own, so a small bucket stays exact in float32 (a scatter-add would also
-    # queue its atomics on six addresses); off V |log r| = 0, whatever the bucket.
-    in_bucket = torch.empty_like(abs_lr)
-    sums["bucket_gaps"] = [dot(torch.eq(bucket, b, out=in_bucket), abs_lr) for b in range(len(names.BUCKET_NAMES))]
     return sums
 
 
