@@ -250,7 +250,7 @@ def _host_syncs(args, batch: list[torch.Tensor]) -> Row:
     counts = {"batch_num_tokens": am.sum(), "global_batch_size": float(am.shape[0]), "dp_size": 1}
     found = {}
     for name in ("tis", "mis_full"):
-        cfg = preset(name)  # the default: compiled metrics on CUDA
+        cfg = preset(name, compile_metrics="on")  # the CUDA default ("auto"), compiled once for every check
         policy_loss(lp0, old, adv, am, roll, cfg, **counts)  # warm, compiled
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("warn")
@@ -303,7 +303,7 @@ def check_step(args, sizes: Sizes) -> Iterator[Row]:
     upstream = policy_loss_cls()
     steps = {"upstream PolicyLoss": step(lambda lp: upstream(lp, old, adv, am, roll, **counts)[0])}
     for name in bench.EAGER_ROWS:
-        cfg = preset(name) if args.compile else preset(name, compile_metrics="off")
+        cfg = preset(name, compile_metrics="on" if args.compile else "off")
         steps[name] = step(lambda lp, cfg=cfg: policy_loss(lp, old, adv, am, roll, cfg, **counts).loss)
     times = bench.time_all(steps, max(3, sizes.repeats // 2), args.device)
     base = times.pop("upstream PolicyLoss")
