@@ -216,7 +216,7 @@ class CorrectionConfig:
         "auto", ("auto", "on", "off"),
         """torch.compile the metrics pass alone into a few fused kernels; the weights and masks stay eager, so
         training is unchanged (metrics may differ in their last bits). auto: on CUDA, where the eager pass is
-        ~85 kernel launches, more than upstream's whole policy loss (the first call compiles, seconds to a
+        ~95 kernel launches, more than upstream's whole policy loss (the first call compiles, seconds to a
         minute; a failed compile falls back to eager with one warning) | on | off.""")
 
     def __post_init__(self) -> None:
