@@ -299,9 +299,10 @@ def _metric_pass(cfg: CorrectionConfig, device: torch.device) -> Callable[..., t
 
 @functools.lru_cache(maxsize=32)
 def _compiled_metrics(cfg: CorrectionConfig) -> Callable[..., torch.Tensor]:
-    """The metrics pass compiled into a few fused kernels (eagerly it is ~100 launches, the whole cost of
+    """The metrics pass compiled into a few fused kernels (eagerly it is ~95 launches, the whole cost of
     the metrics on a GPU), or, where compiling fails (no Triton, an unsupported GPU), the eager pass after
-    one warning. Shapes are dynamic: every micro-batch has its own length, and must not recompile."""
+    one warning. Shapes are dynamic: every micro-batch has its own length, and must not recompile. The
+    compiled pass gets a copy of the core's dict, whole for the eager pass should it fail."""
     compiled = torch.compile(_own_code(metric_vector), dynamic=True)
     failure: list[Exception] = []
 
@@ -309,7 +310,7 @@ def _compiled_metrics(cfg: CorrectionConfig) -> Callable[..., torch.Tensor]:
             cfg: CorrectionConfig) -> torch.Tensor:
         if not failure:
             try:
-                return compiled(c, log_probs, entropy, cfg=cfg)
+                return compiled(dict(c), log_probs, entropy, cfg=cfg)
             except Exception as exc:  # any compiler failure: the metrics are still owed, eagerly
                 failure.append(exc)
                 warnings.warn(f"the correction metrics run eagerly: torch.compile failed ({type(exc).__name__}: "
