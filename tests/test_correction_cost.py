@@ -113,3 +113,13 @@ def test_a_failed_compile_falls_back_to_the_eager_metrics_with_one_warning(monke
     want = compute_correction(old, roll, am, cfg.replace(compile_metrics="off")).metrics
     assert first.metrics == want and second.metrics == want
     weights._compiled_metrics.cache_clear()
+
+
+def test_a_resume_may_switch_the_compiled_metrics_or_predate_them():
+    from openrlhf_tis.runs.config import fingerprint
+
+    base = {"algo.correction.mode": "truncate", "algo.correction.upper": 2.0}
+    assert len({fingerprint(base), *(fingerprint({**base, "algo.correction.compile_metrics": value})
+                                     for value in ("auto", "on", "off"))}) == 1
+    assert fingerprint({**base, "algo.correction.upper": 3.0}) != fingerprint(base)  # what is trained still counts
+

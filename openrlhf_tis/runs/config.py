@@ -46,6 +46,7 @@ RESUME_IGNORED: tuple[str, ...] = (
     "*.offload",
     "ds.adam_offload",
     "reward.nonfinite",  # resuming a run that failed on a NaN reward with `drop` is what the flag is for
+    "algo.correction.compile_metrics",  # how the metrics are reduced, never what is trained
 )
 
 VERSIONED_PACKAGES = (
