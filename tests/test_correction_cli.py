@@ -161,6 +161,8 @@ EXPECTED_CORRECTION_OPTIONS = {
     "--algo.correction.nonfinite": ("algo.correction.nonfinite", _STORE, _STR, None, ["sequence", "token"], None),
     "--algo.correction.log_ratio_clamp": ("algo.correction.log_ratio_clamp", _STORE, _FLOAT, None, None, None),
     "--algo.correction.compile": ("algo.correction.compile", _TRUE, None, 0, None, None),
+    "--algo.correction.compile_metrics": ("algo.correction.compile_metrics", _STORE, _STR, None, ["auto", "on", "off"],
+                                          None),
 }
 
 
@@ -186,9 +188,9 @@ def test_every_correction_flag_reaches_the_resolved_config(argv):
                           p + "veto_threshold", "0.001", p + "veto_sides", "low", p + "veto_min_prob", "1e-6",
                           p + "opsm_delta", "0.2", p + "batch_normalize", p + "normalize_scope", "local",
                           p + "loss", "bypass_reinforce", p + "denominator", "kept", p + "nonfinite", "token",
-                          p + "log_ratio_clamp", "10", p + "compile"])
+                          p + "log_ratio_clamp", "10", p + "compile", p + "compile_metrics", "off"])
     assert _resolved(args) == CorrectionConfig(
         level="geometric", mode="clip", lower=0.6, upper=1.5, rejection=("k3:mean:0.05", "ratio:mean:0.9:1.1"),
         veto_threshold=0.001, veto_sides="low", veto_min_prob=1e-6, opsm_delta=0.2, batch_normalize=True,
         normalize_scope="local", loss="bypass_reinforce", denominator="kept", nonfinite="token",
-        log_ratio_clamp=10.0, compile=True)
+        log_ratio_clamp=10.0, compile=True, compile_metrics="off")

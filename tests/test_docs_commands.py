@@ -148,6 +148,22 @@ def _papermill(args: list[str]) -> str:
     return "papermill parameters checked"
 
 
+def _script_command(script: Path, args: list[str]) -> str:
+    """Run a repository script as `python SCRIPT args` would, up to its argument parsing."""
+    import runpy
+    import sys
+
+    assert script.is_file(), f"no script {script.relative_to(REPO)}"
+    # as python does: the script's own folder first on sys.path (a benchmark imports its neighbours)
+    with stop_after_parsing(), mock.patch.object(sys, "argv", [str(script), *args]), \
+            mock.patch.object(sys, "path", [str(script.parent), *sys.path]):
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+        except Parsed:
+            return "the script's arguments parsed"
+    raise AssertionError(f"{script.relative_to(REPO)} ran without parsing arguments")
+
+
 def dry_run(argv: list[str], tmp: Path) -> str:
     """Check one command line without running it; returns what was checked, raises on a fault."""
     head, args = argv[0], argv[1:]
@@ -160,7 +176,9 @@ def dry_run(argv: list[str], tmp: Path) -> str:
         module = re.search(r"-m (openrlhf_tis[\w.]+)", script.read_text())
         return _module_command(module.group(1), args[1:], tmp) if module else "script exists (the set-up)"
     if re.fullmatch(r"python(3(\.\d+)?)?", tool):
-        assert args[0] == "-m", "only `python -m MODULE` commands are checked"
+        if args[0].endswith(".py"):  # a script of the repository (benchmarks/)
+            return _script_command(REPO / args[0], args[1:])
+        assert args[0] == "-m", "only `python -m MODULE` and `python SCRIPT.py` commands are checked"
         if args[1] in ("venv", "pip"):
             return "Python's own module"
         return _module_command(args[1], args[2:], tmp)

@@ -36,7 +36,7 @@ import torch
 
 from . import names
 from .config import CorrectionConfig
-from .ops import dot
+from .ops import dot, indicator, own, zero_off
 
 _ABOVE_ANY_WEIGHT = 1e30  # added off a mask before a min; weights and ratios are clamped at e^20
 Sums = dict[str, list[float]]
@@ -44,23 +44,25 @@ Sums = dict[str, list[float]]
 
 
 # ── on the device: reductions only ───────────────────────────────────────────────────────────────────
-# Temporaries are reused in place (`_` ops, out=): on CPU a fresh full-size tensor costs page faults worth
-# several elementwise passes, so the count of fresh tensors, not of ops, sets the eager cost.
+# Eagerly every operation is a kernel launch and every fresh full-size tensor costs memory (ops.py): each
+# per-token quantity is made once, in a tensor that is reused in place or dropped before the next one is
+# made, and the reductions land as 0-d tensors in one vector, stacked once.
 
-def _moments(x_masked: torch.Tensor, mask: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """[n, Σx, Σx², Σy, Σy², min, max] of weights x ≥ 0 over a 0/1 mask holding n ones, from
-    x_masked = x·mask, with y = x − 1 on the mask (read by `_summary` and `_chi2`)."""
-    buffer = (1.0 - mask).mul_(_ABOVE_ANY_WEIGHT).add_(x_masked)  # off the mask: above every weight
-    lowest = buffer.amin()
-    y = torch.sub(x_masked, mask, out=buffer)
-    return torch.stack([n, x_masked.sum(), dot(x_masked, x_masked), y.sum(), dot(y, y), lowest,
-                        x_masked.amax()])  # x ≥ 0: the zeros off the mask never win
+def _moments(x: torch.Tensor, mask: torch.Tensor, n: torch.Tensor) -> list[torch.Tensor]:
+    """[n, Σx, Σx², Σy, Σy², min, max] of weights x ≥ 0, 0 off a 0/1 mask holding n ones, with y = x − 1 on
+    the mask (read by `_summary` and `_chi2`); one scratch tensor serves the min and then y."""
+    scratch = torch.rsub(mask, 1.0)
+    lowest = torch.add(x, scratch, alpha=_ABOVE_ANY_WEIGHT, out=scratch).amin()  # off the mask: above every weight
+    y = torch.sub(x, mask, out=scratch)
+    return [n, x.sum(), dot(x, x), y.sum(), dot(y, y), lowest, x.amax()]  # x ≥ 0: the zeros off the mask never win
 
 
-def _bucket_sums(p: torch.Tensor, abs_lr: torch.Tensor, n_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _bucket_sums(p: torch.Tensor, abs_lr: torch.Tensor, n_valid: torch.Tensor) -> tuple[list, list]:
     """Valid tokens at or above each bucket edge (edge 0: all), exact counts, and Σ|log r| per bucket, for p
     the rollout probability on V and 0 off it (lower edges inclusive). Each bucket's Σ|log r| is summed on
-    its own, so a small bucket stays exact in float32, through two 0/1 buffers reused in place."""
+    its own, so a small bucket stays exact in float32, through two 0/1 buffers reused in place (a bucket
+    index would cost a slow search or a wide comparison on the CPU; a scatter-add, atomics on six addresses
+    on a GPU)."""
     in_bucket, above = torch.ones_like(p), torch.empty_like(p)
     at_or_above, gaps = [n_valid], []
     for edge in names.PROB_BUCKET_EDGES:
@@ -69,7 +71,7 @@ def _bucket_sums(p: torch.Tensor, abs_lr: torch.Tensor, n_valid: torch.Tensor) -
         gaps.append(dot(in_bucket.sub_(above), abs_lr))  # the bucket below this edge
         in_bucket, above = above, in_bucket  # the next bucket starts at this edge
     gaps.append(dot(in_bucket, abs_lr))  # the last bucket: at or above the last edge
-    return torch.stack(at_or_above), torch.stack(gaps)
+    return at_or_above, gaps
 
 
 def _count(flag: torch.Tensor, valid: torch.Tensor, n_seq_tok: torch.Tensor) -> torch.Tensor:
@@ -78,61 +80,73 @@ def _count(flag: torch.Tensor, valid: torch.Tensor, n_seq_tok: torch.Tensor) -> 
 
 
 def metric_sums(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor | None,
-                cfg: CorrectionConfig) -> dict[str, torch.Tensor]:
-    """Every reduction the metrics need, as named 1-d tensors, from the core's intermediates (weights
-    before self-normalization). Runs inside the compiled graph; `metrics_from_sums` reads the names.
-    Takes over the core's raw weights and zeroed log-probs, which it overwrites in place."""
-    valid, lr, old, roll, n_seq_tok = c["valid"], c["lr"], c["old"], c["roll"], c["n_seq_tok"]
-    dt = lr.dtype
+                cfg: CorrectionConfig) -> dict[str, list[torch.Tensor]]:
+    """Every reduction the metrics need, as named groups of 0-d tensors, from the core's intermediates
+    (weights before self-normalization); `metrics_from_sums` reads the names. Takes the core's flags, ratios
+    and log-ratios out of `c` (overwriting them in place), so their memory goes as soon as they are used."""
+    valid, lr = c["valid"], c["lr"]
     clamp = cfg.log_ratio_clamp
-    nf = c["nf"].squeeze(-1)
-    n_valid, n_kept = n_seq_tok.sum(), c["n_kept_tok"].sum()
-    seq_valid = (n_seq_tok.squeeze(-1) > 0).to(dt)
-    # exp(clamp(log r)) on V, 0 off V; at token level the core's raw weight is exactly exp(clamp(log r))
-    r = c["raw"] if cfg.level == "token" else c["r_tok"].clamp(math.exp(-clamp), math.exp(clamp))
-    r = r.mul_(valid)
-    lr_sum = c["lr_sum"].squeeze(-1)  # log ρ_s
-    rho = torch.exp(lr_sum.clamp(-clamp, clamp))
-    abs_lr = lr.abs()  # 0 off V
-    mean_roll, mean_old = roll.sum(-1) / nf, old.sum(-1) / nf
-    p_old, p_roll = old.exp_().mul_(valid), roll.exp_().mul_(valid)  # probabilities on V, 0 off V
-    # Moments about the batch means (on the device, no sync): raw E[x²] − E[x]² cancels catastrophically when
-    # the probabilities barely vary, and a correlation must stay within [−1, 1].
-    d_old = (p_old - p_old.sum() / n_valid.clamp_min(1)).mul_(valid)
-    d_roll = (p_roll - p_roll.sum() / n_valid.clamp_min(1)).mul_(valid)
-    pearson = torch.stack([d_old.sum(), d_roll.sum(), dot(d_old, d_old), dot(d_roll, d_roll), dot(d_old, d_roll)])
-    abs_dp = p_old.sub_(p_roll).abs_()  # p_old is not needed any more
-    per_seq = torch.stack([torch.exp(-mean_roll), torch.exp(-mean_old), torch.exp(mean_roll - mean_old),
-                           mean_roll - mean_old])
+    lr_sum = c["lr_sum"] if c["lr_sum"] is not None else lr.sum(-1, keepdim=True)  # log ρ_s
+    nf = c["nf"] if c["nf"] is not None else c["n_seq_tok"].clamp(min=1.0)  # |V_s|, at least 1
+    seq_valid = indicator(torch.gt, c["n_seq_tok"].squeeze(-1), 0)
+    n_kept_tok = c["keep"].sum(-1, keepdim=True)
+    per_seq = torch.stack([c["n_act_tok"], c["n_seq_tok"], n_kept_tok, c["n_nonfinite"], lr_sum])
+    lr_sum = lr_sum.squeeze(-1)
+    n_act, n_valid, n_kept, n_nonfinite, sum_lr = per_seq.sum((1, 2)).unbind()
+    n_seq = seq_valid.sum()
+    sums = {"kl": [sum_lr, dot(lr, lr)], "tokens": [n_act, n_valid, n_kept, n_nonfinite]}
+    flags = c.pop("flags")
+    sums.update({name: [_count(flag, valid, c["n_seq_tok"])] for name, flag in flags.items()})
+    if "vetoed" in flags:
+        sums["vetoed_seqs"] = [flags["vetoed"].sum(), (c["n_act_tok"] > 0).sum().to(valid.dtype)]
+    del flags
 
-    sums = {
-        "kl": torch.stack([lr_sum.sum(), dot(lr, lr)]),
-        "ratio_token": _moments(r, valid, n_valid),
-        "ratio_seq": _moments(rho * seq_valid, seq_valid, seq_valid.sum()),
-        "ppl": per_seq @ seq_valid,
-        "gaps": torch.stack([abs_dp.sum(), abs_dp.amax(), abs_lr.sum(), abs_lr.amax()]),
-        "pearson": pearson,
-    }
-    sums["bucket_at_or_above"], sums["bucket_gaps"] = _bucket_sums(p_roll, abs_lr, n_valid)
-    if entropy is not None:
-        sums["entropy"] = dot(torch.nan_to_num(entropy.detach().to(dt)), valid).reshape(1)
-    if log_probs is not None:
-        sums["entropy_sampled"] = dot(torch.nan_to_num(log_probs.detach().to(dt)), valid).reshape(1)
-
+    # weights: the token ratio exp(clamp(log r)) on V, 0 off V (at token level the raw weight) ...
+    level_r = c.pop("r")  # the weight at the configured level: r_tok itself at token level
+    r = own(c.pop("r_tok")).clamp_(math.exp(-clamp), math.exp(clamp)).mul_(valid)
+    sums["ratio_token"] = _moments(r, valid, n_valid)
+    del r
+    sums["ratio_seq"] = _moments(torch.exp(lr_sum.clamp(-clamp, clamp)).mul_(seq_valid), seq_valid, n_seq)
     if cfg.level == "token":  # the raw weight is r itself: its moments are ratio_token's
         sums["weight"] = _moments(c["weights"], c["keep"], n_kept)  # weights are 0 off keep
     else:  # one weight per sequence, constant on its kept tokens
-        sums["raw"] = _moments(c["raw"].squeeze(-1) * seq_valid, seq_valid, seq_valid.sum())
-        kept_seq = (c["n_kept_tok"].squeeze(-1) > 0).to(dt)
+        raw = level_r.squeeze(-1).clamp(math.exp(-clamp), math.exp(clamp))
+        sums["raw"] = _moments(raw.mul_(seq_valid), seq_valid, n_seq)
+        kept_seq = indicator(torch.gt, n_kept_tok.squeeze(-1), 0)
         sums["weight"] = _moments(c["weights"].amax(-1), kept_seq, kept_seq.sum())
+    del level_r
+    if entropy is not None:
+        sums["entropy"] = [dot(torch.nan_to_num(entropy.detach().to(valid.dtype)), valid)]
+    if log_probs is not None:
+        sums["entropy_sampled"] = [dot(torch.nan_to_num(log_probs.detach().to(valid.dtype)), valid)]
 
-    n_act_tok = c["n_act_tok"]
-    sums["tokens"] = torch.stack([n_act_tok.sum(), n_valid, n_kept, c["n_nonfinite"].sum()])
-    for name, flag in c["flags"].items():
-        sums[name] = _count(flag, valid, n_seq_tok).reshape(1)
-    if "vetoed" in c["flags"]:
-        sums["vetoed_seqs"] = torch.stack([c["flags"]["vetoed"].sum(), (n_act_tok > 0).sum().to(dt)])
+    # ... log π_old and log μ, 0 off V: per sequence their means (perplexities), per token their probabilities
+    log_p = zero_off(torch.stack([c["old"], c["roll"]]), valid, scratch=True)
+    means = log_p.sum(-1).div_(nf.squeeze(-1))  # (2, B)
+    ppl = torch.exp(-means)  # training, rollout perplexity
+    log_ratio = means[1] - means[0]  # mean log μ − mean log π_old = log(ppl_train / ppl_rollout)
+    sums["ppl"] = list((torch.stack([ppl[1], ppl[0], log_ratio.exp(), log_ratio]) @ seq_valid).unbind())
+    p = log_p.exp_().mul_(valid)  # π_old(a_t), μ(a_t) on V, 0 off V
+    abs_dp = torch.sub(p[0], p[1]).abs_()
+    dp_sums = [abs_dp.sum(), abs_dp.amax()]
+    del abs_dp
+    abs_lr = own(c.pop("lr")).abs_()  # 0 off V; the last use of log r
+    sums["gaps"] = [*dp_sums, abs_lr.sum(), abs_lr.amax()]
+    sums["bucket_at_or_above"], sums["bucket_gaps"] = _bucket_sums(p[1], abs_lr, n_valid)
+    del abs_lr
+    # Moments about the batch means (on the device, no sync): raw E[x²] − E[x]² cancels catastrophically when
+    # the probabilities barely vary, and a correlation must stay within [−1, 1].
+    d = p.sub_((p.sum((1, 2)) / n_valid.clamp_min(1)).view(2, 1, 1)).mul_(valid)
+    sums["pearson"] = [*d.sum((1, 2)).unbind(), dot(d[0], d[0]), dot(d[1], d[1]), dot(d[0], d[1])]
+    del p, d, log_p
+
     return sums
+
+
+def metric_vector(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor | None, *,
+                  cfg: CorrectionConfig) -> torch.Tensor:
+    """`metric_sums` as one 1-d tensor, group after group (the layout `metrics_to_dict` reads)."""
+    return torch.stack([value for group in metric_sums(c, log_probs, entropy, cfg).values() for value in group])
 
 
 # ── on the host: every logged value from the sums ────────────────────────────────────────────────────

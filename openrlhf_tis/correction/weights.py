@@ -28,14 +28,15 @@ from __future__ import annotations
 import functools
 import math
 import types
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from .config import CorrectionConfig, RejectionCriterion
-from .metrics import metric_sums, metrics_from_sums, metrics_to_dict
-from .ops import finite, indicator
+from .metrics import metric_sums, metric_vector, metrics_from_sums, metrics_to_dict
+from .ops import dot, finite, indicator, zero_off
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a tensor over the data-parallel ranks and returns the sum (e.g. wraps dist.all_reduce)."""
@@ -90,20 +91,26 @@ def _aggregate(s: torch.Tensor, nf: torch.Tensor, agg: str) -> torch.Tensor:
     return total if agg == "sum" else total / nf
 
 
-def _in_bounds(x: torch.Tensor, lower: float | None, upper: float | None) -> torch.Tensor:
-    """1.0 where lower ≤ x ≤ upper (None: unbounded), else 0.0."""
+def _out_of_bounds(x: torch.Tensor, lower: float | None, upper: float | None) -> torch.Tensor:
+    """1.0 where x < lower or x > upper (None: unbounded), else 0.0. No statistic is NaN on V (every one is
+    finite or ±inf there), so this is exactly "not lower ≤ x ≤ upper"."""
     if lower is None:
-        return indicator(torch.le, x, upper)
+        return indicator(torch.gt, x, upper)
     if upper is None:
-        return indicator(torch.ge, x, lower)
-    return indicator(torch.ge, x, lower).mul_(indicator(torch.le, x, upper))
+        return indicator(torch.lt, x, lower)
+    return indicator(torch.lt, x, lower).add_(x > upper)  # disjoint: validate() keeps lower <= upper
 
 
-def _criterion_keep(crit: RejectionCriterion, lr, r_tok, nf, old, roll) -> torch.Tensor:
-    value = _aggregate(_token_statistic(crit.statistic, lr, r_tok, old, roll), nf, crit.agg)
+def _criterion_rejects(crit: RejectionCriterion, lr, lr_sum, r_tok, nf, old, roll) -> torch.Tensor:
+    """1.0 for each token (B, T) or sequence (B, 1) the criterion rejects."""
+    if crit.statistic in ("ratio", "k1") and crit.agg in ("sum", "mean"):  # from Σ log r, summed once already
+        total = lr_sum if crit.statistic == "ratio" else -lr_sum
+        value = total if crit.agg == "sum" else total / nf
+    else:
+        value = _aggregate(_token_statistic(crit.statistic, lr, r_tok, old, roll), nf, crit.agg)
     if crit.statistic == "ratio":
         value = torch.exp(value)  # token r_t, sequence Π r_t, geometric exp(mean log r_t); inf/0 compare fine
-    return _in_bounds(value, crit.lower, crit.upper)
+    return _out_of_bounds(value, crit.lower, crit.upper)
 
 
 def _needs_log_probs(cfg: CorrectionConfig) -> bool:
@@ -112,7 +119,12 @@ def _needs_log_probs(cfg: CorrectionConfig) -> bool:
             or any(c.statistic in ("binary_kl", "binary_kl_sym", "tv") for c in cfg.rejection))
 
 
-def _bounded(r: torch.Tensor, raw: torch.Tensor, cfg: CorrectionConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def clamped(r: torch.Tensor, cfg: CorrectionConfig) -> torch.Tensor:
+    """The raw weight exp(clamp(log r, ±log_ratio_clamp)) as clamp(r, e^∓clamp): a new tensor."""
+    return r.clamp(math.exp(-cfg.log_ratio_clamp), math.exp(cfg.log_ratio_clamp))
+
+
+def _bounded(r: torch.Tensor, cfg: CorrectionConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The weight after the mode's bounds (a tensor of its own), and 0/1 flags named for their metrics:
     where the bounds bind (truncate, clip), or `bounds_masked` where mode mask drops the token (the caller
     drops it)."""
@@ -125,34 +137,42 @@ def _bounded(r: torch.Tensor, raw: torch.Tensor, cfg: CorrectionConfig) -> tuple
     if cfg.mode == "mask":  # IcePop / MIS: keep iff L <= r <= U; r.clamp(max=U) = r wherever kept
         outside = indicator(torch.lt, r, L).add_(r > U)  # disjoint: validate() keeps L <= U
         return r.clamp(max=U), {"bounds_masked": outside}
-    return (raw.clone() if cfg.mode == "raw" else torch.ones_like(r)), {}  # vanilla IS | none
+    return (clamped(r, cfg) if cfg.mode == "raw" else torch.ones_like(r)), {}  # vanilla IS | none
 
 
-def _veto(r_tok: torch.Tensor, old: torch.Tensor, roll: torch.Tensor, valid: torch.Tensor,
+def _veto(r_tok: torch.Tensor, log_p: tuple[torch.Tensor, torch.Tensor] | None, valid: torch.Tensor,
           cfg: CorrectionConfig) -> torch.Tensor:
-    """(B, 1) 1.0 for a sequence holding a catastrophic valid token (ratio or probability veto)."""
-    tests = []  # (compare, tensor, threshold): a valid token failing any one vetoes its sequence
+    """(B, 1) 1.0 for a sequence holding a catastrophic valid token (ratio or probability veto), read off
+    each sequence's extremes: off V, r_t = 1 and both log-probs are 0, which no test flags (v < 1, p ≤ 1)."""
+    vetoed = []
     if cfg.veto_threshold is not None:
-        tests.append((torch.lt, r_tok, cfg.veto_threshold))
+        v = cfg.veto_threshold
+        if v < 1:
+            lowest, highest = torch.aminmax(r_tok, dim=-1, keepdim=True)
+        else:  # only the bare core takes v ≥ 1 (training refuses it), which r_t = 1 off V would trip
+            lowest = torch.where(valid > 0, r_tok, math.inf).amin(-1, keepdim=True)
+            highest = (r_tok * valid).amax(-1, keepdim=True)
+        vetoed.append(lowest < v)
         if cfg.veto_sides == "both":
-            tests.append((torch.gt, r_tok, 1.0 / cfg.veto_threshold))
-    if cfg.veto_min_prob is not None:
-        log_p = math.log(cfg.veto_min_prob)  # near-impossible under μ or under π_old
-        tests += [(torch.lt, roll, log_p), (torch.lt, old, log_p)]
-    failed = torch.empty_like(valid)  # one 0/1 buffer for every test
-    hits = sum(compare(x, threshold, out=failed).mul_(valid).sum(-1, keepdim=True) for compare, x, threshold in tests)
-    return (hits > 0).to(valid.dtype)
+            vetoed.append(highest > 1.0 / v)
+    if cfg.veto_min_prob is not None:  # near-impossible under μ or under π_old
+        vetoed.append(torch.minimum(*log_p).amin(-1, keepdim=True) < math.log(cfg.veto_min_prob))
+    if len(vetoed) == 1:
+        return vetoed[0].to(r_tok.dtype)
+    flag = torch.logical_or(*vetoed[:2], out=torch.empty(vetoed[0].shape, dtype=r_tok.dtype, device=r_tok.device))
+    for more in vetoed[2:]:
+        torch.logical_or(flag, more, out=flag)
+    return flag
 
 
 def _core(old: torch.Tensor, roll: torch.Tensor, action_mask: torch.Tensor, log_probs: torch.Tensor | None,
-          advantages: torch.Tensor | None, cfg: CorrectionConfig, fused: bool = False,
-          keep_inputs: bool = True) -> dict:
+          advantages: torch.Tensor | None, cfg: CorrectionConfig, details: bool = False) -> dict:
     """Everything elementwise or per-row; no host synchronization, so torch.compile can fuse it.
 
-    Masks are 0/1 floats of the working dtype (ops.py says why) and the core's own temporaries are
-    updated in place (metrics.py says why). Off V every value is replaced by 0 before use, so no NaN/inf
-    ever meets a mask: by torch.where in a compiled graph (a blend), by nan_to_num times the 0/1 mask in
-    eager mode (~20x faster on CPU).
+    Masks are 0/1 floats of the working dtype and the core's own temporaries are updated in place
+    (ops.py says why). Off V every value is replaced by 0 before use, so no NaN/inf ever meets a mask
+    (`ops.zero_off`). The dict holds what the metrics and the details read, and no more: every other
+    full-size temporary is freed as soon as the core is done with it.
     """
     dt = old.dtype
     action = indicator(torch.ne, action_mask, 0, dt)
@@ -161,23 +181,16 @@ def _core(old: torch.Tensor, roll: torch.Tensor, action_mask: torch.Tensor, log_
     n_act_tok = action.sum(-1, keepdim=True)
     n_nonfinite = n_act_tok - valid.sum(-1, keepdim=True)  # per sequence
     if cfg.nonfinite == "sequence":
-        valid.mul_((n_nonfinite == 0).to(dt))
+        valid.mul_(n_nonfinite == 0)
+    action = action if details else None  # only the dumps read it again
 
-    def zero_off(x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
-        """x with 0 off V; a `scratch` x is the core's own and is overwritten in eager mode."""
-        if fused:
-            return torch.where(valid > 0, x, 0.0)
-        x = x.nan_to_num_(0.0, 0.0, 0.0) if scratch else torch.nan_to_num(x, 0.0, 0.0, 0.0)
-        return x.mul_(valid)
-
-    lr = zero_off(lr, scratch=True)  # log r_t, 0 off V
-    if keep_inputs or _needs_log_probs(cfg):
-        old, roll = zero_off(old), zero_off(roll)
-    else:
-        old = roll = None  # the bare TIS/MIS weights need only log r
+    lr = zero_off(lr, valid, scratch=True)  # log r_t, 0 off V
+    # the log-probs themselves, 0 off V, only for the statistics that read them (the metrics zero their own)
+    log_p = (zero_off(old, valid), zero_off(roll, valid)) if _needs_log_probs(cfg) else None
     n_seq_tok = valid.sum(-1, keepdim=True)
-    nf = n_seq_tok.clamp(min=1.0)  # |V| per sequence
-    lr_sum = lr.sum(-1, keepdim=True)
+    nf = lr_sum = None  # |V| and Σ log r per sequence, where the weights need them (else the metrics make them)
+    if cfg.level != "token" or cfg.opsm_delta is not None or any(c.agg in ("sum", "mean") for c in cfg.rejection):
+        nf, lr_sum = n_seq_tok.clamp(min=1.0), lr.sum(-1, keepdim=True)
     r_tok = torch.exp(lr)  # r_t, exact (inf/0 at the extremes, which every comparison handles); 1 off V
 
     # ── IS weight at the chosen level, then its bounds ──
@@ -185,9 +198,8 @@ def _core(old: torch.Tensor, roll: torch.Tensor, action_mask: torch.Tensor, log_
         r = r_tok
     else:
         r = torch.exp(lr_sum if cfg.level == "sequence" else lr_sum / nf)  # Π r, or exp(mean log r)
-    raw = r.clamp(math.exp(-cfg.log_ratio_clamp), math.exp(cfg.log_ratio_clamp))  # = exp(clamp(log w))
     # Flags are 0/1 per token (B, T) or per sequence (B, 1), named for their metrics; they count on V only.
-    w, flags = _bounded(r, raw, cfg)
+    w, flags = _bounded(r, cfg)
 
     keep = valid  # the survivors; each filter below drops its flagged tokens
 
@@ -200,39 +212,41 @@ def _core(old: torch.Tensor, roll: torch.Tensor, action_mask: torch.Tensor, log_
         drop(flags["bounds_masked"])
 
     # ── rejection sampling, chained with AND ──
+    old0, roll0 = log_p or (None, None)
     for crit in cfg.rejection:
-        flags[f"rs_{crit.name}"] = 1.0 - _criterion_keep(crit, lr, r_tok, nf, old, roll)
-        drop(flags[f"rs_{crit.name}"])
+        flags[f"rs_{crit.name}"] = _criterion_rejects(crit, lr, lr_sum, r_tok, nf, old0, roll0)
     if cfg.rejection:
         fails = [flags[f"rs_{crit.name}"] for crit in cfg.rejection]
         flags["rejected"] = functools.reduce(torch.maximum, fails)  # OR of 0/1 floats
+        drop(flags["rejected"])
 
     # ── veto: one catastrophic token drops its whole sequence ──
     if cfg.veto_threshold is not None or cfg.veto_min_prob is not None:
-        flags["vetoed"] = _veto(r_tok, old, roll, valid, cfg)
+        flags["vetoed"] = _veto(r_tok, log_p, valid, cfg)
         drop(flags["vetoed"])
 
     # ── OPSM: negative-advantage sequences that drifted too far from μ ──
     if cfg.opsm_delta is not None:
-        lp = zero_off(log_probs.detach().to(dt))
-        drift = (roll - lp).sum(-1, keepdim=True) / nf  # (1/|V|) Σ log(μ/π_θ)
+        lp = zero_off(log_probs.detach().to(dt), valid)
+        drift = (roll0 - lp).sum(-1, keepdim=True) / nf  # (1/|V|) Σ log(μ/π_θ)
         flags["opsm"] = indicator(torch.lt, advantages.detach(), 0, dt).mul_((drift > cfg.opsm_delta).to(dt))
         drop(flags["opsm"])
 
     weights = w * keep if cfg.sequence_level else w.mul_(keep)  # w: (B, 1) per sequence, else (B, T)
 
     # Sums for self-normalization: per kept token, or per kept sequence (one weight per sequence).
-    n_kept_tok = keep.sum(-1, keepdim=True)
-    if cfg.level == "token":
-        norm = torch.stack([weights.sum(), n_kept_tok.sum()])
-    else:
-        kept_seq = (n_kept_tok > 0).to(dt)
-        norm = torch.stack([(w * kept_seq).sum(), kept_seq.sum()])
+    norm = None
+    if cfg.batch_normalize and cfg.level == "token":
+        norm = torch.stack([weights.sum(), keep.sum()])
+    elif cfg.batch_normalize:
+        kept_seq = keep.amax(-1, keepdim=True)  # 0/1: whether the sequence kept a token
+        norm = torch.stack([dot(w, kept_seq), kept_seq.sum()])
 
     return {
-        "weights": weights, "keep": keep, "valid": valid, "action": action, "lr": lr, "lr_sum": lr_sum,
-        "r_tok": r_tok, "nf": nf, "n_seq_tok": n_seq_tok, "n_act_tok": n_act_tok, "n_kept_tok": n_kept_tok,
-        "n_nonfinite": n_nonfinite, "old": old, "roll": roll, "raw": raw, "flags": flags, "norm": norm,
+        "weights": weights, "keep": keep, "valid": valid, "lr": lr, "lr_sum": lr_sum, "nf": nf,
+        "n_seq_tok": n_seq_tok, "n_act_tok": n_act_tok, "n_nonfinite": n_nonfinite,
+        "old": old, "roll": roll, "r": r, "r_tok": r_tok, "flags": flags, "norm": norm,
+        "action": action,  # for the dumps only
     }
 
 
@@ -243,32 +257,67 @@ def _reason(flag: torch.Tensor | None, valid: torch.Tensor) -> torch.Tensor:
 
 def _correct(old: torch.Tensor, roll: torch.Tensor, action_mask: torch.Tensor, log_probs: torch.Tensor | None,
              advantages: torch.Tensor | None, entropy: torch.Tensor | None, *, cfg: CorrectionConfig,
-             metrics: bool, details: bool, compiled: bool = False) -> dict[str, torch.Tensor]:
+             metrics: bool, details: bool, metric_pass: Callable[..., torch.Tensor] = metric_vector
+             ) -> dict[str, torch.Tensor]:
     """Core plus (optionally) metrics and per-token details, returning only what the caller keeps.
 
     Compiled as one graph, the many intermediates of `_core` never reach memory: only the weights,
     the mask, two normalization sums and the metric vector are written.
     """
-    c = _core(old, roll, action_mask, log_probs, advantages, cfg, fused=compiled, keep_inputs=metrics)
+    c = _core(old, roll, action_mask, log_probs, advantages, cfg, details=details)
     # The mask leaves in action_mask's dtype: a float mask is written far faster than a bool one.
     out = {"weights": c["weights"], "mask": c["keep"].to(action_mask.dtype), "norm": c["norm"]}
     if details:  # before the metrics, which reuse some of the core's tensors
         flags, valid = c["flags"], c["valid"]
-        out.update(raw=c["raw"] * valid, nan=c["action"] > valid, bounds=_reason(flags.get("bounds_masked"), valid),
-                   rejection=_reason(flags.get("rejected"), valid), veto=_reason(flags.get("vetoed"), valid),
-                   opsm=_reason(flags.get("opsm"), valid))
+        out.update(raw=clamped(c["r"], cfg) * valid, nan=c.pop("action") > valid,
+                   bounds=_reason(flags.get("bounds_masked"), valid), rejection=_reason(flags.get("rejected"), valid),
+                   veto=_reason(flags.get("vetoed"), valid), opsm=_reason(flags.get("opsm"), valid))
     if metrics:
-        out["metrics"] = torch.cat(list(metric_sums(c, log_probs, entropy, cfg).values()))
+        out["metrics"] = metric_pass(c, log_probs, entropy, cfg=cfg)
     return out
+
+
+def _own_code(fn: Callable) -> Callable:
+    """fn with a fresh copy of its code object. Dynamo keeps at most `recompile_limit` (8) graphs per code
+    object and silently runs eager beyond it; each compiled configuration gets its own budget this way."""
+    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+    fresh.__kwdefaults__ = fn.__kwdefaults__
+    return fresh
 
 
 @functools.lru_cache(maxsize=32)
 def _compiled(cfg: CorrectionConfig, metrics: bool, details: bool):
-    # Dynamo keeps at most `recompile_limit` (8) graphs per code object and silently runs eager beyond
-    # it; each configuration therefore gets its own copy of `_correct`'s code and its own budget.
-    fresh = types.FunctionType(_correct.__code__.replace(), _correct.__globals__, _correct.__name__)
-    fresh.__kwdefaults__ = _correct.__kwdefaults__
-    return torch.compile(functools.partial(fresh, cfg=cfg, metrics=metrics, details=details, compiled=True))
+    return torch.compile(functools.partial(_own_code(_correct), cfg=cfg, metrics=metrics, details=details))
+
+
+def _metric_pass(cfg: CorrectionConfig, device: torch.device) -> Callable[..., torch.Tensor]:
+    """The metrics pass of a call: compiled where `compile_metrics` says so (auto: on CUDA), else eager."""
+    if cfg.compile_metrics == "on" or (cfg.compile_metrics == "auto" and device.type == "cuda"):
+        return _compiled_metrics(cfg)
+    return metric_vector
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_metrics(cfg: CorrectionConfig) -> Callable[..., torch.Tensor]:
+    """The metrics pass compiled into a few fused kernels (eagerly it is ~95 launches, the whole cost of
+    the metrics on a GPU), or, where compiling fails (no Triton, an unsupported GPU), the eager pass after
+    one warning. Shapes are dynamic: every micro-batch has its own length, and must not recompile. The
+    compiled pass gets a copy of the core's dict, whole for the eager pass should it fail."""
+    compiled = torch.compile(_own_code(metric_vector), dynamic=True)
+    failure: list[Exception] = []
+
+    def run(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor | None, *,
+            cfg: CorrectionConfig) -> torch.Tensor:
+        if not failure:
+            try:
+                return compiled(dict(c), log_probs, entropy, cfg=cfg)
+            except Exception as exc:  # any compiler failure: the metrics are still owed, eagerly
+                failure.append(exc)
+                warnings.warn(f"the correction metrics run eagerly: torch.compile failed ({type(exc).__name__}: "
+                              f"{exc}); --algo.correction.compile_metrics off skips the attempt", stacklevel=2)
+        return metric_vector(c, log_probs, entropy, cfg=cfg)
+
+    return run
 
 
 def metric_names(cfg: CorrectionConfig, *, has_entropy: bool = False, has_log_probs: bool = False) -> list[str]:
@@ -287,8 +336,8 @@ def _metric_layout(cfg: CorrectionConfig, has_entropy: bool,
     x = torch.zeros(1, 1)
     c = _core(x, x, torch.ones(1, 1), x, x, cfg)
     sums = metric_sums(c, x if has_log_probs else None, x if has_entropy else None, cfg)
-    layout = tuple((name, value.numel()) for name, value in sums.items())
-    names = tuple(metrics_from_sums({name: value.tolist() for name, value in sums.items()}, cfg))
+    layout = tuple((name, len(values)) for name, values in sums.items())
+    names = tuple(metrics_from_sums({name: [v.item() for v in values] for name, values in sums.items()}, cfg))
     return layout, names
 
 
@@ -347,7 +396,8 @@ def compute_correction(
     old = old_log_probs.detach().to(dtype)
     roll = rollout_log_probs.detach().to(dtype)
     fn = (_compiled(cfg, with_metrics, details) if cfg.compile
-          else functools.partial(_correct, cfg=cfg, metrics=with_metrics, details=details))
+          else functools.partial(_correct, cfg=cfg, metrics=with_metrics, details=details,
+                                 metric_pass=_metric_pass(cfg, old.device)))
     c = fn(old, roll, action_mask, log_probs, advantages, entropy)
 
     weights = c["weights"]
@@ -355,13 +405,12 @@ def compute_correction(
     if cfg.batch_normalize:
         if normalizer is not None:
             factor = torch.as_tensor(normalizer, dtype=weights.dtype, device=weights.device)
-            factor = torch.where(factor > 0, factor, torch.ones_like(factor))
+            factor = torch.where(factor > 0, factor, 1.0)
         else:
             norm = c["norm"]
             if allreduce is not None and cfg.normalize_scope == "global":
                 norm = allreduce(norm.clone())
-            total, count = norm[0], norm[1]
-            factor = torch.where((count > 0) & (total > 0), total / count.clamp(min=1), torch.ones_like(total))
+            factor = torch.where(norm[0] > 0, norm[0] / norm[1], 1.0)  # Σ kept weights > 0: something kept
         weights = weights.div_(factor)  # the core's own tensor
 
     metrics: dict[str, float] = {}

@@ -47,6 +47,7 @@ RESUME_IGNORED: tuple[str, ...] = (
     "ds.adam_offload",
     "reward.nonfinite",  # resuming a run that failed on a NaN reward with `drop` is what the flag is for
     "cluster.*",  # where the run computes: what the device changes in training shows in the flags it sets
+    "algo.correction.compile_metrics",  # how the metrics are reduced, never what is trained
 )
 
 VERSIONED_PACKAGES = (

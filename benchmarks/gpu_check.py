@@ -1,0 +1,478 @@
+"""What the fork does on this machine's GPU, in one command and one table (under 10 minutes on one GPU).
+
+    python benchmarks/gpu_check.py                       # on a machine with one NVIDIA GPU
+    python benchmarks/gpu_check.py --device cpu --small  # the same checks at toy sizes (tests/test_gpu_check.py)
+
+Checks (`--checks` picks some):
+    core      every preset in fp32 on the device against float64 on the CPU: loss, gradient, mask, weights and
+              every metric; with the metrics pass compiled (the CUDA default) for three presets as well
+    upstream  `off`, `upstream_icepop`, `upstream_tis` against OpenRLHF 0.11.2's own PolicyLoss on the device
+    cost      the loss + metrics against upstream's PolicyLoss: time, kernels and peak memory
+              (benchmarks/bench_correction.py's rows), and the host synchronizations of one call on CUDA
+    step      the fork's share of a bf16 training step of a SmolLM2-135M-shaped model (random weights from a
+              LlamaConfig: nothing is downloaded) at micro-batch 8×1024
+    cli       where vLLM, DeepSpeed and Ray are installed and a GPU is present: a 1-GPU run of the training CLI
+              on the tiny model (bf16 rollouts + TIS) whose metrics.jsonl, sync check and token dumps are read
+
+Each row says ok, MISMATCH (a result disagrees with its reference), ERROR (a check raised), goal met / over
+goal (a cost against the issue's goal), info or skipped (with the reason). The exit status is 1 when any row
+is MISMATCH or ERROR. `--perturb-reference` shifts the float64 reference's log π_old, which every preset that
+reads π_old must report as a mismatch: the self-test of the comparison.
+
+The float64 reference is the same core run on the CPU: tests/test_correction_core.py holds that one to an
+independent loop-by-loop reference. Its log-probs lie on a 1/64 grid, exact in both precisions, so no ratio
+falls within rounding of a bound and the two precisions must agree on every mask.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import bench_correction as bench
+import torch
+
+from openrlhf_tis.correction import PRESETS, names, policy_loss, preset
+
+CHECKS = ("core", "upstream", "cost", "step", "cli")
+FAILING = ("MISMATCH", "ERROR")
+REPO = Path(__file__).resolve().parents[1]
+SMOLLM2_135M = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
+                "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
+"""SmolLM2-135M's shape (its config.json), for a random-weight model of the same cost."""
+TOY_MODEL = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+             "tie_word_embeddings": True}
+REWARD = "dense_reward.py"  # the demo task's reward with its dense term: a random tiny model gets advantages
+COMPILED_PRESETS = ("tis", "mis_full", "seq_mis")
+UPSTREAM_SCHEMES = {"off": {}, "upstream_icepop": {"is_correction_mode": "mask"},
+                    "upstream_tis": {"is_correction_mode": "clip"}}
+"""The presets upstream's PolicyLoss computes too, and the PolicyLoss arguments that make it do so."""
+GOALS = {"time": 2.0, "kernels": 2.0, "memory": 1.25, "step": 1.02}
+"""Issue 28's goals for the eager loss + metrics against upstream's PolicyLoss, and for a training step."""
+
+
+@dataclass
+class Sizes:
+    core: tuple[int, int]  # B × T of the reference checks
+    cost: tuple[int, int]  # of the cost rows (bench_correction's default batch)
+    step: tuple[int, int]  # micro-batch of the training step
+    model: dict
+    repeats: int
+
+
+FULL = Sizes(core=(32, 512), cost=(256, 1024), step=(8, 1024), model=SMOLLM2_135M, repeats=10)
+SMALL = Sizes(core=(4, 24), cost=(8, 32), step=(2, 32), model=TOY_MODEL, repeats=2)
+
+
+@dataclass
+class Row:
+    check: str
+    case: str
+    result: str
+    expected: str
+    status: str
+
+
+# ── the batch ────────────────────────────────────────────────────────────────────────────────────────
+
+def grid_batch(B: int, T: int, seed: int = 0, nonfinite: bool = True) -> list[torch.Tensor]:
+    """[log π_θ, log π_old, log μ, advantages, action mask] in float64 on the CPU, every log-prob on a 1/64 grid.
+
+    Most ratios r = π_old/μ lie within e^±1.5 (some beyond every preset's bounds), a few tokens are far off
+    (r = e^10: the veto's territory), and every fourth sequence is on-policy, which every rejection keeps.
+    `nonfinite` puts a NaN and a −inf rollout log-prob on action tokens and NaN on the padding, all of which
+    must stay inert (upstream's PolicyLoss needs finite padding).
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def grid(x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x * 64) / 64
+
+    old = grid(-1.6 - 2.0 * torch.rand(B, T, generator=g, dtype=torch.float64))
+    log_r = grid(0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(-1.5, 1.5)
+    log_r[torch.rand(B, T, generator=g) < 0.01] = 10.0
+    log_r[3::4] = 0.0  # every fourth sequence on-policy (mean log r exactly 0): kept by rejection sampling too
+    log_r[3::4, 0], log_r[3::4, 1] = 1 / 64, -1 / 64
+    lp = grid(old + 0.1 * torch.randn(B, T, generator=g, dtype=torch.float64))
+    adv = grid(torch.randn(B, T, generator=g, dtype=torch.float64))
+    lengths = torch.randint(T // 2, T + 1, (B,), generator=g)
+    am = (torch.arange(T)[None, :] < lengths[:, None]).to(torch.float64)
+    roll = old - log_r
+    if nonfinite and B >= 2:
+        roll[0, 1], roll[1, 2] = math.nan, -math.inf
+    if nonfinite:
+        for x in (old, roll, lp):
+            x[am == 0] = math.nan
+    return [lp, old, roll, adv, am]
+
+
+def _run(batch: list[torch.Tensor], cfg, device: str, dtype: torch.dtype) -> dict:
+    """The fork's policy loss on `batch` moved to device/dtype: loss, gradient, mask, weights, metrics."""
+    lp, old, roll, adv, am = (t.to(device=device, dtype=dtype, copy=True) for t in batch)
+    lp.requires_grad_(True)
+    out = policy_loss(lp, old, adv, am, roll, cfg, batch_num_tokens=am.sum(), global_batch_size=float(am.shape[0]))
+    out.loss.backward()
+    return {"loss": out.loss.item(), "grad": lp.grad.double().cpu(), "mask": out.correction.mask.cpu(),
+            "weights": out.correction.weights.double().cpu(), "metrics": out.correction.metrics}
+
+
+def _worst_metric(got: dict[str, float], ref: dict[str, float], rtol: float, atol: float) -> tuple[str, float, bool]:
+    """(key, relative gap, within tolerance) of the metric farthest from its reference."""
+    worst, gap, ok = "", 0.0, True
+    for key, want in ref.items():
+        diff = abs(got[key] - want)
+        rel = diff / max(abs(want), atol / rtol)
+        if rel > gap:
+            worst, gap = key, rel
+        ok &= diff <= rtol * abs(want) + atol
+    return worst, gap, ok
+
+
+# ── core: every preset against float64 ───────────────────────────────────────────────────────────────
+
+def check_core(args, sizes: Sizes) -> Iterator[Row]:
+    batch = grid_batch(*sizes.core)
+    reference_batch = [t.clone() for t in batch]
+    if args.perturb_reference:
+        reference_batch[1] += 1e-3  # log π_old: every loss and ratio moves
+    compiled = args.compile
+    for name in PRESETS:
+        variants = {"eager": {"compile_metrics": "off"}}
+        if compiled and name in COMPILED_PRESETS:
+            variants["metrics compiled"] = {"compile_metrics": "on"}
+        ref = _run(reference_batch, preset(name, compile_metrics="off"), "cpu", torch.float64)
+        for label, options in variants.items():
+            got = _run(batch, preset(name, **options), args.device, torch.float32)
+            yield _compare("core", f"{name} ({label})", got, ref)
+
+
+def _compare(check: str, case: str, got: dict, ref: dict) -> Row:
+    d_loss = abs(got["loss"] - ref["loss"])
+    d_grad = (got["grad"] - ref["grad"]).abs().max().item()
+    flips = int((got["mask"].bool() != ref["mask"].bool()).sum())
+    d_w = ((got["weights"] - ref["weights"]).abs() / ref["weights"].abs().clamp(min=1)).max().item()
+    key, d_metric, metrics_ok = _worst_metric(got["metrics"], ref["metrics"], rtol=1e-4, atol=1e-6)
+    ok = (d_loss <= 1e-5 * abs(ref["loss"]) + 1e-7 and d_grad <= 1e-5 * ref["grad"].abs().max().item() + 1e-9
+          and flips == 0 and d_w <= 1e-5 and metrics_ok)
+    result = (f"Δloss {d_loss:.1e}, Δgrad {d_grad:.1e}, {flips} mask flips, Δw {d_w:.1e}, "
+              f"metrics {d_metric:.1e} ({key.split('/')[-1]})")
+    return Row(check, case, result, "float64 CPU: 1e-5 rel, no flip, metrics 1e-4", "ok" if ok else "MISMATCH")
+
+
+# ── upstream: the presets OpenRLHF computes too ──────────────────────────────────────────────────────
+
+def upstream_policy_loss() -> type | None:
+    """OpenRLHF's PolicyLoss where openrlhf is installed (its flash-attn import needs the fork's platform
+    patches where flash-attn is absent), else None."""
+    if importlib.util.find_spec("openrlhf") is None:
+        return None
+    from openrlhf_tis import patches
+
+    patches.apply_platform_patches()
+    from openrlhf.models import PolicyLoss
+
+    return PolicyLoss
+
+
+def check_upstream(args, sizes: Sizes) -> Iterator[Row]:
+    policy_loss_cls = upstream_policy_loss()
+    if policy_loss_cls is None:
+        yield Row("upstream", "off, upstream_icepop, upstream_tis", "", "", "skipped: openrlhf is not installed")
+        return
+    lp, old, roll, adv, am = (t.to(device=args.device, dtype=torch.float32)
+                              for t in grid_batch(*sizes.core, seed=1, nonfinite=False))
+    counts = {"batch_num_tokens": am.sum(), "global_batch_size": float(am.shape[0]), "dp_size": 1}
+    for name, mode in UPSTREAM_SCHEMES.items():
+        scheme = {"is_correction_level": "token", "is_correction_threshold": [0.5, 5.0], **mode} if mode else {}
+        up_lp = lp.clone().requires_grad_(True)
+        up_loss, up_clip, up_kl, vllm_kl, _ = policy_loss_cls(**scheme)(up_lp, old, adv, am, roll, **counts)
+        up_loss.backward()
+        ours_lp = lp.clone().requires_grad_(True)
+        ours = policy_loss(ours_lp, old, adv, am, roll, preset(name), **counts)
+        ours.loss.backward()
+        d_loss = abs(ours.loss.item() - up_loss.item())
+        d_grad = (ours_lp.grad - up_lp.grad).abs().max().item()
+        d_kl = abs(ours.ppo_kl.item() - up_kl.item()) + abs(ours.clip_ratio.item() - up_clip.item())
+        if vllm_kl is not None:  # both E_μ[log μ − log π_old]
+            d_kl += abs(ours.correction.metrics[names.K1_KL] - vllm_kl.item())
+        scale = up_lp.grad.abs().max().item()
+        ok = d_loss <= 1e-6 * abs(up_loss.item()) + 1e-8 and d_grad <= 1e-6 * scale + 1e-10 and d_kl <= 1e-6
+        yield Row("upstream", name, f"Δloss {d_loss:.1e}, Δgrad {d_grad:.1e}, Δ(ppo_kl, clip, k1) {d_kl:.1e}",
+                  "OpenRLHF PolicyLoss: 1e-6 rel", "ok" if ok else "MISMATCH")
+
+
+# ── cost: the loss + metrics against upstream's ──────────────────────────────────────────────────────
+
+def check_cost(args, sizes: Sizes) -> Iterator[Row]:
+    policy_loss_cls = upstream_policy_loss()
+    if policy_loss_cls is None:
+        yield Row("cost", "loss + metrics", "", "", "skipped: openrlhf is not installed (upstream is the baseline)")
+        return
+    batch = bench.make_batch(*sizes.cost, args.device)
+    steps = bench.loss_steps(batch, policy_loss_cls, args.compile)
+    costs = bench.loss_costs(steps, sizes.repeats, args.device)
+    base = next(iter(costs.values()))
+    graded = {*bench.EAGER_ROWS.values(), *bench.COMPILED_METRICS_ROWS.values()}
+    where = f"{sizes.cost[0]}×{sizes.cost[1]}"
+    for name, cost in costs.items():
+        ratios = {key: cost[unit] / base[unit] for key, unit in
+                  (("time", "ms"), ("kernels", "kernels"), ("memory", "peak_mib"))}
+        result = (f"{cost['ms']:.2f} ms ({ratios['time']:.2f}×), {cost['kernels']} kernels "
+                  f"({ratios['kernels']:.2f}×), {cost['peak_mib']:.1f} MiB ({ratios['memory']:.2f}×)")
+        if name not in graded:
+            status = "info"
+        else:
+            status = "goal met" if all(ratios[key] <= GOALS[key] for key in ratios) else "over goal"
+        yield Row("cost", f"{name.removeprefix('fork, ')}, {where}", result,
+                  "≤ 2× time and kernels, ≤ 1.25× memory" if name in graded else "", status)
+    yield _host_syncs(args, batch)
+
+
+def _host_syncs(args, batch: list[torch.Tensor]) -> Row:
+    """The host synchronizations of one call of the fork's loss + metrics (CUDA's sync debug mode)."""
+    if not args.device.startswith("cuda"):
+        return Row("cost", "host syncs per call", "", "", "skipped: CUDA only (the CPU never waits on a device)")
+    import warnings
+
+    lp0, old, roll, adv, am = batch
+    counts = {"batch_num_tokens": am.sum(), "global_batch_size": float(am.shape[0]), "dp_size": 1}
+    found = {}
+    for name in ("tis", "mis_full"):
+        cfg = preset(name, compile_metrics="on")  # the CUDA default ("auto"), compiled once for every check
+        policy_loss(lp0, old, adv, am, roll, cfg, **counts)  # warm, compiled
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                policy_loss(lp0, old, adv, am, roll, cfg, **counts)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        found[name] = sum("synchroniz" in str(w.message) for w in caught)
+    result = ", ".join(f"{name}: {n}" for name, n in found.items())
+    return Row("cost", "host syncs per call", result, "1 (the metric vector's transfer)",
+               "ok" if all(n <= 1 for n in found.values()) else "MISMATCH")
+
+
+# ── step: a SmolLM2-135M-shaped bf16 training step ───────────────────────────────────────────────────
+
+def check_step(args, sizes: Sizes) -> Iterator[Row]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    policy_loss_cls = upstream_policy_loss()
+    if policy_loss_cls is None:
+        yield Row("step", "bf16 training step", "", "", "skipped: openrlhf is not installed (upstream is the baseline)")
+        return
+    torch.manual_seed(0)
+    config = LlamaConfig(**sizes.model, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).to(device=args.device, dtype=torch.bfloat16).train()
+    B, T = sizes.step
+    g = torch.Generator().manual_seed(0)
+    seqs = torch.randint(0, config.vocab_size, (B, T), generator=g).to(args.device)
+    lengths = torch.randint(T // 2, T, (B,), generator=g)
+    am = (torch.arange(T - 1)[None, :] < lengths[:, None]).float().to(args.device)
+    counts = {"batch_num_tokens": am.sum(), "global_batch_size": float(B), "dp_size": 1}
+
+    def log_probs() -> torch.Tensor:
+        logits = model(seqs).logits[:, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, seqs[:, 1:, None]).squeeze(-1)
+
+    with torch.no_grad():
+        old = log_probs()
+    roll = old + 0.05 * torch.randn(old.shape, generator=g).to(args.device)
+    adv = torch.randn(B, 1, generator=g).expand(B, T - 1).contiguous().to(args.device)
+
+    def step(loss: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            model.zero_grad(set_to_none=True)
+            loss(log_probs()).backward()
+        return run
+
+    upstream = policy_loss_cls()
+    steps = {"upstream PolicyLoss": step(lambda lp: upstream(lp, old, adv, am, roll, **counts)[0])}
+    for name in bench.EAGER_ROWS:
+        cfg = preset(name, compile_metrics="on" if args.compile else "off")
+        steps[name] = step(lambda lp, cfg=cfg: policy_loss(lp, old, adv, am, roll, cfg, **counts).loss)
+    times = bench.time_all(steps, max(3, sizes.repeats // 2), args.device)
+    base = times.pop("upstream PolicyLoss")
+    metrics = "metrics compiled" if args.compile else "metrics eager"
+    for name, t in times.items():
+        ratio = t / base
+        yield Row("step", f"{name} ({metrics}), {B}×{T}, {config.num_hidden_layers} layers",
+                  f"{t * 1e3:.1f} ms vs upstream {base * 1e3:.1f} ms: {ratio:.3f}×", f"≤ {GOALS['step']}×",
+                  "goal met" if ratio <= GOALS["step"] else "over goal")
+
+
+# ── cli: a 1-GPU run of the training command ─────────────────────────────────────────────────────────
+
+def check_cli(args, sizes: Sizes) -> Iterator[Row]:
+    missing = [m for m in ("vllm", "deepspeed", "ray") if importlib.util.find_spec(m) is None]
+    if not args.device.startswith("cuda") or not torch.cuda.is_available():
+        yield Row("cli", "1-GPU training run", "", "", "skipped: needs a CUDA device (this run: "
+                  f"{args.device}){'; missing ' + ', '.join(missing) if missing else ''}")
+        return
+    if missing:
+        yield Row("cli", "1-GPU training run", "", "", f"skipped: {', '.join(missing)} not installed")
+        return
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        work = Path(tmp)
+        argv = cli_argv(work)
+        proc = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=args.cli_timeout,
+                              env={**os.environ, "RAY_DEDUP_LOGS": "0"})
+        if proc.returncode != 0:
+            log = Path(args.cli_log)
+            log.write_text(proc.stdout + proc.stderr)
+            yield Row("cli", "1-GPU training run", f"exit status {proc.returncode}; log: {log}",
+                      "exit 0", "MISMATCH")
+            return
+        yield from check_run_dir(work / "run", steps=2)
+
+
+def cli_argv(work: Path) -> list[str]:
+    """The training command of the cli check: the tiny model, two GRPO steps of 4 prompts × 2 samples, bf16
+    rollouts + TIS, actor and engine colocated on one GPU, a token dump every step."""
+    from openrlhf_tis.demo.task import write_prompts
+    from openrlhf_tis.demo.tiny_model import build_tiny_model
+
+    model = build_tiny_model(work / "model")
+    prompts = write_prompts(work / "prompts.jsonl", 8)
+    attention = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+    return [
+        sys.executable, "-m", "openrlhf_tis.cli.train_ppo_ray",
+        "--actor.model_name_or_path", str(model), "--reward.remote_url", str(REPO / "openrlhf_tis" / "demo" / REWARD),
+        "--data.prompt_dataset", str(prompts), "--data.input_key", "input", "--data.label_key", "label",
+        "--data.apply_chat_template", "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "1",
+        "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1", "--train.colocate_all",
+        "--vllm.gpu_memory_utilization", "0.3", "--vllm.enforce_eager", "--vllm.rollout_precision", "bf16",
+        "--algo.correction.preset", "tis", "--ds.attn_implementation", attention,
+        "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
+        "--rollout.n_samples_per_prompt", "2", "--rollout.batch_size", "4", "--rollout.micro_batch_size", "8",
+        "--train.batch_size", "8", "--train.micro_batch_size", "8", "--data.max_len", "128",
+        "--rollout.max_new_tokens", "24", "--data.max_samples", "8", "--train.num_episodes", "1",
+        "--ds.zero_stage", "2", "--actor.adam.lr", "1e-3", "--actor.lr_warmup_ratio", "0", "--actor.min_lr_ratio", "1",
+        "--ckpt.path", str(work / "ckpt"), "--ckpt.save_steps", "-1", "--eval.steps", "-1", "--train.seed", "42",
+        "--logger.run_dir", str(work / "run"), "--logger.token_dump_steps", "1",
+    ]
+
+
+def check_run_dir(run: Path, steps: int) -> Iterator[Row]:
+    """What a finished run must hold: `steps` lines of finite mismatch metrics, the sync check's gap after every
+    sync, and readable token dumps with finite rollout and trainer log-probs for every step."""
+    from openrlhf_tis.runs.query import query_tokens
+    from openrlhf_tis.runs.reader import read_metrics_records
+
+    lines = read_metrics_records(run) if (run / "metrics.jsonl").is_file() else []
+    wanted = (names.K1_KL, names.K3_KL, names.CHI2_TOKEN, names.KEPT_FRAC, names.TRUNCATED_FRAC)
+
+    def finite(line: dict, key: str) -> bool:
+        return isinstance(line.get(key), int | float) and math.isfinite(line[key])
+
+    bad = sorted({key for line in lines for key in wanted if not finite(line, key)})
+    yield Row("cli", "metrics.jsonl: mismatch and correction metrics",
+              f"{len(lines)} steps" + (f"; missing or non-finite: {', '.join(bad)}" if bad else ""),
+              f"{steps} steps, finite", "ok" if len(lines) == steps and not bad else "MISMATCH")
+    checked = [line for line in lines if finite(line, names.SYNC_GAP_MEAN)]
+    gaps = ", ".join(f"{line[names.SYNC_GAP_MEAN]:.2e}" for line in checked)
+    yield Row("cli", "sync check (every step)", f"{len(checked)} checked syncs, |log μ − log π| {gaps}",
+              f"{steps} checked syncs", "ok" if len(checked) == steps else "MISMATCH")
+    try:
+        tokens = query_tokens(run, columns=["step", "rollout_logprob", "old_logprob", "train_logprob"])
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        yield Row("cli", "token dumps", f"unreadable: {exc}", f"{steps} steps", "MISMATCH")
+        return
+    dumped = sorted(int(s) for s in tokens["step"].unique())
+    numbers = tokens[["rollout_logprob", "old_logprob", "train_logprob"]].to_numpy()
+    all_finite = bool(len(tokens)) and bool(torch.isfinite(torch.from_numpy(numbers)).all())
+    yield Row("cli", "token dumps", f"{len(tokens)} tokens over steps {dumped}, log-probs finite: {all_finite}",
+              f"steps 1..{steps}", "ok" if dumped == list(range(1, steps + 1)) and all_finite else "MISMATCH")
+
+
+# ── the table ────────────────────────────────────────────────────────────────────────────────────────
+
+RUNNERS: dict[str, Callable[..., Iterator[Row]]] = {"core": check_core, "upstream": check_upstream,
+                                                    "cost": check_cost, "step": check_step, "cli": check_cli}
+
+
+def run_checks(args, sizes: Sizes) -> list[Row]:
+    rows = []
+    for check in args.checks:
+        try:
+            rows.extend(RUNNERS[check](args, sizes))
+        except Exception as exc:  # a check that cannot finish is a finding: the others still run
+            traceback.print_exc()
+            rows.append(Row(check, "(the check raised)", f"{type(exc).__name__}: {exc}", "", "ERROR"))
+    return rows
+
+
+def print_table(rows: list[Row], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=False)
+    for column in ("check", "case", "result", "reference / goal", "status"):
+        table.add_column(column, overflow="fold")
+    style = {"ok": "green", "goal met": "green", "MISMATCH": "bold red", "ERROR": "bold red", "over goal": "yellow"}
+    for row in rows:
+        status = style.get(row.status.split(":")[0])
+        table.add_row(row.check, row.case, row.result, row.expected,
+                      f"[{status}]{row.status}[/{status}]" if status else row.status)
+    Console(width=200).print(table)
+
+
+def describe_machine(device: str) -> str:
+    where = torch.cuda.get_device_name() if device.startswith("cuda") else "CPU"
+    cuda = f", CUDA {torch.version.cuda}" if device.startswith("cuda") else ""
+    found = [m for m in ("openrlhf", "vllm", "deepspeed", "ray", "flash_attn") if importlib.util.find_spec(m)]
+    return f"{where}: torch {torch.__version__}{cuda}; installed: {', '.join(found) or 'none of openrlhf/vllm/...'}"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--small", action="store_true", help="toy sizes and a toy model (seconds, on any device)")
+    ap.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of {','.join(CHECKS)}")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="also run the compiled metrics pass (default: on CUDA, where it is the default)")
+    ap.add_argument("--perturb-reference", action="store_true",
+                    help="self-test: shift the float64 reference's log π_old by 1e-3, which the core rows must catch")
+    ap.add_argument("--cli-timeout", type=int, default=420, help="seconds the cli check's training run may take")
+    ap.add_argument("--cli-log", default="gpu_check_cli.log", help="where a failed cli run's output is written")
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = ap.parse_args(argv)
+    args.checks = [c.strip() for c in args.checks.split(",") if c.strip()]
+    unknown = [c for c in args.checks if c not in CHECKS]
+    if unknown:
+        ap.error(f"--checks: unknown {unknown}; choose from {','.join(CHECKS)}")
+    if args.compile is None:
+        args.compile = args.device.startswith("cuda")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sizes = SMALL if args.small else FULL
+    machine = describe_machine(args.device)
+    print(machine, flush=True)
+    rows = run_checks(args, sizes)
+    print_table(rows, f"openrlhf_tis GPU check on {args.device} ({machine.split(':')[0]})")
+    if args.json:
+        Path(args.json).write_text(json.dumps([row.__dict__ for row in rows], indent=1))
+    failed = [row for row in rows if row.status in FAILING]
+    print(f"{len(rows)} rows: {len(failed)} mismatches or errors" + ("" if failed else ", every result as expected"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
