@@ -105,3 +105,20 @@ def test_the_notebook_job_asks_for_the_runs_own_settings(tmp_path, monkeypatch):
         "fp32", 4, 9, 1.0, 20, 148)
     assert args.reward == str(DEMO_REWARD) and args.eval_prompts == str(questions)
     assert args.cache_dir == str(tmp_path / "cache" / "heldout") and args.run_dir == str(tmp_path / "run")
+
+
+@pytest.mark.engine
+def test_more_prompt_tokens_than_one_engine_step_holds_are_scored(tiny_model_dir, tmp_path):
+    """A study cell's 300 held-out questions exceed one engine step's token budget; with chunked prefill a
+    seeded request split across steps crashed the CPU engine ("CPU Generator does not use offset")."""
+    questions = tmp_path / "heldout.jsonl"
+    questions.write_text("".join(json.dumps({"input": f"What is {i % 10} + {i // 10 % 10}? Think step by step.",
+                                             "label": str(i % 10 + i // 10 % 10)}) + "\n" for i in range(300)))
+    reward = tmp_path / "reward.py"
+    reward.write_text("def reward_func(queries, prompts, labels):\n    return {'rewards': 1.0}\n")
+    run = tmp_path / "run"
+    save_as_source(trainer_model(tiny_model_dir), tiny_model_dir, run / "model")
+    kept = evaluate_kept(run, tiny_model_dir, questions, reward, dtype="fp32", n=1, seed=3, temperature=1.0,
+                         max_new_tokens=2, max_len=96, cache_dir=tmp_path / "cache")
+    assert kept["questions"] == 300
+    assert kept["before"]["pass1"] == kept["after"]["pass1"] == 1.0

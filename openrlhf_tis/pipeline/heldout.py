@@ -86,8 +86,11 @@ def score_model(model: Path, questions: list[tuple[str, str]], reward_func, *, d
 
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(model)
+    # Chunked prefill off: vLLM rewinds a seeded request's generator when its prompt is split across steps, and
+    # the CPU generator cannot rewind ("CPU Generator does not use offset") once the questions' prompt tokens
+    # exceed one step's budget. Whole prompts also keep each question's samples independent of the batch.
     llm = LLM(model=str(model), dtype=DTYPES[dtype], enforce_eager=True, max_model_len=max_len, seed=seed,
-              distributed_executor_backend="uni")
+              distributed_executor_backend="uni", enable_chunked_prefill=False)
     ids = [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt, _ in questions]
     # One seed per question: its samples are drawn from the same random stream whichever model is scored.
     # vLLM gives the j-th of n samples seed + j, so questions are n seeds apart: no stream is shared.
