@@ -33,7 +33,14 @@ from openrlhf_tis.correction.config import PRESETS
 from openrlhf_tis.cpu_features import native_bf16
 from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.main_job import check_model_option, job_params
-from openrlhf_tis.pipeline.sweep import SweepResult, load_grid, recorded_cells, results_table, run_sweep, write_report
+from openrlhf_tis.pipeline.sweep import (
+    SweepResult,
+    finish,
+    load_grid,
+    recorded_cells,
+    run_command,
+    write_report,
+)
 from openrlhf_tis.rollout.precision import PRECISION_FLAG, WEIGHT_BITS_FLAG
 from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.runs.reader import load_metrics
@@ -304,18 +311,13 @@ def main(argv: list[str] | None = None) -> None:
           f"{_describe(cells, trainer)}", file=sys.stderr)
     if args.dry_run:
         return
-    try:
-        result = run_sweep(grid_file, out, title=f"Dose-response study: {cell_count(grid)} cells")
-    except ParameterError as err:
-        print(f"study: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    write_outputs(result, out, start)
+    write_outputs(run_command(parser.prog, grid_file, out, f"Dose-response study: {cell_count(grid)} cells"),
+                  out, start)
 
 
 def write_outputs(result: SweepResult, out: Path, start: float, sitting: bool = True) -> None:
     """The tables and the headline figure under `out`, and the compute time (kept in study_time.json after a
     sitting; a report rebuilt with --report only prints it), printed too; exit 1 if a cell failed."""
-    print(results_table(result).to_string())
     table = markdown(seed_table(result))
     (out / "study_table.md").write_text(table + "\n")
     doses = headline(result, out / "dose_response.png")
@@ -327,10 +329,7 @@ def write_outputs(result: SweepResult, out: Path, start: float, sitting: bool = 
     print(f"[study] compute: {timing['cell_seconds_total'] / 60:.1f} min of cell time over all sittings "
           f"({timing['cells_timed']} of {timing['cells']} cells timed); this sitting {timing['ran_now']} cells, "
           f"{timing['this_sitting_wall_s'] / 60:.1f} min wall; {timing['failed']} failed")
-    if result.html:
-        print(f"report: {result.html}")
-    if result.failures:
-        raise SystemExit(1)
+    finish(result)
 
 
 if __name__ == "__main__":

@@ -272,26 +272,36 @@ def results_table(result: SweepResult):
                           "run_dir": str(r.run_dir)} for r in result.results]).set_index("cell")
 
 
+def run_command(prog: str, grid: str | Path, out_dir: str | Path, title: str | None) -> SweepResult:
+    """run_sweep for a command line: a bad grid exits 2 naming what is wrong, Ctrl-C exits 130 saying what was
+    stopped (the sweep and the study end alike)."""
+    try:
+        return run_sweep(grid, out_dir, title)
+    except ParameterError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt as err:  # Interrupted says what was stopped; a bare one came before any cell ran
+        print(f"{prog}: {err if isinstance(err, Interrupted) else 'interrupted before any cell ran'}",
+              file=sys.stderr)
+        raise SystemExit(EXIT_CODE) from None
+
+
+def finish(result: SweepResult) -> None:
+    """Print the cells' table and the report's path; exit 1 if a cell failed."""
+    print(results_table(result).to_string())
+    if result.html:
+        print(f"report: {result.html}")
+    if result.failures:
+        raise SystemExit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="openrlhf-tis-sweep", description=__doc__.split("\n")[0])
     parser.add_argument("grid", help="grid file (TOML or JSON with tables base and grid)")
     parser.add_argument("out_dir", help="output directory (cells/, report.ipynb, report.html)")
     parser.add_argument("--title", default=None, help="report title")
     args = parser.parse_args(argv)
-    try:
-        result = run_sweep(args.grid, args.out_dir, args.title)
-    except ParameterError as err:
-        print(f"openrlhf-tis-sweep: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except KeyboardInterrupt as err:  # Interrupted says what was stopped; a bare one came before any cell ran
-        print(f"openrlhf-tis-sweep: {err if isinstance(err, Interrupted) else 'interrupted before any cell ran'}",
-              file=sys.stderr)
-        raise SystemExit(EXIT_CODE) from None
-    print(results_table(result).to_string())
-    if result.html:
-        print(f"report: {result.html}")
-    if result.failures:
-        raise SystemExit(1)
+    finish(run_command(parser.prog, args.grid, args.out_dir, args.title))
 
 
 if __name__ == "__main__":
