@@ -39,8 +39,8 @@ setup(
     package_data={
         "openrlhf_tis": ["notebooks/*.ipynb"],
         "openrlhf_tis.patches": ["README.md"],
-        # the dashboard's Voilà template (pipeline/voila_server.py)
-        "openrlhf_tis.pipeline": ["jupyter/voila/templates/openrlhf_tis/*"],
+        # the dashboard's Voilà template (dashboard/voila_server.py)
+        "openrlhf_tis.dashboard": ["jupyter/voila/templates/openrlhf_tis/*"],
     },
     install_requires=["torch", "numpy", "pandas", "pyarrow", "duckdb>=1.1", "rich", "tqdm", "safetensors"],
     extras_require={
@@ -58,9 +58,9 @@ setup(
             "openrlhf-tis-train=openrlhf_tis.cli.train_ppo_ray:main",
             "openrlhf-tis-main-job=openrlhf_tis.pipeline.main_job:main",
             "openrlhf-tis-sweep=openrlhf_tis.pipeline.sweep:main",
-            "openrlhf-tis-study=openrlhf_tis.pipeline.study:main",
+            "openrlhf-tis-study=openrlhf_tis.study.dose_response:main",
             "openrlhf-tis-runs=openrlhf_tis.runs.cli:main",
-            "openrlhf-tis-dashboard=openrlhf_tis.pipeline.dashboard:main",
+            "openrlhf-tis-dashboard=openrlhf_tis.dashboard.cli:main",
             "openrlhf-tis-calibrate=openrlhf_tis.rollout.calibration:main",
         ],
         # Reaches vLLM processes that Ray's worker hook does not (multiprocess engines); it acts only

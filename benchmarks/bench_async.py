@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from openrlhf_tis.correction.names import (
+from openrlhf_tis.metric_names import (
     QUEUE_WAIT,
     SYNC_CHECK_SECONDS,
     TIMING_BROADCAST,

@@ -85,8 +85,8 @@ def _module_command(module: str, args: list[str], tmp: Path) -> str:
         patches.apply_platform_patches()
         build_parser().parse_args(args)
         return "parsed by the training CLI's parser"
-    if module == "openrlhf_tis.pipeline.study" and "--report" not in args:
-        from openrlhf_tis.pipeline import study
+    if module == "openrlhf_tis.study.dose_response" and "--report" not in args:
+        from openrlhf_tis.study import dose_response as study
 
         study.main([*args, "--out", str(tmp / "study"), "--dry_run"])
         return "study --dry_run"

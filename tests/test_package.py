@@ -20,9 +20,9 @@ CONSOLE_SCRIPTS = {
     "openrlhf-tis-train": "openrlhf_tis.cli.train_ppo_ray:main",
     "openrlhf-tis-main-job": "openrlhf_tis.pipeline.main_job:main",
     "openrlhf-tis-sweep": "openrlhf_tis.pipeline.sweep:main",
-    "openrlhf-tis-study": "openrlhf_tis.pipeline.study:main",
+    "openrlhf-tis-study": "openrlhf_tis.study.dose_response:main",
     "openrlhf-tis-runs": "openrlhf_tis.runs.cli:main",
-    "openrlhf-tis-dashboard": "openrlhf_tis.pipeline.dashboard:main",
+    "openrlhf-tis-dashboard": "openrlhf_tis.dashboard.cli:main",
     "openrlhf-tis-calibrate": "openrlhf_tis.rollout.calibration:main",
 }
 

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from openrlhf_tis.params import ParameterError, check_params
-from openrlhf_tis.pipeline import main_job, study
+from openrlhf_tis.pipeline import main_job
 from openrlhf_tis.pipeline.main_job import job_params
 from openrlhf_tis.pipeline.sweep import Cell, CellResult, SweepResult, load_grid
 from openrlhf_tis.pipeline.train import TRAIN_PARAMS, build_argv
 from openrlhf_tis.runs.store import RunWriter
+from openrlhf_tis.study import dose_response as study
 
 ALL_BITS = ("auto", "8", "7", "6", "5", "4")
 

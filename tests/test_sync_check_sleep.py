@@ -21,7 +21,7 @@ from openrlhf.trainer.ppo_trainer import BasePPOTrainer  # noqa: E402
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator  # noqa: E402
 from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call  # noqa: E402
 
-from openrlhf_tis.correction.names import SYNC_GAP_MEAN, SYNC_VLLM_LOGPROB_CHANGE, SYNC_VLLM_PROBE_CHANGE  # noqa: E402
+from openrlhf_tis.metric_names import SYNC_GAP_MEAN, SYNC_VLLM_LOGPROB_CHANGE, SYNC_VLLM_PROBE_CHANGE  # noqa: E402
 from openrlhf_tis.trainer import sync_check  # noqa: E402
 from openrlhf_tis.trainer.ppo_trainer import ForkController  # noqa: E402
 from openrlhf_tis.trainer.sync_check import WeightSyncError, make_sync_checker  # noqa: E402

@@ -100,7 +100,7 @@ def job_params(out: Path, model: str = "default", cuda: bool = False) -> dict[st
     """The main job's train.ipynb parameters on a CPU or CUDA (`cuda`) cluster, with the demo task's files written
     under `out`.
 
-    The mismatch study (pipeline/study.py) runs this same recipe in every cell, so its int8 + tis cells
+    The mismatch study (study/dose_response.py) runs this same recipe in every cell, so its int8 + tis cells
     are the main job under other seeds.
     """
     train, held_out_file = write_task(out)

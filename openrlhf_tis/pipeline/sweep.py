@@ -220,7 +220,7 @@ def run_sweep(grid: str | Path, out_dir: str | Path, title: str | None = None) -
 
 def recorded_cells(out_dir: str | Path) -> SweepResult:
     """The cells under `out_dir` as their status.json files record them, in name order; nothing runs. What a
-    report is rebuilt from on any machine (a study's cells are the CPU profile's, see pipeline/study.py)."""
+    report is rebuilt from on any machine (a study's cells are the CPU profile's, see study/dose_response.py)."""
     out_dir = Path(out_dir).expanduser().resolve()
     result = SweepResult()
     for cell_dir in sorted(p.parent for p in (out_dir / "cells").glob(f"*/{STATUS_FILE}")):

@@ -43,7 +43,7 @@ from openrlhf.trainer.ppo_trainer_async import PPOTrainerAsync as _UpstreamAsync
 from openrlhf.trainer.ppo_trainer_async import TrainingActor as _UpstreamTrainingClass
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
-from openrlhf_tis.correction.names import (
+from openrlhf_tis.metric_names import (
     EVAL_PREFIX,
     EVAL_START_PREFIX,
     INT8_SYNC_PREFIX,

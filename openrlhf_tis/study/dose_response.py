@@ -1,4 +1,4 @@
-"""`python -m openrlhf_tis.pipeline.study`: the off-policy dose–response study, one command (scripts/study.sh).
+"""`python -m openrlhf_tis.study.dose_response`: the off-policy dose–response study, one command (scripts/study.sh).
 
 When does correction pay? The main job's recipe (pipeline/main_job.py) on the demo task under a dose axis of
 rollout precision, from none (the engine computes in the trainer's dtype) to harsh (4-bit weights), x
