@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from openrlhf_tis.params import check_params
-from openrlhf_tis.pipeline.train import DEMO_REWARD, TRAIN_PARAMS, build_argv, kept_eval_argv
+from openrlhf_tis.pipeline.train import kept_eval_argv
+from openrlhf_tis.pipeline.train_params import DEMO_REWARD, TrainParams
 
 MODEL, PROMPTS, RUN = Path("/m/model"), Path("/r/run.prompts.jsonl"), Path("/r/run")
 FIXED = ("--data.input_key input --data.label_key label --data.apply_chat_template --data.max_len {max_len} "
@@ -64,9 +64,9 @@ CASES = {
 def _commands(values: dict) -> tuple[list[str], list[str] | None]:
     """The training and held-out command lines for `values` over the defaults (files not checked: they are
     placeholders here)."""
-    params = {**{name: p.default for name, p in TRAIN_PARAMS.items()}, **values}
-    held_out = kept_eval_argv(params, MODEL, RUN) if params["eval_prompts"] else None
-    return build_argv(params, MODEL, PROMPTS, RUN), held_out
+    params = TrainParams(**values)
+    held_out = kept_eval_argv(params, MODEL, RUN) if params.eval_prompts else None
+    return params.argv(MODEL, PROMPTS, RUN), held_out
 
 
 def _expected(text: str) -> list[str]:
@@ -84,5 +84,5 @@ def test_the_command_lines_are_exactly_the_written_ones(case, monkeypatch):
 
 def test_checked_parameters_give_the_same_command(tmp_path):
     """What the helper above builds unchecked is what checked parameters build (papermill's int taken as a float)."""
-    checked = check_params({"train_dtype": "fp32", "lr": 1, "run_dir": str(tmp_path)}, TRAIN_PARAMS)
-    assert build_argv(checked, MODEL, PROMPTS, RUN) == _commands({"train_dtype": "fp32", "lr": 1.0})[0]
+    checked = TrainParams.checked({"train_dtype": "fp32", "lr": 1, "run_dir": str(tmp_path)})
+    assert checked.argv(MODEL, PROMPTS, RUN) == _commands({"train_dtype": "fp32", "lr": 1.0})[0]
