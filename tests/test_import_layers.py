@@ -179,7 +179,7 @@ def test_graph_sees_the_package():
 
 
 def test_strings_naming_modules_are_edges():
-    assert _string_target("openrlhf_tis.pipeline.train:TRAIN_PARAMS") == "openrlhf_tis.pipeline.train"
+    assert _string_target("openrlhf_tis.pipeline.train:run_training") == "openrlhf_tis.pipeline.train"
     assert _string_target("openrlhf_tis.rollout.cpu_worker_extension.CPUWorkerExtension") == \
         "openrlhf_tis.rollout.cpu_worker_extension"
     assert _string_target("openrlhf_tis.viz") == "openrlhf_tis.viz"

@@ -77,13 +77,13 @@ def test_the_unpacked_wheel_runs_from_any_directory(wheel, tmp_path):
     targets = repr(sorted(CONSOLE_SCRIPTS.values()))
     code = (
         "import importlib, openrlhf_tis\n"
-        "from openrlhf_tis.pipeline import execute, main_job, train\n"
+        "from openrlhf_tis.pipeline import execute, main_job, train_params\n"
         f"for target in {targets}:\n"
         "    module, _, name = target.partition(':')\n"
         "    assert callable(getattr(importlib.import_module(module), name)), target\n"
         "print(openrlhf_tis.__file__)\n"
         "print(execute.notebook_path('train'))\n"
-        "print(train.DEMO_REWARD.is_file(), main_job.TASK_REWARD.is_file())\n"
+        "print(train_params.DEMO_REWARD.is_file(), main_job.TASK_REWARD.is_file())\n"
     )
     # PYTHONPATH comes before site-packages, where the shared venv's editable install points at the repository.
     env = {**os.environ, "PYTHONPATH": str(site)}

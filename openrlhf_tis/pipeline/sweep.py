@@ -42,11 +42,12 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from openrlhf_tis.cli.run_dir import lock_owner
-from openrlhf_tis.params import Param, ParameterError, check_params
+from openrlhf_tis.params import ParameterError, ParamObject, param
 from openrlhf_tis.pipeline.execute import export_html
 from openrlhf_tis.pipeline.failure import notebook_error
 from openrlhf_tis.pipeline.interrupt import EXIT_CODE, Interrupted, execute_stoppable, kept, resumable, stopped
-from openrlhf_tis.pipeline.train import TRAIN_PARAMS, check_training_command
+from openrlhf_tis.pipeline.train import check_training_command
+from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.runs.layout import atomic_write, unique_dir_name
 
 GRID_TABLES = ("base", "grid")
@@ -58,10 +59,12 @@ def _grid_file(value: str) -> str | None:
     return None if Path(value).expanduser().is_file() else f"no such file: {value}"
 
 
-SWEEP_PARAMS: dict[str, Param] = {
-    "grid": Param("sweep.toml", "the grid file (TOML or JSON: tables base and grid)", (str,), check=_grid_file),
-    "out_dir": Param("sweeps/out", "where cells, the report and its HTML go", (str,)),
-}
+@dataclass(frozen=True)
+class SweepParams(ParamObject):
+    """sweep.ipynb's parameters."""
+
+    grid: str = param("sweep.toml", "the grid file (TOML or JSON: tables base and grid)", (str,), check=_grid_file)
+    out_dir: str = param("sweeps/out", "where cells, the report and its HTML go", (str,))
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,7 @@ def load_grid(path: str | Path) -> list[Cell]:
 def check_cell(params: dict[str, Any], where: str) -> None:
     """A cell's parameters, then the training command they become, checked as the training CLI would (its flag
     checks: pipeline/train.py `check_training_command`); raises ParameterError naming `where` and the fault."""
-    checked = check_params(params, TRAIN_PARAMS, where=where)
+    checked = TrainParams.checked(params, where=where)
     try:
         check_training_command(checked)
     except ParameterError as err:
@@ -257,7 +260,7 @@ def _cell_interrupted(cell: Cell, out_dir: Path, result: SweepResult, cells: int
     where = f"interrupted in cell {cell.name} ({len(result.results) + 1} of {cells}; {done} done before it)"
     if not run_dir.is_dir():
         return f"{where} before its training started; {again} goes on (done cells are skipped)"
-    steps = cell.params.get("steps", TRAIN_PARAMS["steps"].default)
+    steps = TrainParams(**cell.params).steps  # checked when the grid was loaded
     then = ("resumes from its checkpoint" if resumable(run_dir) else
             f"starts afresh, this attempt kept as {_attempt_dir(run_dir).name}")
     return (f"{where}: {stopped(getattr(stop, 'jobs', []))}; kept: {kept(run_dir, steps)}; {again} goes on (done "
