@@ -24,17 +24,24 @@ from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call  # noqa: E40
 from openrlhf_tis.correction.names import SYNC_GAP_MEAN, SYNC_VLLM_LOGPROB_CHANGE, SYNC_VLLM_PROBE_CHANGE  # noqa: E402
 from openrlhf_tis.trainer import sync_check  # noqa: E402
 from openrlhf_tis.trainer.ppo_trainer import ForkController  # noqa: E402
+from openrlhf_tis.trainer.step_part import SyncCheckPart  # noqa: E402
 from openrlhf_tis.trainer.sync_check import WeightSyncError, make_sync_checker  # noqa: E402
 
 
 class Controller(ForkController, BasePPOTrainer):
-    """The fork's controller over upstream's weight sync (BasePPOTrainer.broadcast_to_vllm), nothing else."""
+    """The fork's controller over upstream's weight sync (BasePPOTrainer.broadcast_to_vllm), its sync check alone."""
 
     def __init__(self, args, engines, actor_group):
         self.args, self.vllm_engines, self.actor_model_group = args, engines, actor_group
-        self._sync_checker = make_sync_checker(args, probe_tokenizer, engines, actor_group)
-        self._sync_every = args.vllm.sync_check_steps if self._sync_checker else 0
-        self._syncs, self._sync_metrics = 0, {}
+        self.checker = make_sync_checker(args, probe_tokenizer, engines, actor_group)
+        self.parts = [SyncCheckPart(self.checker, args.vllm.sync_check_steps)]
+
+    def step_metrics(self) -> dict[str, float]:
+        """What the parts add to a step's status (the sync check's metrics since the last step)."""
+        status: dict[str, float] = {}
+        for part in self.parts:
+            part.end_step(status)
+        return status
 
 
 def make_args(enable_sleep: bool, steps: int = 1):
@@ -72,18 +79,17 @@ def _train_and_sync(controller: Controller, rollouts: Rollouts) -> dict[str, flo
     rollouts.next_batch()
     controller.actor_model_group.version += 1
     controller.broadcast_to_vllm()
-    metrics, controller._sync_metrics = controller._sync_metrics, {}
-    return metrics
+    return controller.step_metrics()
 
 
 def test_sleeping_engines_are_checked_at_every_sync():
     engines = [SleepyEngine(), SleepyEngine()]
     args = make_args(enable_sleep=True)
     controller = Controller(args, engines, FakeActorGroup(engines))
-    assert controller._sync_checker is not None and controller._sync_checker.sleeping
+    assert controller.checker is not None and controller.checker.sleeping
     rollouts = Rollouts(args, engines)
     batch_vllm_engine_call(engines, "sleep")  # upstream's create_vllm_engines ends so
-    assert controller._sync_checker.start()
+    assert controller.checker.start()
     assert all(e.sleeping == set(ALL_TAGS) for e in engines)
     for step in (1, 2, 3):
         metrics = _train_and_sync(controller, rollouts)
@@ -101,7 +107,7 @@ def test_a_sync_lost_by_a_sleeping_engine_stops_the_run():
     controller = Controller(args, engines, FakeActorGroup(engines))
     rollouts = Rollouts(args, engines)
     batch_vllm_engine_call(engines, "sleep")
-    controller._sync_checker.start()
+    controller.checker.start()
     with pytest.raises(WeightSyncError, match="engine 1"):
         _train_and_sync(controller, rollouts)
     assert all(e.sleeping == set(ALL_TAGS) for e in engines)  # asleep again even though the check failed
@@ -111,11 +117,11 @@ def test_awake_engines_keep_the_probe_before_the_sync():
     engines = [SleepyEngine()]
     args = make_args(enable_sleep=False)
     controller = Controller(args, engines, FakeActorGroup(engines))
-    assert not controller._sync_checker.sleeping
-    controller._sync_checker.start()
+    assert not controller.checker.sleeping
+    controller.checker.start()
     controller.actor_model_group.version += 1
     controller.broadcast_to_vllm()
-    assert controller._sync_metrics[SYNC_VLLM_LOGPROB_CHANGE] == pytest.approx(0.7, rel=1e-5)
+    assert controller.step_metrics()[SYNC_VLLM_LOGPROB_CHANGE] == pytest.approx(0.7, rel=1e-5)
 
 
 @pytest.mark.parametrize(("engines", "steps"), [([], 1), ([SleepyEngine()], 0)])
