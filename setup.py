@@ -39,8 +39,8 @@ setup(
     package_data={
         "openrlhf_tis": ["notebooks/*.ipynb"],
         "openrlhf_tis.patches": ["README.md"],
-        # the dashboard's Voilà template (pipeline/voila_server.py)
-        "openrlhf_tis.pipeline": ["jupyter/voila/templates/openrlhf_tis/*"],
+        # the dashboard's Voilà template (dashboard/voila_server.py)
+        "openrlhf_tis.dashboard": ["jupyter/voila/templates/openrlhf_tis/*"],
     },
     install_requires=["torch", "numpy", "pandas", "pyarrow", "duckdb>=1.1", "rich", "tqdm", "safetensors"],
     extras_require={
@@ -54,10 +54,14 @@ setup(
     },
     entry_points={
         "console_scripts": [
+            # Every command users run, one line each in README.md "## Commands" (tests/test_readme_tables.py).
             "openrlhf-tis-train=openrlhf_tis.cli.train_ppo_ray:main",
-            "openrlhf-tis-runs=openrlhf_tis.runs.cli:main",
+            "openrlhf-tis-main-job=openrlhf_tis.pipeline.main_job:main",
             "openrlhf-tis-sweep=openrlhf_tis.pipeline.sweep:main",
-            "openrlhf-tis-dashboard=openrlhf_tis.pipeline.dashboard:main",
+            "openrlhf-tis-study=openrlhf_tis.study.dose_response:main",
+            "openrlhf-tis-runs=openrlhf_tis.runs.cli:main",
+            "openrlhf-tis-dashboard=openrlhf_tis.dashboard.cli:main",
+            "openrlhf-tis-calibrate=openrlhf_tis.rollout.calibration:main",
         ],
         # Reaches vLLM processes that Ray's worker hook does not (multiprocess engines); it acts only
         # when a fork run set OPENRLHF_TIS_PATCHES=1.

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from openrlhf_tis.correction.names import (
+from openrlhf_tis.metric_names import (
     QUEUE_WAIT,
     SYNC_CHECK_SECONDS,
     TIMING_BROADCAST,
@@ -37,9 +37,9 @@ from openrlhf_tis.correction.names import (
     TOKEN_DUMP_SECONDS,
     UPSTREAM_RESPONSE_LENGTH,
 )
-from openrlhf_tis.params import check_params
 from openrlhf_tis.pipeline.main_job import job_params
-from openrlhf_tis.pipeline.train import TRAIN_PARAMS, run_training
+from openrlhf_tis.pipeline.train import run_training
+from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.runs.reader import read_metrics_records
 from openrlhf_tis.viz.stats import t_interval
@@ -64,8 +64,8 @@ def run_mode(name: str, model: str, steps: int, out: Path) -> dict[str, float]:
     if name not in run_s or len(read_metrics_records(run_dir)) < steps:
         overrides, flags = MODES[name]
         base = job_params(out / "task", model)
-        params = check_params({**base, **overrides, "steps": steps, "eval_prompts": "", "run_dir": str(run_dir),
-                               "extra_args": [*base["extra_args"], *flags]}, TRAIN_PARAMS, where=name)
+        params = TrainParams.checked({**base, **overrides, "steps": steps, "eval_prompts": "", "run_dir": str(run_dir),
+                                      "extra_args": [*base["extra_args"], *flags]}, where=name)
         started = time.perf_counter()
         run_training(params, cache=out / ".models")
         run_s[name] = time.perf_counter() - started

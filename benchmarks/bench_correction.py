@@ -51,13 +51,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timeit(fn: Callable[[], object], repeats: int, device: str, warmup: int = 2) -> float:
-    """Best wall time of fn() in seconds (the minimum: other jobs on a shared machine only add time)."""
-    return time_all({"_": fn}, repeats, device, warmup)["_"]
-
-
 def time_all(fns: dict[str, Callable[[], object]], repeats: int, device: str, warmup: int = 2) -> dict[str, float]:
-    """Best wall time of each fn, measured round-robin so load changes hit every candidate alike."""
+    """Best wall time of each fn in seconds (the minimum: other jobs on a shared machine only add time), measured
+    round-robin so load changes hit every candidate alike."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()

@@ -42,7 +42,8 @@ from pathlib import Path
 import bench_correction as bench
 import torch
 
-from openrlhf_tis.correction import PRESETS, names, policy_loss, preset
+from openrlhf_tis import metric_names as names
+from openrlhf_tis.correction import PRESETS, policy_loss, preset
 
 CHECKS = ("core", "upstream", "cost", "step", "cli")
 FAILING = ("MISMATCH", "ERROR")

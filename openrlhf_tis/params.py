@@ -1,21 +1,24 @@
-"""Notebook parameters declared once, checked the same way in a notebook, a sweep grid and a console command.
+"""Notebook parameters as one typed object, checked the same way in a notebook, a sweep grid and a console command.
 
 A papermill parameter with a typo is only a warning to papermill and a silently unused variable to the
-notebook; a bad value surfaces minutes later inside Ray. Each notebook therefore declares its
-parameters as a `ParamSpec` table beside the code it drives (pipeline/train.py's TRAIN_PARAMS,
-viz/explorer.py's EXPLORER_PARAMS, ...) and its second cell imports that module and calls
-`notebook_params(globals(), module.SPEC, NAME)`, which fails in that cell with the list of accepted names (and
-their help) for an unknown name or a bad value. The sweep checks every cell of a grid against the same table
-before any cell runs. A bottom-layer module (it imports nothing of the package), so every layer declares its
-notebook's table here without reaching up to pipeline/.
+notebook; a bad value surfaces minutes later inside Ray. Each notebook therefore declares its parameters as a
+frozen dataclass of `ParamObject` beside the code it drives (pipeline/train_params.py's TrainParams,
+viz/explorer.py's ExplorerParams, ...), each field made with `param`: its default, help, accepted types and
+values, and the command-line flag it becomes, as correction/config.py's CorrectionConfig fields carry their
+flags. The notebook's second cell imports the class and calls `Class.from_notebook(globals(), NAME)`, which fails
+in that cell with the list of accepted names (and their help) for an unknown name or a bad value; the sweep checks
+every cell of a grid with `Class.checked` before any cell runs. A bottom-layer module (it imports nothing of the
+package), so every layer declares its notebook's parameters here without reaching up to pipeline/.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import FunctionType, ModuleType
-from typing import Any
+from typing import Any, Self
 
 
 class ParameterError(ValueError):
@@ -23,17 +26,19 @@ class ParameterError(ValueError):
 
 
 Check = Callable[[Any], str | None]  # returns why the value is wrong, or None
+_PARAM = "param"  # the field metadata key holding its Param
 
 
 @dataclass(frozen=True)
 class Param:
-    default: Any
+    """What one field of a ParamObject accepts, and the flag it becomes."""
+
     help: str
     types: tuple[type, ...] = ()
     choices: tuple[Any, ...] | None = None
     check: Check | None = None
-    # The command-line flag the parameter becomes (a training parameter's, pipeline/train.py derives the argv);
-    # a dict value gives one flag per key, `flag + key`. None: the notebook itself uses the value.
+    # The command-line flag the parameter becomes (ParamObject.flag_argv); a dict value gives one flag per key,
+    # `flag + key`. None: the notebook itself uses the value.
     flag: str | None = None
 
     def converted(self, value: Any) -> Any:
@@ -60,66 +65,92 @@ class Param:
         return self.check(value) if self.check else None
 
 
-ParamSpec = Mapping[str, Param]
+def param(default: Any, help: str, types: tuple[type, ...] = (), choices: tuple[Any, ...] | None = None,
+          check: Check | None = None, flag: str | None = None) -> Any:
+    """A ParamObject field: its default and what it accepts (see Param). A list or dict default is copied for
+    every object, never shared between them."""
+    metadata = {_PARAM: Param(help, types, choices, check, flag)}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def positive(value: Any) -> str | None:
     return None if value > 0 else "must be > 0"
 
 
-def accepted(spec: ParamSpec) -> str:
-    """One line per accepted parameter: name, default, help."""
-    return "\n".join(f"  {name} = {p.default!r}  # {p.help}" for name, p in spec.items())
-
-
-def check_params(values: Mapping[str, Any], spec: ParamSpec, where: str = "parameters") -> dict[str, Any]:
-    """Defaults overlaid with `values` (converted where lossless, see Param.converted), every name and value
-    checked; raises ParameterError naming all faults."""
-    faults = [f"unknown parameter {name!r}" for name in values if name not in spec]
-    for name, value in values.items():
-        if name in spec and (why := spec[name].problem(value)) is not None:
-            faults.append(f"{name} = {value!r}: {why}")
-    if faults:
-        raise ParameterError(f"{where}: " + "; ".join(faults) + f"\naccepted parameters:\n{accepted(spec)}")
-    return {name: p.converted(values[name]) if name in values else p.default for name, p in spec.items()}
-
-
-def flag_argv(values: Mapping[str, Any], spec: ParamSpec) -> list[str]:
-    """`[flag, str(value)]` for every parameter of `spec` that has a flag, in the spec's order; a None value
-    leaves its flag out, a dict value gives one `flag + key` per entry."""
-    argv: list[str] = []
-    for name, param in spec.items():
-        value = values[name]
-        if param.flag is None or value is None:
-            continue
-        for key, item in value.items() if isinstance(value, dict) else [("", value)]:
-            argv += [param.flag + key, str(item)]
-    return argv
-
-
 _IPYTHON_NAMES = frozenset({"In", "Out", "get_ipython", "exit", "quit", "open"})
-
-
 _SEEN = "_openrlhf_tis_names_at_check"  # kept in the notebook's globals by the first check
 
 
-def notebook_params(namespace: dict[str, Any], spec: ParamSpec, notebook: str) -> dict[str, Any]:
-    """The parameters notebook `notebook` (declaring `spec`) runs with, read from its globals right after the
-    parameters cell.
+class ParamObject:
+    """Base of a notebook's parameters: a frozen dataclass whose fields are made with `param`.
 
-    Names papermill injected that the spec does not know are refused: every plain value in the kernel's
-    namespace at this point was set by the parameters cell or injected after it (imports, functions,
-    classes, private and IPython names are not parameters). The names present at the first check are
-    remembered in the namespace, so re-running the cell later ignores what later cells defined.
-    """
-    earlier = namespace.get(_SEEN)
-    values = {
-        name: value for name, value in namespace.items()
-        if not name.startswith("_") and name not in _IPYTHON_NAMES
-        and not isinstance(value, (ModuleType, FunctionType, type)) and not callable(value)
-        and (earlier is None or name in earlier)
-    }
-    checked = check_params(values, spec, where=f"{notebook}.ipynb parameters")
-    if earlier is None:
-        namespace[_SEEN] = frozenset(namespace)
-    return checked
+    Constructing one directly takes the values as they are (a recorded cell, a test); `checked` and
+    `from_notebook` are the gates for values a user wrote."""
+
+    @classmethod
+    def spec(cls) -> dict[str, Param]:
+        """Each parameter's Param, in field order (the order of the parameters cell and of `flag_argv`)."""
+        return {f.name: f.metadata[_PARAM] for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def accepted(cls) -> str:
+        """One line per accepted parameter: name, default, help."""
+        defaults = cls().values()
+        return "\n".join(f"  {name} = {defaults[name]!r}  # {p.help}" for name, p in cls.spec().items())
+
+    @classmethod
+    def checked(cls, values: Mapping[str, Any], where: str = "parameters") -> Self:
+        """Defaults overlaid with `values` (converted where lossless, see Param.converted), every name and value
+        checked; raises ParameterError naming all faults."""
+        spec = cls.spec()
+        faults = [f"unknown parameter {name!r}" for name in values if name not in spec]
+        for name, value in values.items():
+            if name in spec and (why := spec[name].problem(value)) is not None:
+                faults.append(f"{name} = {value!r}: {why}")
+        if faults:
+            raise ParameterError(f"{where}: " + "; ".join(faults) + f"\naccepted parameters:\n{cls.accepted()}")
+        return cls(**{name: spec[name].converted(value) for name, value in values.items()})
+
+    @classmethod
+    def from_notebook(cls, namespace: dict[str, Any], notebook: str) -> Self:
+        """The parameters notebook `notebook` runs with, read from its globals right after the parameters cell.
+
+        Names papermill injected that the class does not know are refused: every plain value in the kernel's
+        namespace at this point was set by the parameters cell or injected after it (imports, functions,
+        classes, private and IPython names are not parameters). The names present at the first check are
+        remembered in the namespace, so re-running the cell later ignores what later cells defined.
+        """
+        earlier = namespace.get(_SEEN)
+        values = {
+            name: value for name, value in namespace.items()
+            if not name.startswith("_") and name not in _IPYTHON_NAMES
+            and not isinstance(value, (ModuleType, FunctionType, type)) and not callable(value)
+            and (earlier is None or name in earlier)
+        }
+        checked = cls.checked(values, where=f"{notebook}.ipynb parameters")
+        if earlier is None:
+            namespace[_SEEN] = frozenset(namespace)
+        return checked
+
+    def values(self) -> dict[str, Any]:
+        """Every parameter by name: what papermill passes to the notebook."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def flag_argv(self, **as_flags: Any) -> list[str]:
+        """`[flag, str(value)]` for every parameter that has a flag, in field order; `as_flags` gives some
+        parameters' values as their flags take them (a resolved path, a derived count). A None value leaves its
+        flag out, a dict value gives one `flag + key` per entry."""
+        spec = self.spec()
+        unknown = set(as_flags) - set(spec)
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no parameters {sorted(unknown)}")
+        argv: list[str] = []
+        for name, p in spec.items():
+            value = as_flags[name] if name in as_flags else getattr(self, name)
+            if p.flag is None or value is None:
+                continue
+            for key, item in value.items() if isinstance(value, dict) else [("", value)]:
+                argv += [p.flag + key, str(item)]
+        return argv

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The off-policy dose-response study: set up .venv if needed, then `python -m openrlhf_tis.pipeline.study`: the main
+# The off-policy dose-response study: set up .venv if needed, then `python -m openrlhf_tis.study.dose_response`: the main
 # job's recipe (demo task, embedded SmolLM2-135M-Instruct, CPU) under a dose axis of rollout precision
 # {none (trainer dtype), fp8 where it runs, int8, w6a8, w5a8, w4a8} x correction {off, tis, token_mis, seq_mis} x
 # seeds {1, 2, 3}, each cell train.ipynb under papermill, then one seed-aggregated report (report.html), the headline
@@ -11,4 +11,4 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$ROOT/scripts/setup_env.sh"
-exec "$ROOT/.venv/bin/python" -m openrlhf_tis.pipeline.study --out "${OPENRLHF_TIS_STUDY:-$ROOT/work/study}" "$@"
+exec "$ROOT/.venv/bin/python" -m openrlhf_tis.study.dose_response --out "${OPENRLHF_TIS_STUDY:-$ROOT/work/study}" "$@"

@@ -22,10 +22,10 @@ from openrlhf.models import PolicyLoss  # noqa: E402
 from openrlhf.trainer.ppo_utils import NaiveReplayBuffer  # noqa: E402
 from openrlhf.trainer.ppo_utils.experience import Experience, split_experience_batch  # noqa: E402
 
+from openrlhf_tis import metric_names as names  # noqa: E402
 from openrlhf_tis.correction import (  # noqa: E402
     CorrectionConfig,
     CorrectionConfigError,
-    names,
     policy_loss,
     preset,
 )

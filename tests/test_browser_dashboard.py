@@ -1,4 +1,4 @@
-"""The dashboard as a person uses it: `python -m openrlhf_tis.pipeline.dashboard ROOT --port P` serving on 127.0.0.1,
+"""The dashboard as a person uses it: `python -m openrlhf_tis.dashboard.cli ROOT --port P` serving on 127.0.0.1,
 opened in headless Chromium (tests/_browser.py) while the run store under ROOT changes: first missing (a notice),
 then holding a run in progress and a run without token dumps, then the first run logging and dumping a new step.
 The served HTML names no external asset and the browser fetched nothing from anywhere but the local server.
@@ -23,7 +23,7 @@ from openrlhf_tis.runs import RunWriter
 def server(tmp_path):
     """(url, runs root, log) of the dashboard over a root that does not exist yet."""
     port, root, log = free_port(), tmp_path / "runs", tmp_path / "dashboard.log"
-    argv = [sys.executable, "-m", "openrlhf_tis.pipeline.dashboard", str(root), "--port", str(port)]
+    argv = [sys.executable, "-m", "openrlhf_tis.dashboard.cli", str(root), "--port", str(port)]
     with served(argv, port, log, jupyter_env(tmp_path / "jupyter"), tmp_path):
         yield f"http://127.0.0.1:{port}/", root, log
 

@@ -1,5 +1,5 @@
 """The token explorer as a person sees it: notebooks/token_explorer.ipynb served by Voilà on 127.0.0.1 (as the
-dashboard serves pages: pipeline/voila_server.py), opened in headless Chromium (tests/_browser.py), its tokens'
+dashboard serves pages: dashboard/voila_server.py), opened in headless Chromium (tests/_browser.py), its tokens'
 colours read back from screenshot pixels, and a sample picked through the browser. The test checks from the
 browser's network log that the page's scripts and widget code all came from the local server, and nothing else.
 """
@@ -19,8 +19,8 @@ from selenium.common.exceptions import TimeoutException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
+from openrlhf_tis.dashboard.voila_server import voila_args, voila_env
 from openrlhf_tis.pipeline.execute import notebook_path
-from openrlhf_tis.pipeline.voila_server import voila_args, voila_env
 from openrlhf_tis.runs import TokenDumpWriter
 
 NOTEBOOK = notebook_path("token_explorer")

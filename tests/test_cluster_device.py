@@ -162,15 +162,15 @@ def test_the_main_job_runs_what_its_cluster_accepts(cluster, precision, tiny_mod
     """The same demo task with TIS: INT8 rollouts on a CPU cluster, bf16 ones on a CUDA cluster (which refuses INT8),
     and the command it builds passes every check of the training CLI on that cluster."""
     from openrlhf_tis.pipeline import main_job
-    from openrlhf_tis.pipeline.train import build_argv
 
     captured = {}
     monkeypatch.setattr(main_job, "read_cluster", lambda: cluster)
-    monkeypatch.setattr(main_job, "run_main_job", lambda params, out_dir: captured.update(params) or {})
+    monkeypatch.setattr(main_job, "run_main_job", lambda params, out_dir: captured.update(params=params) or {})
     monkeypatch.setattr(main_job, "describe", lambda result: "")
     main_job.main(["--out", str(tmp_path), "--model", "tiny"])
-    assert (captured["rollout_precision"], captured["correction"]) == (precision, "tis")
-    argv = build_argv(captured, tiny_model_dir, Path(captured["prompts"]), tmp_path / "run")
+    params = captured["params"]
+    assert (params.rollout_precision, params.correction) == (precision, "tis")
+    argv = params.argv(tiny_model_dir, Path(params.prompts), tmp_path / "run")
     assert argv[1:3] == ["-m", "openrlhf_tis.cli.train_ppo_ray"]
     args = train_ppo_ray.parse(argv[3:], cluster=cluster)
     assert getattr(args, "cluster.device") == ("cuda" if cluster is GPU_CLUSTER else "cpu")

@@ -120,6 +120,12 @@ def test_presets_are_valid_documented_and_overridable():
     with pytest.raises(CorrectionConfigError, match="--algo.correction.preset"):
         preset("nope")
     assert preset("ppo_is").loss == "bypass_ppo" and not preset("off").enabled
+    # An alias is its target's config under another name; no other two presets share a config.
+    assert PRESETS["ppo_is"].alias_of == "bypass_ppo" and PRESETS["ppo_is"].config is PRESETS["bypass_ppo"].config
+    assert preset("icepop") == CorrectionConfig(level="token", mode="mask", lower=0.5, upper=5.0)
+    assert PRESETS["icepop"].alias_of == "upstream_icepop"
+    canonical = [p.config for p in PRESETS.values() if p.alias_of is None]
+    assert len(set(canonical)) == len(canonical)
     assert preset("vanilla_is").mode == "raw"
 
 

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 from papermill import execute_notebook
 
-from openrlhf_tis.pipeline import dashboard
+from openrlhf_tis.dashboard import cli as dashboard
 from openrlhf_tis.pipeline.dashboard_app import Dashboard
 from openrlhf_tis.pipeline.execute import KERNEL
 from openrlhf_tis.runs import RunWriter, TokenDumpWriter

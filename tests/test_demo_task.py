@@ -153,17 +153,17 @@ def test_unreadable_task_or_reward_files_are_refused_naming_them(task_argv, tmp_
 def test_main_job_trains_the_task_and_scores_the_held_out_set(tmp_path, monkeypatch):
     """The main job's notebook parameters: the task's own files and reward, held-out scored at the start and end."""
     from openrlhf_tis.pipeline import main_job
-    from openrlhf_tis.pipeline.train import build_argv
 
     captured = {}
-    monkeypatch.setattr(main_job, "run_main_job", lambda params, out_dir: captured.update(params) or {})
+    monkeypatch.setattr(main_job, "run_main_job", lambda params, out_dir: captured.update(params=params) or {})
     monkeypatch.setattr(main_job, "describe", lambda result: "")
     main_job.main(["--out", str(tmp_path), "--model", "tiny", "--set", "steps=6", "--ds.zero_stage", "3"])
     assert len(_records(tmp_path / "eval.jsonl")) == 64 and len(_records(tmp_path / "train.jsonl")) == 255 - 64
-    assert captured["prompts"] == str(tmp_path / "train.jsonl") and captured["reward"] == str(REWARD)
-    assert captured["train_dtype"] in ("bf16", "fp32") and captured["rollout_precision"] == "int8"
-    argv = build_argv(captured, tmp_path / "model", Path(captured["prompts"]), tmp_path / "run")
+    params = captured["params"]
+    assert params.prompts == str(tmp_path / "train.jsonl") and params.reward == str(REWARD)
+    assert params.train_dtype in ("bf16", "fp32") and params.rollout_precision == "int8"
+    argv = params.argv(tmp_path / "model", Path(params.prompts), tmp_path / "run")
     flags = dict(zip(argv, argv[1:], strict=False))
     assert flags["--eval.dataset"] == str(tmp_path / "eval.jsonl") and flags["--eval.steps"] == "6"
-    assert flags["--ds.param_dtype"] == captured["train_dtype"]
+    assert flags["--ds.param_dtype"] == params.train_dtype
     assert argv[-2:] == ["--ds.zero_stage", "3"]  # a training flag given to the main job comes last and wins

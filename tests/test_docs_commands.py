@@ -85,8 +85,8 @@ def _module_command(module: str, args: list[str], tmp: Path) -> str:
         patches.apply_platform_patches()
         build_parser().parse_args(args)
         return "parsed by the training CLI's parser"
-    if module == "openrlhf_tis.pipeline.study" and "--report" not in args:
-        from openrlhf_tis.pipeline import study
+    if module == "openrlhf_tis.study.dose_response" and "--report" not in args:
+        from openrlhf_tis.study import dose_response as study
 
         study.main([*args, "--out", str(tmp / "study"), "--dry_run"])
         return "study --dry_run"
@@ -135,16 +135,12 @@ def _papermill(args: list[str]) -> str:
     import nbformat
     from papermill.cli import _resolve_type
 
-    from openrlhf_tis.params import check_params
-
     notebook = REPO / args[0]
     assert notebook.is_file(), f"no notebook {args[0]}"
-    check = next(c.source for c in nbformat.read(notebook, as_version=4).cells if "notebook_params(" in c.source)
-    package, module = re.findall(r"from (\S+) import (\w+)", check)[-1]  # the module holding its spec
-    spec_name = re.search(r"notebook_params\(globals\(\), \w+\.(\w+)", check).group(1)
-    spec = getattr(importlib.import_module(f"{package}.{module}"), spec_name)
+    check = next(c.source for c in nbformat.read(notebook, as_version=4).cells if ".from_notebook(" in c.source)
+    module, name = re.search(r"from (\S+) import (\w+)", check).groups()  # the notebook's parameters class
     values = {args[i + 1]: _resolve_type(args[i + 2]) for i, a in enumerate(args) if a == "-p"}
-    check_params(values, spec, where=args[0])
+    getattr(importlib.import_module(module), name).checked(values, where=args[0])
     return "papermill parameters checked"
 
 

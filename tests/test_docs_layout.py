@@ -53,7 +53,7 @@ def _listed(section: str, name: str) -> bool:
 
 def test_the_tree_is_what_the_test_expects():
     # guards the test itself: it sees the package, the benchmarks and the docs
-    assert Path("correction/names.py") in _modules() and "trainer" in _packages()
+    assert Path("metric_names.py") in _modules() and "trainer" in _packages()
     assert (REPO / "benchmarks" / "bench_correction.py").is_file() and (REPO / "docs" / "design.md").is_file()
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from openrlhf_tis.correction import PRESETS, names
+from openrlhf_tis import metric_names as names
+from openrlhf_tis.correction import PRESETS
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"

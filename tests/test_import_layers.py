@@ -179,7 +179,7 @@ def test_graph_sees_the_package():
 
 
 def test_strings_naming_modules_are_edges():
-    assert _string_target("openrlhf_tis.pipeline.train:TRAIN_PARAMS") == "openrlhf_tis.pipeline.train"
+    assert _string_target("openrlhf_tis.pipeline.train:run_training") == "openrlhf_tis.pipeline.train"
     assert _string_target("openrlhf_tis.rollout.cpu_worker_extension.CPUWorkerExtension") == \
         "openrlhf_tis.rollout.cpu_worker_extension"
     assert _string_target("openrlhf_tis.viz") == "openrlhf_tis.viz"
@@ -211,6 +211,23 @@ def test_core_layers_import_nothing_above_them():
                      ("openrlhf_tis.cli", "openrlhf_tis.trainer", "openrlhf_tis.rollout", "openrlhf_tis.pipeline",
                       "openrlhf_tis.viz"))
     assert not upward, "\n".join(upward)
+
+
+def test_the_store_and_the_plots_read_metric_names_not_the_correction():
+    """runs/ and viz/ read metrics.jsonl and token dumps: the keys come from the bottom module metric_names, so
+    neither needs the correction core (nor torch through it) to read a run."""
+    upward = _upward(("openrlhf_tis.runs", "openrlhf_tis.viz"), ("openrlhf_tis.correction",))
+    assert not upward, "\n".join(upward)
+    assert "openrlhf_tis.metric_names" in GRAPH["openrlhf_tis.runs.summary"]  # guards the test
+
+
+def test_the_study_and_the_dashboard_are_the_top_layer():
+    """The study drives the pipeline and the dashboard serves it; nothing below imports either."""
+    tops = ("openrlhf_tis.study", "openrlhf_tis.dashboard")
+    below = tuple(sorted({".".join(m.split(".")[:2]) for m in MODULES if "." in m} - set(tops)))
+    upward = _upward(below, tops)
+    assert not upward, "\n".join(upward)
+    assert "openrlhf_tis.pipeline.sweep" in GRAPH["openrlhf_tis.study.dose_response"]  # guards the test
 
 
 def test_library_layers_import_no_entry_point():

@@ -147,6 +147,7 @@ def test_ctrl_c_stops_the_training_and_says_in_one_line_what_was_kept(command, t
 def test_the_main_jobs_account_gives_the_resume_command_when_a_checkpoint_of_the_run_exists(tmp_path):
     from openrlhf_tis.pipeline.interrupt import Stopped, kept
     from openrlhf_tis.pipeline.main_job import interrupted
+    from openrlhf_tis.pipeline.train_params import TrainParams
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -157,7 +158,7 @@ def test_the_main_jobs_account_gives_the_resume_command_when_a_checkpoint_of_the
     tag.mkdir(parents=True)
     (tag.parent / "latest").write_text("global_step2")
     write_checkpoint_identity(tag, "r1", 2)
-    line = interrupted({"run_dir": str(run_dir), "steps": 6}, Stopped([(7, "openrlhf_tis.cli.train_ppo_ray")]),
+    line = interrupted(TrainParams(run_dir=str(run_dir), steps=6), Stopped([(7, "openrlhf_tis.cli.train_ppo_ray")]),
                        ["--out", "w", "--ckpt.save_steps", "2"])
     assert line == (f"interrupted: stopped openrlhf_tis.cli.train_ppo_ray (pid 7); kept: steps 1-3 of 6 in "
                     f"{run_dir / 'metrics.jsonl'} and the checkpoint global_step2 in {tag.parent}; resume it with: "

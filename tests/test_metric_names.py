@@ -1,4 +1,4 @@
-"""The registry of metric keys (correction/names.py) against what actually writes each key.
+"""The registry of metric keys (metric_names.py) against what actually writes each key.
 
 Every name the registry holds must be produced by its writer: the correction core (run on a batch that
 turns every option on), upstream's trainer (the key is a literal in openrlhf's source), or the fork's
@@ -18,8 +18,8 @@ import openrlhf
 import pytest
 import torch
 
+from openrlhf_tis import metric_names as registry
 from openrlhf_tis.correction import CorrectionConfig, RejectionCriterion, compute_correction
-from openrlhf_tis.correction import names as registry
 from openrlhf_tis.trainer.staleness import staleness_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,7 +64,7 @@ def _everything_on() -> tuple[dict[str, float], CorrectionConfig]:
 
 
 def test_importing_the_names_and_the_config_loads_no_torch():
-    code = ("import sys, openrlhf_tis.correction.names, openrlhf_tis.correction.config; "
+    code = ("import sys, openrlhf_tis.metric_names, openrlhf_tis.correction.config; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
     # guards the test: importing the torch half does load torch
@@ -77,7 +77,7 @@ def test_every_name_has_a_known_writer():
     names = _registry_names()
     core = {n for n, v in names.items() if isinstance(v, str) and v in _core_keys()}
     unplaced = set(names) - core - set(UPSTREAM) - set(FORK_TRAINER) - set(NOT_KEYS)
-    assert not unplaced, f"correction/names.py: say who writes {sorted(unplaced)} (tests/test_metric_names.py)"
+    assert not unplaced, f"metric_names.py: say who writes {sorted(unplaced)} (tests/test_metric_names.py)"
     assert not (set(UPSTREAM) | set(FORK_TRAINER) | set(NOT_KEYS)) - set(names), "a listed name left the registry"
 
 
@@ -112,7 +112,7 @@ def _trainer_imports() -> set[str]:
     found = set()
     for path in (REPO / "openrlhf_tis" / "trainer").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.module == "openrlhf_tis.correction.names":
+            if isinstance(node, ast.ImportFrom) and node.module == "openrlhf_tis.metric_names":
                 found |= {alias.name for alias in node.names}
     return found
 

@@ -81,7 +81,7 @@ def test_an_unknown_parameter_fails_in_the_check_cell_listing_what_is_accepted(t
     assert "steps = 2" in err.value.evalue
     nb = nbformat.read(tmp_path / "bad.ipynb", as_version=4)
     failed = [c for c in nb.cells if any(o.output_type == "error" for o in c.get("outputs", []))]
-    assert len(failed) == 1 and "notebook_params" in failed[0].source  # the first cell after the parameters
+    assert len(failed) == 1 and "TrainParams.from_notebook" in failed[0].source  # the cell after the parameters
     assert not (tmp_path / "run").exists()  # nothing started
 
 

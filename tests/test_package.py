@@ -18,9 +18,12 @@ REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ["compare", "dashboard", "sweep", "token_explorer", "train"]
 CONSOLE_SCRIPTS = {
     "openrlhf-tis-train": "openrlhf_tis.cli.train_ppo_ray:main",
-    "openrlhf-tis-runs": "openrlhf_tis.runs.cli:main",
+    "openrlhf-tis-main-job": "openrlhf_tis.pipeline.main_job:main",
     "openrlhf-tis-sweep": "openrlhf_tis.pipeline.sweep:main",
-    "openrlhf-tis-dashboard": "openrlhf_tis.pipeline.dashboard:main",
+    "openrlhf-tis-study": "openrlhf_tis.study.dose_response:main",
+    "openrlhf-tis-runs": "openrlhf_tis.runs.cli:main",
+    "openrlhf-tis-dashboard": "openrlhf_tis.dashboard.cli:main",
+    "openrlhf-tis-calibrate": "openrlhf_tis.rollout.calibration:main",
 }
 
 
@@ -74,13 +77,13 @@ def test_the_unpacked_wheel_runs_from_any_directory(wheel, tmp_path):
     targets = repr(sorted(CONSOLE_SCRIPTS.values()))
     code = (
         "import importlib, openrlhf_tis\n"
-        "from openrlhf_tis.pipeline import execute, main_job, train\n"
+        "from openrlhf_tis.pipeline import execute, main_job, train_params\n"
         f"for target in {targets}:\n"
         "    module, _, name = target.partition(':')\n"
         "    assert callable(getattr(importlib.import_module(module), name)), target\n"
         "print(openrlhf_tis.__file__)\n"
         "print(execute.notebook_path('train'))\n"
-        "print(train.DEMO_REWARD.is_file(), main_job.TASK_REWARD.is_file())\n"
+        "print(train_params.DEMO_REWARD.is_file(), main_job.TASK_REWARD.is_file())\n"
     )
     # PYTHONPATH comes before site-packages, where the shared venv's editable install points at the repository.
     env = {**os.environ, "PYTHONPATH": str(site)}

@@ -3,21 +3,46 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import nbformat
 import pytest
 
-from openrlhf_tis.params import Param, ParameterError, check_params, notebook_params, positive
+from openrlhf_tis.params import ParameterError, ParamObject, param, positive
 from openrlhf_tis.pipeline.execute import NOTEBOOKS
 from openrlhf_tis.pipeline.notebooks import NOTEBOOK_SOURCES
 from openrlhf_tis.pipeline.sweep import Cell, load_grid
-from openrlhf_tis.pipeline.train import TRAIN_PARAMS, build_argv, resolve_prompts
+from openrlhf_tis.pipeline.train import resolve_prompts
+from openrlhf_tis.pipeline.train_params import TrainParams
 
-SPEC = {"steps": Param(2, "steps", (int,), check=positive), "mode": Param("a", "mode", (str,), ("a", "b"))}
+
+@dataclass(frozen=True)
+class Spec(ParamObject):
+    steps: int = param(2, "steps", (int,), check=positive, flag="--steps")
+    mode: str = param("a", "mode", (str,), ("a", "b"))
+    options: dict = param({}, "options", (dict,), flag="--opt.")
+    extra: list = param([], "extra", (list,))
 
 
 def test_defaults_are_filled_and_given_values_kept():
-    assert check_params({"mode": "b"}, SPEC) == {"steps": 2, "mode": "b"}
+    assert Spec.checked({"mode": "b"}) == Spec(steps=2, mode="b", options={}, extra=[])
+    assert Spec.checked({"mode": "b"}).values() == {"steps": 2, "mode": "b", "options": {}, "extra": []}
+
+
+def test_list_and_dict_defaults_are_never_shared_between_objects():
+    first, second = Spec(), Spec.checked({})
+    first.options["key"] = 1
+    first.extra.append("--x")
+    assert second.options == {} and second.extra == [] and Spec().options == {} and Spec().extra == []
+
+
+def test_flags_come_in_field_order_and_as_flags_replaces_values():
+    spec = Spec(steps=3, options={"a": 1, "b": "x"})
+    assert spec.flag_argv() == ["--steps", "3", "--opt.a", "1", "--opt.b", "x"]
+    assert spec.flag_argv(steps=None) == ["--opt.a", "1", "--opt.b", "x"]  # None leaves the flag out
+    assert spec.flag_argv(steps="7", options={}) == ["--steps", "7"]
+    with pytest.raises(TypeError, match="no parameters \\['stepz'\\]"):
+        spec.flag_argv(stepz=1)
 
 
 @pytest.mark.parametrize("values, fault", [
@@ -29,10 +54,10 @@ def test_defaults_are_filled_and_given_values_kept():
 ])
 def test_every_fault_is_named_and_the_accepted_list_shown(values, fault):
     with pytest.raises(ParameterError) as err:
-        check_params(values, SPEC, where="here")
+        Spec.checked(values, where="here")
     text = str(err.value)
     assert text.startswith("here: ") and fault in text
-    assert "steps = 2  # steps" in text and "mode = 'a'  # mode" in text
+    assert "steps = 2  # steps" in text and "mode = 'a'  # mode" in text and "extra = []  # extra" in text
 
 
 @pytest.mark.parametrize("name, typed, expected", [
@@ -45,8 +70,8 @@ def test_every_fault_is_named_and_the_accepted_list_shown(values, fault):
 def test_values_typed_by_papermill_are_taken_when_they_convert_without_loss(name, typed, expected):
     from papermill.cli import _resolve_type  # how `papermill -p NAME VALUE` types VALUE
 
-    params = check_params({name: _resolve_type(typed)}, TRAIN_PARAMS)
-    assert params[name] == expected and type(params[name]) is type(expected)
+    value = getattr(TrainParams.checked({name: _resolve_type(typed)}), name)
+    assert value == expected and type(value) is type(expected)
 
 
 @pytest.mark.parametrize("name, value, fault", [
@@ -58,17 +83,17 @@ def test_values_typed_by_papermill_are_taken_when_they_convert_without_loss(name
 ])
 def test_values_that_would_change_in_conversion_are_still_refused(name, value, fault):
     with pytest.raises(ParameterError, match=fault):
-        check_params({name: value}, TRAIN_PARAMS)
+        TrainParams.checked({name: value})
 
 
-def test_notebook_params_reads_plain_values_only_and_refuses_injected_unknowns():
+def test_from_notebook_reads_plain_values_only_and_refuses_injected_unknowns():
     import os
 
-    namespace = {"steps": 3, "os": os, "In": [], "_": 1, "notebook_params": notebook_params, "display": print}
-    assert notebook_params({**namespace, **{k: v.default for k, v in TRAIN_PARAMS.items() if k != "steps"}},
-                           TRAIN_PARAMS, "train")["steps"] == 3
-    with pytest.raises(ParameterError, match="unknown parameter 'stpes'"):
-        notebook_params({"stpes": 3}, TRAIN_PARAMS, "train")
+    namespace = {"steps": 3, "os": os, "In": [], "_": 1, "TrainParams": TrainParams, "display": print}
+    defaults = {k: v for k, v in TrainParams().values().items() if k != "steps"}
+    assert TrainParams.from_notebook({**namespace, **defaults}, "train") == TrainParams(steps=3)
+    with pytest.raises(ParameterError, match="train.ipynb parameters: unknown parameter 'stpes'"):
+        TrainParams.from_notebook({"stpes": 3}, "train")
 
 
 def test_committed_notebooks_are_the_generated_ones():
@@ -92,7 +117,7 @@ def test_each_notebook_checks_its_parameters_against_its_own_spec(name, tmp_path
     exec(parameters, {}, defaults)
     namespace: dict = {}
     exec(parameters + "\n" + check, namespace)
-    assert namespace["params"] == defaults
+    assert namespace["params"].values() == defaults
     with pytest.raises(ParameterError, match=f"{name}.ipynb parameters: unknown parameter 'not_a_parameter'"):
         exec(parameters + "\nnot_a_parameter = 1\n" + check, {})
 
@@ -170,9 +195,9 @@ def test_a_cell_the_training_cli_would_refuse_fails_the_grid_check(tmp_path, tex
 KERNEL_LIKE = """
 import sys
 sys.stderr = open(sys.argv[1], "w")  # as in a notebook kernel: sys.stderr is not file descriptor 2
-from openrlhf_tis.params import check_params
-from openrlhf_tis.pipeline.train import TRAIN_PARAMS, check_training_command
-check_training_command(check_params({}, TRAIN_PARAMS))
+from openrlhf_tis.pipeline.train import check_training_command
+from openrlhf_tis.pipeline.train_params import TrainParams
+check_training_command(TrainParams.checked({}))
 assert sys.stderr.name == sys.argv[1]
 """
 
@@ -197,10 +222,10 @@ def test_cell_slugs_are_safe_and_distinct_even_when_names_slug_alike():
 
 
 def test_training_command_follows_the_parameters(tmp_path):
-    params = check_params({"steps": 5, "prompts_per_step": 3, "samples_per_prompt": 4, "correction": "mis_full",
-                           "correction_options": {"upper": 3.0}, "extra_args": ["--algo.correction.upper", "4"],
-                           "run_dir": str(tmp_path / "run")}, TRAIN_PARAMS)
-    argv = build_argv(params, tmp_path / "model", tmp_path / "p.jsonl", tmp_path / "run")
+    params = TrainParams.checked({"steps": 5, "prompts_per_step": 3, "samples_per_prompt": 4, "correction": "mis_full",
+                                  "correction_options": {"upper": 3.0}, "extra_args": ["--algo.correction.upper", "4"],
+                                  "run_dir": str(tmp_path / "run")})
+    argv = params.argv(tmp_path / "model", tmp_path / "p.jsonl", tmp_path / "run")
 
     def flag(name):  # the last value given wins, as argparse does
         return argv[len(argv) - 1 - argv[::-1].index(name) + 1]
@@ -216,8 +241,8 @@ def test_training_command_follows_the_parameters(tmp_path):
 
 def test_async_queue_trains_asynchronously_only_when_set(tmp_path):
     def argv(**values):
-        params = check_params({**values, "run_dir": str(tmp_path / "run")}, TRAIN_PARAMS)
-        return build_argv(params, tmp_path / "model", tmp_path / "p.jsonl", tmp_path / "run")
+        params = TrainParams.checked({**values, "run_dir": str(tmp_path / "run")})
+        return params.argv(tmp_path / "model", tmp_path / "p.jsonl", tmp_path / "run")
 
     assert "--train.async_enable" not in argv()
     queued = argv(async_queue=2)
@@ -240,6 +265,6 @@ def test_the_prompt_file_holds_one_rollout_batch_per_step(tmp_path):
 
 def test_rerunning_the_check_cell_ignores_names_later_cells_defined():
     namespace = {"steps": 3}
-    first = notebook_params(namespace, TRAIN_PARAMS, "train")
+    first = TrainParams.from_notebook(namespace, "train")
     namespace.update(params=first, run_dir_result="x", steps=4)  # later cells ran; the user changed steps
-    assert notebook_params(namespace, TRAIN_PARAMS, "train")["steps"] == 4
+    assert TrainParams.from_notebook(namespace, "train").steps == 4

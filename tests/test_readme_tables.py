@@ -1,6 +1,6 @@
 """The README's tables are checked against what they describe: the fork's flags against the training CLI's parser
 (every flag the fork adds is in the table, every row is a flag, each default is the parser's), the metrics against
-correction/names.py, and the study table against the committed results it is copied from (results/study/)."""
+metric_names.py, and the study table against the committed results it is copied from (results/study/)."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_every_correction_field_is_in_the_correction_guides_flag_table():
 
 
 def test_every_metric_to_watch_is_one_the_fork_writes():
-    from openrlhf_tis.correction import names
+    from openrlhf_tis import metric_names as names
 
     known = {v for v in vars(names).values() if isinstance(v, str)}
     known |= {k for v in vars(names).values() if isinstance(v, tuple) for k in v if isinstance(k, str)}
@@ -86,7 +86,7 @@ def test_every_metric_to_watch_is_one_the_fork_writes():
     assert "mismatch/k3_kl" in metrics and len(metrics) >= 8
     # held-out keys are upstream's, named after the eval dataset (`eval/<dataset>_pass1`)
     unknown = {m for m in metrics if m not in known and not m.startswith((names.EVAL_PREFIX, names.EVAL_START_PREFIX))}
-    assert not unknown, f"README metrics not in correction/names.py: {sorted(unknown)}"
+    assert not unknown, f"README metrics not in metric_names.py: {sorted(unknown)}"
 
 
 def test_the_study_table_is_copied_from_the_committed_results():
@@ -96,3 +96,15 @@ def test_the_study_table_is_copied_from_the_committed_results():
         source = REPO / re.search(r"\]\(([^)]+)\)", study).group(1)
         results = {tuple(r[:2]): r[:8] for r in table_after(source.read_text(encoding="utf-8"), "| dose")}
         assert results.get(tuple(cells[:2])) == cells, f"README study row {cells} is not in {source}: {results}"
+
+
+def test_every_console_script_has_one_readme_line():
+    """README "## Commands" lists exactly setup.py's console scripts, in its order (test_package checks that each
+    one's target imports from the built wheel)."""
+    import ast
+
+    tree = ast.parse((REPO / "setup.py").read_text(encoding="utf-8"))
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    entry_points = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "entry_points"))
+    scripts = [line.split("=")[0] for line in entry_points["console_scripts"]]
+    assert [row[0].strip("`") for row in table_after(README, "## Commands")] == scripts

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from openrlhf_tis.errors import UsageError
-from openrlhf_tis.rollout.calibration import calibrate, calibrate_smoothing, input_scales_from_absmax
+from openrlhf_tis.rollout.calibration import calibrate, input_scales_from_absmax
 from openrlhf_tis.rollout.calibration_file import (
     Calibration,
     CalibrationMismatchError,
@@ -169,7 +169,7 @@ def test_static_input_scales_match_a_float64_reference(tiny_model_dir):
     cal = calibrate(model, CALIBRATION_PROMPTS, alpha=0.5, static_activations=True, min_levels=0)
     smoothing, scales = cal.smoothing, cal.input_scales
     assert cal.dynamic_projections == []
-    alone = calibrate_smoothing(model, CALIBRATION_PROMPTS, 0.5)  # one pass serves both
+    alone = calibrate(model, CALIBRATION_PROMPTS, 0.5).smoothing  # one pass serves both
     assert alone.keys() == smoothing.keys() and all(torch.equal(alone[k], v) for k, v in smoothing.items())
     inputs = _hooked_inputs(model, CALIBRATION_PROMPTS)
     names = {input_scale_name(n) for n, _ in model.named_parameters() if is_quantized_weight(n)}
@@ -215,7 +215,7 @@ def test_dynamic_fallback_matches_a_float64_reference(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    smoothing = calibrate_smoothing(model, CALIBRATION_PROMPTS, 0.5)
+    smoothing = calibrate(model, CALIBRATION_PROMPTS, 0.5).smoothing
     inputs = _hooked_inputs(model, CALIBRATION_PROMPTS)
     reference = {}
     for module, xs in inputs.items():
@@ -312,7 +312,7 @@ def test_smoothing_is_exact_in_fp32_and_transfers_through_the_plan(tiny_model_di
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     prompts = [[5, 17, 42, 99, 123, 7], [300, 256, 12, 64, 77]]
-    smoothing = calibrate_smoothing(model, prompts, alpha=0.5)
+    smoothing = calibrate(model, prompts, alpha=0.5).smoothing
     assert len(smoothing) == 4 and all(s.shape == (128,) and (s > 0).all() for s in smoothing.values())
     ids = torch.tensor([[3, 88, 150, 222, 401]])
     with torch.no_grad():
@@ -504,7 +504,7 @@ def test_calibration_command_writes_a_file_the_run_accepts(tiny_model_dir, tmp_p
     ids = [tok.apply_chat_template([{"role": "user", "content": json.loads(line)["input"]}], tokenize=True,
                                    add_generation_prompt=True, return_dict=True)["input_ids"]
            for line in prompts.read_text().splitlines()]
-    expected = calibrate_smoothing(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), ids)
+    expected = calibrate(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), ids).smoothing
     chat_smoothing = split_calibration(load_calibration(chat, read_config(tiny_model_dir))[0])[0]
     assert chat_smoothing.keys() == expected.keys()
     assert all(torch.equal(chat_smoothing[k], v) for k, v in expected.items())

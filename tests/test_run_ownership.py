@@ -61,8 +61,8 @@ def test_a_directory_held_by_a_live_process_is_refused_naming_its_pid_and_freed_
 
 
 def test_a_notebook_start_into_a_live_run_leaves_its_log_alone(tmp_path):
-    from openrlhf_tis.params import check_params
-    from openrlhf_tis.pipeline.train import TRAIN_PARAMS, TrainingFailed, run_training
+    from openrlhf_tis.pipeline.train import TrainingFailed, run_training
+    from openrlhf_tis.pipeline.train_params import TrainParams
 
     run = tmp_path / "run"
     run.mkdir()
@@ -71,7 +71,7 @@ def test_a_notebook_start_into_a_live_run_leaves_its_log_alone(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(TrainingFailed, match=f"in use by another run \\(pid {holder.pid}\\)"):
-            run_training(check_params({"run_dir": str(run)}, TRAIN_PARAMS, where="test"))
+            run_training(TrainParams.checked({"run_dir": str(run)}, where="test"))
     finally:
         holder.kill()
         holder.wait()

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from openrlhf_tis.params import ParameterError, check_params
-from openrlhf_tis.pipeline import main_job, study
+from openrlhf_tis.params import ParameterError
+from openrlhf_tis.pipeline import main_job
 from openrlhf_tis.pipeline.main_job import job_params
 from openrlhf_tis.pipeline.sweep import Cell, CellResult, SweepResult, load_grid
-from openrlhf_tis.pipeline.train import TRAIN_PARAMS, build_argv
+from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.runs.store import RunWriter
+from openrlhf_tis.study import dose_response as study
 
 ALL_BITS = ("auto", "8", "7", "6", "5", "4")
 
@@ -53,7 +54,7 @@ def test_the_grid_file_is_one_the_sweep_reads_and_each_cell_asks_for_its_weight_
     # the earlier int8 study's cells keep their names, so a re-run reuses them
     assert loaded[0].name == f"rollout_precision={trainer},correction=off,seed=1"
     def argv(params):
-        return build_argv(check_params({**params, "run_dir": "r"}, TRAIN_PARAMS), Path("m"), Path("p"), Path("r"))
+        return TrainParams.checked({**params, "run_dir": "r"}).argv(Path("m"), Path("p"), Path("r"))
 
     w6a8 = argv(loaded[2].params)
     assert w6a8[w6a8.index("--vllm.int8_weight_bits") + 1] == "6"

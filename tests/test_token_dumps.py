@@ -19,7 +19,7 @@ from test_actor_wiring import B, TinyPolicy, make_args, make_experience, make_tr
 from openrlhf_tis.correction import CorrectionConfig, preset
 from openrlhf_tis.runs import MASK_REASON_CODES, query_tokens, token_steps
 from openrlhf_tis.runs.tokens import select_samples
-from openrlhf_tis.trainer import ppo_actor, ppo_trainer, token_dumps
+from openrlhf_tis.trainer import ppo_actor, step_part, token_dumps
 from openrlhf_tis.trainer.token_dumps import TokenDumpPlan
 
 GROUP = 2  # n_samples_per_prompt of the fake step
@@ -243,48 +243,20 @@ def _controller_args(every: int = 10, k: int = 8, run_dir: str | None = "run"):
     return SimpleNamespace(
         logger=SimpleNamespace(run_dir=run_dir, token_dump_steps=every, token_dump_samples=k),
         rollout=SimpleNamespace(n_samples_per_prompt=GROUP), train=SimpleNamespace(seed=42),
-        critic=SimpleNamespace(freezing_steps=-1),
     )
 
 
 def test_plan_names_dumped_steps_and_whole_groups():
     args = _controller_args(every=3, k=3)
-    assert [s for s in range(1, 10) if ppo_trainer.token_dump_plan(args, s, 16)] == [1, 3, 6, 9]
-    plan = ppo_trainer.token_dump_plan(args, 6, 16)
+    assert [s for s in range(1, 10) if step_part.token_dump_plan(args, s, 16)] == [1, 3, 6, 9]
+    plan = step_part.token_dump_plan(args, 6, 16)
     assert plan.run_dir == args.logger.run_dir and plan.group_size == GROUP
     assert len(plan.sample_ids) == 4 and all(plan.sample_ids[i] // GROUP == plan.sample_ids[i + 1] // GROUP
                                              for i in (0, 2))
     assert plan.sample_ids == tuple(select_samples(16, 3, 6, seed=42, group_size=GROUP))
-    assert ppo_trainer.token_dump_plan(_controller_args(every=0), 1, 16) is None
-    assert ppo_trainer.token_dump_plan(_controller_args(run_dir=None), 1, 16) is None
-    assert ppo_trainer.token_dump_plan(_controller_args(k=0), 1, 16) is None
-
-
-class _ActorGroup:
-    def __init__(self):
-        self.sent = []
-
-    def async_run_method(self, method_name, **kwargs):
-        self.sent.append((method_name, kwargs))
-        return []
-
-
-def test_controller_announces_the_logged_step_before_fit(monkeypatch):
-    trained = []
-    monkeypatch.setattr(ppo_trainer._UpstreamPPOTrainer, "ppo_train", lambda self, steps: trained.append(steps) or {})
-    monkeypatch.setattr(ppo_trainer.ray, "get", lambda refs: refs)
-    controller = object.__new__(ppo_trainer._TisPPOTrainer)
-    controller.args = _controller_args(every=2)
-    controller.actor_model_group = group = _ActorGroup()
-    controller._step_samples = 8
-    for global_steps in range(4):  # upstream's train_step passes the step count before its increment
-        controller.ppo_train(global_steps)
-    assert trained == [0, 1, 2, 3]
-    assert [(name, kw["plan"].step) for name, kw in group.sent] == [("set_token_dump", 1), ("set_token_dump", 2),
-                                                                     ("set_token_dump", 4)]
-    controller.args.critic.freezing_steps = 10  # a frozen actor does not fit: its plan would go stale
-    controller.ppo_train(5)
-    assert len(group.sent) == 3
+    assert step_part.token_dump_plan(_controller_args(every=0), 1, 16) is None
+    assert step_part.token_dump_plan(_controller_args(run_dir=None), 1, 16) is None
+    assert step_part.token_dump_plan(_controller_args(k=0), 1, 16) is None
 
 
 def test_entropy_from_logits_matches_a_direct_computation():

@@ -1,6 +1,6 @@
-"""The training command a notebook builds is derived from TRAIN_PARAMS' flags, and the real parser reads it.
+"""The training command a notebook builds is derived from TrainParams' flags, and the real parser reads it.
 
-No Ray, no kernel: the fork's own parser (upstream's plus the fork's flags) parses what build_argv derives.
+No Ray, no kernel: the fork's own parser (upstream's plus the fork's flags) parses what TrainParams.argv derives.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import pytest
 from openrlhf_tis.cli import train_ppo_ray
 from openrlhf_tis.correction.config import FLAG_PREFIX
 from openrlhf_tis.cpu_features import default_train_dtype
-from openrlhf_tis.params import ParameterError, check_params
-from openrlhf_tis.pipeline.train import CORRECTION_FIELDS, DEMO_REWARD, TRAIN_PARAMS, build_argv
+from openrlhf_tis.params import ParameterError
+from openrlhf_tis.pipeline.train_params import CORRECTION_FIELDS, DEMO_REWARD, TrainParams
 
 MODEL, PROMPTS, RUN = Path("/m/model"), Path("/r/run.prompts.jsonl"), Path("/r/run")
-DEFAULTS = {name: p.default for name, p in TRAIN_PARAMS.items()}
+SPEC = TrainParams.spec()
 
 # The commands pipeline/train.py built with its ~30 hand-written flags (commit 20902a2), for three parameter sets;
 # DEMO stands for the demo reward's path.
@@ -80,7 +80,7 @@ def _options(argv: list[str]) -> list[list[str]]:
 
 
 def _argv(values: dict) -> list[str]:
-    argv = build_argv({**DEFAULTS, **values}, MODEL, PROMPTS, RUN)
+    argv = TrainParams(**values).argv(MODEL, PROMPTS, RUN)
     assert argv[:3] == [sys.executable, "-m", "openrlhf_tis.cli.train_ppo_ray"]
     return argv[3:]
 
@@ -103,7 +103,7 @@ def test_the_derived_command_is_the_one_the_hand_written_flags_built(case, parse
 
 
 OTHER_DTYPE = {"bf16": "fp32", "fp32": "bf16"}[default_train_dtype()]  # not what train_dtype "auto" gives here
-RESOLVED = {"model", "prompts", "run_dir"}  # build_argv is handed these resolved, whatever the parameter says
+RESOLVED = {"model", "prompts", "run_dir"}  # argv() is handed these resolved, whatever the parameter says
 # For every parameter with a flag: a value other than its default, and what the parser must read from it.
 NON_DEFAULT = {
     "model": ("tiny", str(MODEL)),  # the resolved directory, whatever the name
@@ -129,15 +129,15 @@ NON_DEFAULT = {
 
 
 def test_every_flagged_parameter_is_covered_here():
-    assert set(NON_DEFAULT) == {name for name, p in TRAIN_PARAMS.items() if p.flag is not None}
-    assert {name for name, p in TRAIN_PARAMS.items() if p.flag is None} == {
+    assert set(NON_DEFAULT) == {name for name, p in SPEC.items() if p.flag is not None}
+    assert {name for name, p in SPEC.items() if p.flag is None} == {
         "steps", "eval_kept", "extra_args", "refresh_seconds"}
 
 
 @pytest.mark.parametrize("name", sorted(NON_DEFAULT))
 def test_every_parameter_reaches_its_flag_through_the_real_parser(name, parser):
     value, expected = NON_DEFAULT[name]
-    flag = TRAIN_PARAMS[name].flag
+    flag = SPEC[name].flag
     with_eval = {"eval_prompts": "/x/eval.jsonl"} if name in ("eval_samples", "eval_every") else {}
     args = vars(parser.parse_args(_argv({name: value, **with_eval})))
     dests = {option: a.dest for a in parser._actions for option in a.option_strings}
@@ -156,7 +156,7 @@ def test_every_correction_field_is_a_flag_of_the_parser(parser):
 
 def test_an_unknown_correction_option_is_refused_naming_it():
     with pytest.raises(ParameterError) as err:
-        check_params({"correction_options": {"upper": 3, "uper": 2}}, TRAIN_PARAMS, where="train")
+        TrainParams.checked({"correction_options": {"upper": 3, "uper": 2}}, where="train")
     first = str(err.value).splitlines()[0]
     assert first.startswith("train: correction_options = ") and "'uper' is not a CorrectionConfig field" in first
-    assert check_params({"correction_options": {"upper": 3}}, TRAIN_PARAMS)["correction_options"] == {"upper": 3}
+    assert TrainParams.checked({"correction_options": {"upper": 3}}).correction_options == {"upper": 3}

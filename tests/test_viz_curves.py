@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from openrlhf_tis.correction.names import BUCKET_NAMES
+from openrlhf_tis.metric_names import BUCKET_NAMES
 from openrlhf_tis.pipeline.live import LiveCurves, step_line
 from openrlhf_tis.pipeline.report import KEPT_POLICY, held_out_label, show_comparison, show_run
 from openrlhf_tis.runs import RunWriter, summary

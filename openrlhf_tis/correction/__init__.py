@@ -5,8 +5,8 @@
     out.weights, out.mask, out.metrics
 
 docs/correction.md has the formulas, the sources and the bias/variance trade-offs of each option.
-The torch half (weights, losses) loads on first use, so `correction.config` and `correction.names`
-stay importable without torch (notebook kernels, the CLI's checks before Ray starts).
+The torch half (weights, losses) loads on first use, so `correction.config` (and the bottom module
+`openrlhf_tis.metric_names`) stay importable without torch (notebook kernels, the CLI's checks before Ray starts).
 """
 
 from typing import Any

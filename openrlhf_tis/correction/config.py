@@ -466,20 +466,21 @@ def _from_upstream_ppo(level: str, mode: str, gating: str,
 class Preset:
     config: CorrectionConfig
     source: str = field(default="")
+    alias_of: str | None = None  # the preset this one is, under the name another paper gives it
+
+    @classmethod
+    def alias(cls, presets: dict[str, Preset], name: str, source: str) -> Preset:
+        """Preset `name` under another name: one config, never two copies that could drift apart."""
+        return cls(presets[name].config, source, alias_of=name)
 
 
-_BYPASS_PPO = CorrectionConfig(mode="none", loss="bypass_ppo")
 PRESETS: dict[str, Preset] = {
     # TIS talk ablation baselines (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
     # Off-Policy RL Training"), so its comparison can be reproduced.
     "off": Preset(from_upstream("off"), "plain PPO, no correction (TIS talk baseline)"),
-    "ppo_is": Preset(_BYPASS_PPO,
-                     "μ replaces π_old inside the PPO clip (TIS talk baseline 'PPO-IS'; = verl bypass ppo_clip)"),
     "vanilla_is": Preset(CorrectionConfig(mode="raw"), "untruncated token IS π_old/μ (TIS talk baseline)"),
     "tis": Preset(CorrectionConfig(level="token", mode="truncate", upper=2.0), "token TIS, C = 2 (Yao et al. 2025)"),
     "seq_tis": Preset(CorrectionConfig(level="sequence", mode="truncate", upper=2.0), "sequence TIS (verl seq_is)"),
-    "icepop": Preset(CorrectionConfig(level="token", mode="mask", lower=0.5, upper=5.0),
-                     "token masking outside [0.5, 5] (IcePop, Ring-1T)"),
     "token_mis": Preset(CorrectionConfig(level="token", mode="mask", lower=0.5, upper=2.0),
                         "token masked IS (TRL token_mask, Miles mask)"),
     "seq_mis": Preset(CorrectionConfig(level="sequence", mode="mask", lower=0.0, upper=2.0),
@@ -500,7 +501,7 @@ PRESETS: dict[str, Preset] = {
         "token MIS + Geo-RS + per-token k3 cap + veto + self-normalization (Miles mis.yaml, extended)"),
     "opsm": Preset(CorrectionConfig(mode="none", opsm_delta=0.1),
                    "off-policy sequence masking (DeepSeek-V3.2; the paper gives no δ, 0.1 is a starting point)"),
-    "bypass_ppo": Preset(_BYPASS_PPO, "verl bypass mode, PPO clip on π_θ/μ"),
+    "bypass_ppo": Preset(CorrectionConfig(mode="none", loss="bypass_ppo"), "verl bypass mode, PPO clip on π_θ/μ"),
     "bypass_reinforce": Preset(CorrectionConfig(mode="truncate", upper=2.0, loss="bypass_reinforce"),
                                "verl bypass pg_is: −min(π_θ/μ, 2)·A·log π_θ"),
     # OpenRLHF 0.11.2's own schemes (its --algo.advantage.is_correction_* flags, see from_upstream).
@@ -510,6 +511,10 @@ PRESETS: dict[str, Preset] = {
         from_upstream("seq", "mask"),
         "OpenRLHF seq-mask-tis: keep sequences with geometric-mean ratio in [0.5, 5], token IS weights"),
 }
+
+PRESETS["icepop"] = Preset.alias(PRESETS, "upstream_icepop", "token masking outside [0.5, 5] (IcePop, Ring-1T)")
+PRESETS["ppo_is"] = Preset.alias(
+    PRESETS, "bypass_ppo", "μ replaces π_old inside the PPO clip (TIS talk baseline 'PPO-IS'; = verl bypass ppo_clip)")
 
 
 def sequence_ratio_presets() -> list[str]:

@@ -34,7 +34,8 @@ import math
 
 import torch
 
-from . import names
+from openrlhf_tis import metric_names as names
+
 from .config import CorrectionConfig
 from .ops import dot, indicator, own, zero_off
 

@@ -18,22 +18,28 @@ from __future__ import annotations
 import html
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ipywidgets as widgets
 import pandas as pd
 
-from openrlhf_tis.params import Param, ParamSpec
+from openrlhf_tis.params import ParamObject, param
 from openrlhf_tis.pipeline.report import ipython_display, show_comparison
 from openrlhf_tis.runs.layout import METRICS_FILE
 from openrlhf_tis.runs.reader import find_runs, run_info
 from openrlhf_tis.viz.explorer import TokenExplorer
 
-DASHBOARD_PARAMS: ParamSpec = {
-    "root": Param("runs", "directory of runs to show (one that does not exist yet is a notice, not an error)",
-                  (str,)),
-}
+
+@dataclass(frozen=True)
+class DashboardParams(ParamObject):
+    """dashboard.ipynb's parameters."""
+
+    root: str = param("runs", "directory of runs to show (one that does not exist yet is a notice, not an error)",
+                      (str,))
+
+
 TABS = ("runs", "tokens", "compare")
 COMPARE_TAB = TABS.index("compare")
 
@@ -147,6 +153,6 @@ class Dashboard:
             self.shown = show_comparison([os.fspath(p) for p in stepped], display=display) if stepped else {}
 
 
-def open_dashboard(params: dict[str, Any]) -> Dashboard:
-    """The dashboard a notebook's checked parameters (DASHBOARD_PARAMS) ask for."""
-    return Dashboard(params["root"])
+def open_dashboard(params: DashboardParams) -> Dashboard:
+    """The dashboard a notebook's checked parameters ask for."""
+    return Dashboard(params.root)

@@ -8,26 +8,20 @@ response length, the same per-question sampling seeds (common random numbers: a 
 noise between two draws) and the run's own reward function, exactly as upstream builds its query (the
 prompt formatted by upstream's `preprocess_data`, prompt + response decoded with special tokens).
 
-`<run_dir>/heldout_kept.json` (schema 1):
-    {"schema": 1, "policy": "trainer weights", "dtype": "fp32", "n_samples": 4, "seed": 42,
-     "temperature": 1.0, "max_new_tokens": 32, "eval_prompts": "...", "questions": 64,
-     "before": {"model": PATH, "pass1": x, "passk": y, "k": 4, "per_question": [...], "seconds": s,
-                "cached": bool},
-     "after": {...same, "model": <run_dir>/model}}
-`per_question` is each question's mean reward over its samples, in file order; `pass1` their mean;
-`passk` the mean over questions of the best of the k = n_samples rewards (upstream's `pass{n}`).
+It writes `<run_dir>/heldout_kept.json` (runs/heldout.py owns the file and documents its schema).
 The base model's score is cached under `cache_dir` (pipeline/train.py: ~/.cache/openrlhf_tis/heldout, or
-$OPENRLHF_TIS_CACHE/heldout) keyed by everything it depends on (model files and
-their mtimes, eval file, reward file, n, seed, dtype, temperature, max tokens), so every cell of a study
-seed shares one evaluation.
+$OPENRLHF_TIS_CACHE/heldout) keyed by everything it depends on (model files and their mtimes, eval file,
+reward file and every HeldoutSettings field), so every cell of a study seed shares one evaluation.
 
 Run as `python -m openrlhf_tis.pipeline.heldout --run_dir R --base MODEL --eval_prompts F --reward F ...`
-(a subprocess of the notebook's job: vLLM never lives in a notebook kernel).
+(a subprocess of the notebook's job: vLLM never lives in a notebook kernel); `command` writes that command line
+for a HeldoutSettings and `settings_from_args` reads it back.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -36,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from openrlhf_tis.runs.heldout import KEPT_FILE, SCHEMA, kept_label, pass_at_k
+from openrlhf_tis.runs.heldout import HeldoutSettings, kept_label, pass_at_k, write_kept
 from openrlhf_tis.runs.layout import atomic_write
 
 KEPT_MODEL_DIR = "model"  # --ckpt.output_dir of pipeline/train.py: upstream saves the final HF weights there
@@ -73,9 +67,9 @@ def _questions(eval_prompts: Path, tokenizer, input_key: str, label_key: str, ch
     return [preprocess_data(row, None, input_key, label_key, template) for row in rows]
 
 
-def score_model(model: Path, questions: list[tuple[str, str]], reward_func, *, dtype: str, n: int, seed: int,
-                temperature: float, max_new_tokens: int, max_len: int) -> dict[str, Any]:
-    """Sample `n` responses per question from an unquantized engine on `model` and score them."""
+def score_model(model: Path, questions: list[tuple[str, str]], reward_func,
+                settings: HeldoutSettings) -> dict[str, Any]:
+    """Sample `settings.n_samples` responses per question from an unquantized engine on `model` and score them."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import gc
@@ -89,13 +83,14 @@ def score_model(model: Path, questions: list[tuple[str, str]], reward_func, *, d
     # Chunked prefill off: vLLM rewinds a seeded request's generator when its prompt is split across steps, and
     # the CPU generator cannot rewind ("CPU Generator does not use offset") once the questions' prompt tokens
     # exceed one step's budget. Whole prompts also keep each question's samples independent of the batch.
-    llm = LLM(model=str(model), dtype=DTYPES[dtype], enforce_eager=True, max_model_len=max_len, seed=seed,
-              distributed_executor_backend="uni", enable_chunked_prefill=False)
+    seed, n = settings.seed, settings.n_samples
+    llm = LLM(model=str(model), dtype=DTYPES[settings.dtype], enforce_eager=True, max_model_len=settings.max_len,
+              seed=seed, distributed_executor_backend="uni", enable_chunked_prefill=False)
     ids = [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt, _ in questions]
     # One seed per question: its samples are drawn from the same random stream whichever model is scored.
     # vLLM gives the j-th of n samples seed + j, so questions are n seeds apart: no stream is shared.
-    params = [SamplingParams(n=n, temperature=temperature, max_tokens=max_new_tokens, seed=seed * 1_000_003 + i * n,
-                             skip_special_tokens=False) for i in range(len(questions))]
+    params = [SamplingParams(n=n, temperature=settings.temperature, max_tokens=settings.max_new_tokens,
+                             seed=seed * 1_000_003 + i * n, skip_special_tokens=False) for i in range(len(questions))]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
     del llm
     gc.collect()
@@ -110,38 +105,49 @@ def score_model(model: Path, questions: list[tuple[str, str]], reward_func, *, d
     return {"model": str(model), **pass_at_k(rewards), "seconds": time.perf_counter() - t0}
 
 
-def evaluate_kept(run_dir: Path, base: Path, eval_prompts: Path, reward: Path, *, dtype: str, n: int, seed: int,
-                  temperature: float, max_new_tokens: int, max_len: int, cache_dir: Path,
-                  chat_template: bool = True, input_key: str = "input", label_key: str = "label") -> dict[str, Any]:
-    """Score the base model (cached) and `<run_dir>/model`; write and return `<run_dir>/heldout_kept.json`."""
+def evaluate_kept(run_dir: Path, base: Path, eval_prompts: Path, reward: Path, settings: HeldoutSettings,
+                  cache_dir: Path) -> dict[str, Any]:
+    """Score the base model (cached under `cache_dir`) and `<run_dir>/model`; write and return
+    `<run_dir>/heldout_kept.json`."""
     from transformers import AutoTokenizer
 
     kept = run_dir / KEPT_MODEL_DIR
     if not (kept / "config.json").is_file():
         raise FileNotFoundError(f"{kept}: the training run saved no final model (--ckpt.output_dir)")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
-    settings = {"dtype": dtype, "n_samples": n, "seed": seed, "temperature": temperature,
-                "max_new_tokens": max_new_tokens, "max_len": max_len, "chat_template": chat_template,
-                "input_key": input_key, "label_key": label_key}
-    questions = _questions(eval_prompts, AutoTokenizer.from_pretrained(base), input_key, label_key, chat_template)
+    if settings.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {settings.dtype!r}")
+    questions = _questions(eval_prompts, AutoTokenizer.from_pretrained(base), settings.input_key, settings.label_key,
+                           settings.chat_template)
     reward_func = _load_reward(reward)
-    kwargs = {"dtype": dtype, "n": n, "seed": seed, "temperature": temperature, "max_new_tokens": max_new_tokens,
-              "max_len": max_len}
-    cached = cache_dir / f"base-{cache_key(base, eval_prompts, reward, settings)}.json"
+    cached = cache_dir / f"base-{cache_key(base, eval_prompts, reward, dataclasses.asdict(settings))}.json"
     if cached.is_file():
         before = {**json.loads(cached.read_text(encoding="utf-8")), "cached": True}
     else:
-        before = score_model(base, questions, reward_func, **kwargs)
+        before = score_model(base, questions, reward_func, settings)
         cache_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(cached, json.dumps(before).encode())
         before = {**before, "cached": False}
-    after = {**score_model(kept, questions, reward_func, **kwargs), "cached": False}
-    result = {"schema": SCHEMA, "policy": "trainer weights", "dtype": dtype, "n_samples": n, "seed": seed,
-              "temperature": temperature, "max_new_tokens": max_new_tokens, "eval_prompts": str(eval_prompts),
-              "questions": len(questions), "before": before, "after": after}
-    atomic_write(run_dir / KEPT_FILE, json.dumps(result, indent=1).encode())
-    return result
+    after = {**score_model(kept, questions, reward_func, settings), "cached": False}
+    return write_kept(run_dir, settings, eval_prompts, len(questions), before, after)
+
+
+def command(run_dir: Path, base: Path, eval_prompts: Path, reward: Path, settings: HeldoutSettings,
+            cache_dir: Path) -> list[str]:
+    """The command line that runs `evaluate_kept` with these arguments in a process of its own (`main` parses it;
+    input_key and label_key keep their defaults)."""
+    return [sys.executable, "-m", "openrlhf_tis.pipeline.heldout", "--run_dir", str(run_dir), "--base", str(base),
+            "--eval_prompts", str(eval_prompts), "--reward", str(reward), "--dtype", settings.dtype,
+            "--n_samples", str(settings.n_samples), "--seed", str(settings.seed),
+            "--temperature", str(settings.temperature), "--max_new_tokens", str(settings.max_new_tokens),
+            "--max_len", str(settings.max_len), "--cache_dir", str(cache_dir),
+            *([] if settings.chat_template else ["--no_chat_template"])]
+
+
+def settings_from_args(args: argparse.Namespace) -> HeldoutSettings:
+    """The HeldoutSettings a parsed command line (build_parser) asks for."""
+    return HeldoutSettings(dtype=args.dtype, n_samples=args.n_samples, seed=args.seed, temperature=args.temperature,
+                           max_new_tokens=args.max_new_tokens, max_len=args.max_len,
+                           chat_template=not args.no_chat_template)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,9 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.n_samples < 1:
         parser.error("--n_samples: must be >= 1")
     result = evaluate_kept(Path(args.run_dir).resolve(), Path(args.base).resolve(), Path(args.eval_prompts).resolve(),
-                           Path(args.reward).resolve(), dtype=args.dtype, n=args.n_samples, seed=args.seed,
-                           temperature=args.temperature, max_new_tokens=args.max_new_tokens, max_len=args.max_len,
-                           cache_dir=Path(args.cache_dir), chat_template=not args.no_chat_template)
+                           Path(args.reward).resolve(), settings_from_args(args), Path(args.cache_dir))
     print(f"[openrlhf_tis] held-out, {kept_label(result)}: pass1 {result['before']['pass1']:.3f} -> "
           f"{result['after']['pass1']:.3f} ({result['questions']} questions x {args.n_samples})", file=sys.stderr)
 

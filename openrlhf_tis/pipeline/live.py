@@ -7,7 +7,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from openrlhf_tis.correction.names import (
+from openrlhf_tis.metric_names import (
     ABS_DP_MAX,
     K3_KL,
     MASKED_FRAC,

@@ -25,12 +25,13 @@ from openrlhf_tis.cli.cluster_device import DEVICE_DEST, DEVICE_FLAG, ClusterRes
 from openrlhf_tis.cpu_features import native_bf16
 from openrlhf_tis.demo.task import write_task
 from openrlhf_tis.errors import UsageError
-from openrlhf_tis.params import ParameterError, check_params
+from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.console import follow_run
 from openrlhf_tis.pipeline.execute import export_html
 from openrlhf_tis.pipeline.failure import log_tail, notebook_error
 from openrlhf_tis.pipeline.interrupt import EXIT_CODE, execute_stoppable, kept, resumable, stopped
-from openrlhf_tis.pipeline.train import LOG_FILE, TRAIN_PARAMS, check_training_command
+from openrlhf_tis.pipeline.train import LOG_FILE, check_training_command
+from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.runs.heldout import engine_label
 from openrlhf_tis.runs.reader import last_logged_step, load_metrics
 from openrlhf_tis.runs.summary import summary
@@ -100,7 +101,7 @@ def job_params(out: Path, model: str = "default", cuda: bool = False) -> dict[st
     """The main job's train.ipynb parameters on a CPU or CUDA (`cuda`) cluster, with the demo task's files written
     under `out`.
 
-    The mismatch study (pipeline/study.py) runs this same recipe in every cell, so its int8 + tis cells
+    The mismatch study (study/dose_response.py) runs this same recipe in every cell, so its int8 + tis cells
     are the main job under other seeds.
     """
     train, held_out_file = write_task(out)
@@ -113,17 +114,17 @@ class NotebookFailed(RuntimeError):
     """train.ipynb failed: the message is the cause in one line, then where the report and the log are."""
 
 
-def run_main_job(params: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    """Execute train.ipynb for checked `params` while the console follows the run; export the HTML report.
+def run_main_job(params: TrainParams, out_dir: Path) -> dict[str, Any]:
+    """Execute train.ipynb with checked `params` while the console follows the run; export the HTML report.
 
     Ctrl-C raises interrupt.Stopped once the training and every process it started have ended.
     """
-    run_dir = Path(params["run_dir"])
+    run_dir = Path(params.run_dir)
     notebook = out_dir / "train.ipynb"
     failure = None
     try:
-        execute_stoppable("train", notebook, params, cwd=out_dir,
-                          wait=lambda done: follow_run(run_dir, params["steps"], done))
+        execute_stoppable("train", notebook, params.values(), cwd=out_dir,
+                          wait=lambda done: follow_run(run_dir, params.steps, done))
     except Exception as err:  # reported after the report is exported
         failure = err
     html = export_html(notebook, out_dir / "report.html")
@@ -136,18 +137,18 @@ def run_main_job(params: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     _, held = held_out(metrics, key) if key else (None, [])
     return {"run_dir": run_dir, "notebook": notebook, "html": html, "summary": summary(run_dir),
             "held_out": (key, float(held[0]), float(held[-1])) if len(held) else None,
-            "rollout_precision": params["rollout_precision"]}
+            "rollout_precision": params.rollout_precision}
 
 
-def interrupted(params: dict[str, Any] | None, stop: KeyboardInterrupt, argv: list[str]) -> str:
+def interrupted(params: TrainParams | None, stop: KeyboardInterrupt, argv: list[str]) -> str:
     """The one line a Ctrl-C ends the main job with: what was stopped, what was kept, the command that goes on."""
     again = shlex.join([sys.executable, "-m", "openrlhf_tis.pipeline.main_job", *argv])
-    run_dir = Path(params["run_dir"]) if params else None
+    run_dir = Path(params.run_dir) if params is not None else None
     if run_dir is None or not run_dir.is_dir():
         return f"interrupted before the training started, nothing kept; start it again with: {again}"
-    account = f"interrupted: {stopped(getattr(stop, 'jobs', []))}; kept: {kept(run_dir, params['steps'])}"
+    account = f"interrupted: {stopped(getattr(stop, 'jobs', []))}; kept: {kept(run_dir, params.steps)}"
     last = last_logged_step(run_dir) or 0
-    if last >= params["steps"]:
+    if last >= params.steps:
         return f"{account}; its training had ended; a new run: {again}"
     if resumable(run_dir):
         return f"{account}; resume it with: {again} --set run_dir={shlex.quote(str(run_dir))} --ckpt.load_enable"
@@ -206,10 +207,10 @@ def main(argv: list[str] | None = None) -> None:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         overrides = dict(_literal(item) for item in args.set)
         base = {**job_params(out, args.model, cuda), "run_dir": str(out / "runs" / stamp)}
-        params = check_params({**base, **overrides, "extra_args": [*base["extra_args"], *extra]},
-                              TRAIN_PARAMS, where="main job")
+        params = TrainParams.checked({**base, **overrides, "extra_args": [*base["extra_args"], *extra]},
+                                     where="main job")
         check_training_command(params, cluster)
-        result = run_main_job(params, Path(params["run_dir"]))
+        result = run_main_job(params, Path(params.run_dir))
     except ParameterError as err:
         print(f"main_job: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
 def check_model_option(parser: argparse.ArgumentParser, model: str) -> None:
     """`--model` (the main job's and the study's) judged as train.ipynb's `model` parameter, refused by `parser`
     naming --model before anything is written."""
-    if (problem := TRAIN_PARAMS["model"].problem(model)) is not None:
+    if (problem := TrainParams.spec()["model"].problem(model)) is not None:
         parser.error(f"--model {model}: {problem}")
 
 

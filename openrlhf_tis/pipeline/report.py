@@ -7,6 +7,7 @@ showed, so tests assert on the values without a kernel.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from openrlhf_tis.params import Param
+from openrlhf_tis.params import ParamObject, param
 from openrlhf_tis.rollout.precision import PRECISION_FLAG, rollout_option
 from openrlhf_tis.runs.config import read_run_config
 from openrlhf_tis.runs.reader import load_metrics
@@ -52,13 +53,15 @@ def _failures_value(value: dict) -> str | None:
         "must map cell names to error texts"
 
 
-COMPARE_PARAMS: dict[str, Param] = {
-    "runs": Param("runs/*", "run directories: a path or glob, or a list of them (roots holding runs work too)",
-                  (str, list), check=_runs_value),
-    "title": Param("Run comparison", "the report's title", (str,)),
-    "failures": Param({}, "cells that failed (name -> error), listed at the top of the report (set by the sweep)",
-                      (dict,), check=_failures_value),
-}
+@dataclass(frozen=True)
+class CompareParams(ParamObject):
+    """compare.ipynb's parameters."""
+
+    runs: str | list = param("runs/*", "run directories: a path or glob, or a list of them (roots holding runs work "
+                             "too)", (str, list), check=_runs_value)
+    title: str = param("Run comparison", "the report's title", (str,))
+    failures: dict = param({}, "cells that failed (name -> error), listed at the top of the report (set by the "
+                           "sweep)", (dict,), check=_failures_value)
 
 
 def displayable(obj: Any) -> Any:

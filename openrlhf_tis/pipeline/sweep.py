@@ -42,11 +42,12 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from openrlhf_tis.cli.run_dir import lock_owner
-from openrlhf_tis.params import Param, ParameterError, check_params
+from openrlhf_tis.params import ParameterError, ParamObject, param
 from openrlhf_tis.pipeline.execute import export_html
 from openrlhf_tis.pipeline.failure import notebook_error
 from openrlhf_tis.pipeline.interrupt import EXIT_CODE, Interrupted, execute_stoppable, kept, resumable, stopped
-from openrlhf_tis.pipeline.train import TRAIN_PARAMS, check_training_command
+from openrlhf_tis.pipeline.train import check_training_command
+from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.runs.layout import atomic_write, unique_dir_name
 
 GRID_TABLES = ("base", "grid")
@@ -58,10 +59,12 @@ def _grid_file(value: str) -> str | None:
     return None if Path(value).expanduser().is_file() else f"no such file: {value}"
 
 
-SWEEP_PARAMS: dict[str, Param] = {
-    "grid": Param("sweep.toml", "the grid file (TOML or JSON: tables base and grid)", (str,), check=_grid_file),
-    "out_dir": Param("sweeps/out", "where cells, the report and its HTML go", (str,)),
-}
+@dataclass(frozen=True)
+class SweepParams(ParamObject):
+    """sweep.ipynb's parameters."""
+
+    grid: str = param("sweep.toml", "the grid file (TOML or JSON: tables base and grid)", (str,), check=_grid_file)
+    out_dir: str = param("sweeps/out", "where cells, the report and its HTML go", (str,))
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,7 @@ def load_grid(path: str | Path) -> list[Cell]:
 def check_cell(params: dict[str, Any], where: str) -> None:
     """A cell's parameters, then the training command they become, checked as the training CLI would (its flag
     checks: pipeline/train.py `check_training_command`); raises ParameterError naming `where` and the fault."""
-    checked = check_params(params, TRAIN_PARAMS, where=where)
+    checked = TrainParams.checked(params, where=where)
     try:
         check_training_command(checked)
     except ParameterError as err:
@@ -220,7 +223,7 @@ def run_sweep(grid: str | Path, out_dir: str | Path, title: str | None = None) -
 
 def recorded_cells(out_dir: str | Path) -> SweepResult:
     """The cells under `out_dir` as their status.json files record them, in name order; nothing runs. What a
-    report is rebuilt from on any machine (a study's cells are the CPU profile's, see pipeline/study.py)."""
+    report is rebuilt from on any machine (a study's cells are the CPU profile's, see study/dose_response.py)."""
     out_dir = Path(out_dir).expanduser().resolve()
     result = SweepResult()
     for cell_dir in sorted(p.parent for p in (out_dir / "cells").glob(f"*/{STATUS_FILE}")):
@@ -257,7 +260,7 @@ def _cell_interrupted(cell: Cell, out_dir: Path, result: SweepResult, cells: int
     where = f"interrupted in cell {cell.name} ({len(result.results) + 1} of {cells}; {done} done before it)"
     if not run_dir.is_dir():
         return f"{where} before its training started; {again} goes on (done cells are skipped)"
-    steps = cell.params.get("steps", TRAIN_PARAMS["steps"].default)
+    steps = TrainParams(**cell.params).steps  # checked when the grid was loaded
     then = ("resumes from its checkpoint" if resumable(run_dir) else
             f"starts afresh, this attempt kept as {_attempt_dir(run_dir).name}")
     return (f"{where}: {stopped(getattr(stop, 'jobs', []))}; kept: {kept(run_dir, steps)}; {again} goes on (done "
@@ -272,26 +275,36 @@ def results_table(result: SweepResult):
                           "run_dir": str(r.run_dir)} for r in result.results]).set_index("cell")
 
 
+def run_command(prog: str, grid: str | Path, out_dir: str | Path, title: str | None) -> SweepResult:
+    """run_sweep for a command line: a bad grid exits 2 naming what is wrong, Ctrl-C exits 130 saying what was
+    stopped (the sweep and the study end alike)."""
+    try:
+        return run_sweep(grid, out_dir, title)
+    except ParameterError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt as err:  # Interrupted says what was stopped; a bare one came before any cell ran
+        print(f"{prog}: {err if isinstance(err, Interrupted) else 'interrupted before any cell ran'}",
+              file=sys.stderr)
+        raise SystemExit(EXIT_CODE) from None
+
+
+def finish(result: SweepResult) -> None:
+    """Print the cells' table and the report's path; exit 1 if a cell failed."""
+    print(results_table(result).to_string())
+    if result.html:
+        print(f"report: {result.html}")
+    if result.failures:
+        raise SystemExit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="openrlhf-tis-sweep", description=__doc__.split("\n")[0])
     parser.add_argument("grid", help="grid file (TOML or JSON with tables base and grid)")
     parser.add_argument("out_dir", help="output directory (cells/, report.ipynb, report.html)")
     parser.add_argument("--title", default=None, help="report title")
     args = parser.parse_args(argv)
-    try:
-        result = run_sweep(args.grid, args.out_dir, args.title)
-    except ParameterError as err:
-        print(f"openrlhf-tis-sweep: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except KeyboardInterrupt as err:  # Interrupted says what was stopped; a bare one came before any cell ran
-        print(f"openrlhf-tis-sweep: {err if isinstance(err, Interrupted) else 'interrupted before any cell ran'}",
-              file=sys.stderr)
-        raise SystemExit(EXIT_CODE) from None
-    print(results_table(result).to_string())
-    if result.html:
-        print(f"report: {result.html}")
-    if result.failures:
-        raise SystemExit(1)
+    finish(run_command(parser.prog, args.grid, args.out_dir, args.title))
 
 
 if __name__ == "__main__":

@@ -184,12 +184,6 @@ def calibrate(model: torch.nn.Module, prompts_token_ids: list[list[int]], alpha:
     return Calibration(smoothing, scales, dynamic, levels)
 
 
-def calibrate_smoothing(model: torch.nn.Module, prompts_token_ids: list[list[int]],
-                        alpha: float = 0.5) -> dict[str, torch.Tensor]:
-    """Per-norm smoothing factors from an HF causal LM run on calibration prompts (fp32)."""
-    return calibrate(model, prompts_token_ids, alpha).smoothing
-
-
 def calibrate_to_file(model_dir: str | Path, texts: list[str], out: str | Path, alpha: float = 0.5,
                       static_activations: bool = False, min_levels: float = DEFAULT_MIN_LEVELS,
                       chat_template: bool = False) -> Path:

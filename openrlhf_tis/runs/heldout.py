@@ -1,13 +1,21 @@
-"""The held-out score of the policy a user keeps: `<run_dir>/heldout_kept.json`, its arithmetic, labels and readers.
+"""The held-out score of the policy a user keeps: `<run_dir>/heldout_kept.json`, its settings, arithmetic, writer,
+labels and readers.
 
-pipeline/heldout.py writes it after a run: the trainer's saved weights in the trainer's dtype (what a user
+pipeline/heldout.py scores it after a run: the trainer's saved weights in the trainer's dtype (what a user
 deploys) and the base model, scored on the held-out questions, beside the rollout engine's in-run score in
-metrics.jsonl (`eval_start/*`, `eval/*`: the possibly quantized rollout policy). Its schema is documented once,
-in pipeline/heldout.py (the writer).
+metrics.jsonl (`eval_start/*`, `eval/*`: the possibly quantized rollout policy). This module owns the file:
+`write_kept` writes it, `read_kept` returns the raw record (the summary, the console), `read_kept_heldout` a
+checked, typed one for statistics, and treats a damaged file as absent, warning by name: an older run, or one
+that stopped before scoring, is not an error, and readers fall back to the engine's score and say so.
 
-`read_kept` returns the raw record (the summary, the console); `read_kept_heldout` a checked, typed one for
-statistics, and treats a damaged file as absent, warning by name: an older run, or one that stopped before
-scoring, is not an error, and readers fall back to the engine's score and say so.
+`<run_dir>/heldout_kept.json` (schema 1):
+    {"schema": 1, "policy": "trainer weights", "dtype": "fp32", "n_samples": 4, "seed": 42,
+     "temperature": 1.0, "max_new_tokens": 32, "eval_prompts": "...", "questions": 64,
+     "before": {"model": PATH, "pass1": x, "passk": y, "k": 4, "per_question": [...], "seconds": s,
+                "cached": bool},
+     "after": {...same, "model": <run_dir>/model}}
+`per_question` is each question's mean reward over its samples, in file order; `pass1` their mean;
+`passk` the mean over questions of the best of the k = n_samples rewards (upstream's `pass{n}`).
 """
 
 from __future__ import annotations
@@ -23,10 +31,26 @@ from typing import Any
 
 import numpy as np
 
-from openrlhf_tis.runs.layout import RunStoreWarning
+from openrlhf_tis.runs.layout import RunStoreWarning, atomic_write
 
 SCHEMA = 1
 KEPT_FILE = "heldout_kept.json"
+
+
+@dataclass(frozen=True)
+class HeldoutSettings:
+    """How both models are sampled and scored: the run's own settings (pipeline/train_params.py
+    `TrainParams.heldout_settings`). Every field is part of the base model's cache key (pipeline/heldout.py)."""
+
+    dtype: str  # the trainer's dtype: what the saved model holds
+    n_samples: int  # responses per question
+    seed: int
+    temperature: float
+    max_new_tokens: int
+    max_len: int  # prompt + response budget (--data.max_len)
+    chat_template: bool = True
+    input_key: str = "input"
+    label_key: str = "label"
 
 
 def pass_at_k(rewards: Sequence[Sequence[float]]) -> dict[str, Any]:
@@ -37,6 +61,16 @@ def pass_at_k(rewards: Sequence[Sequence[float]]) -> dict[str, Any]:
     per_question = [sum(r) / len(r) for r in rewards]
     return {"pass1": sum(per_question) / len(per_question), "passk": sum(max(r) for r in rewards) / len(rewards),
             "k": len(rewards[0]), "per_question": per_question}
+
+
+def write_kept(run_dir: str | os.PathLike, settings: HeldoutSettings, eval_prompts: Path, questions: int,
+               before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Write `<run_dir>/heldout_kept.json` (atomically) from both models' scores; returns the record."""
+    record = {"schema": SCHEMA, "policy": "trainer weights", "dtype": settings.dtype, "n_samples": settings.n_samples,
+              "seed": settings.seed, "temperature": settings.temperature, "max_new_tokens": settings.max_new_tokens,
+              "eval_prompts": str(eval_prompts), "questions": questions, "before": before, "after": after}
+    atomic_write(Path(run_dir) / KEPT_FILE, json.dumps(record, indent=1).encode())
+    return record
 
 
 def kept_label(kept: dict[str, Any]) -> str:

@@ -2,7 +2,7 @@
 
 Metric names differ between upstream (`vllm_kl`, `is_filter_ratio`, `reward`) and the fork
 (`mismatch/k3_kl`, `correction/...`), and older runs lack some: each quantity takes the first key of its
-candidate list (correction/names.py) that the run has, and says which one it used.
+candidate list (metric_names.py) that the run has, and says which one it used.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from openrlhf_tis.correction.names import MASKED_KEYS, MISMATCH_KEYS, REWARD_KEYS
+from openrlhf_tis.metric_names import MASKED_KEYS, MISMATCH_KEYS, REWARD_KEYS
 from openrlhf_tis.runs.config import PLANNED_STEPS_KEY, read_run_config
 from openrlhf_tis.runs.heldout import kept_label, read_kept
 from openrlhf_tis.runs.query import mask_reason_counts, token_steps

@@ -34,7 +34,7 @@ from openrlhf.trainer.ray.ppo_actor import PolicyModelActor as _UpstreamActorCla
 from openrlhf.utils.loss_utils import _get_dp_group
 
 from openrlhf_tis.correction import CorrectionConfig, compute_correction, kept_weight_totals, policy_loss
-from openrlhf_tis.correction.names import K1_KL, MASKED_FRAC, TOKEN_DUMP_SECONDS, TOKEN_DUMP_TOKENS
+from openrlhf_tis.metric_names import K1_KL, MASKED_FRAC, TOKEN_DUMP_SECONDS, TOKEN_DUMP_TOKENS
 from openrlhf_tis.patches._guard import reclass
 from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.runs.identity import write_checkpoint_identity

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from openrlhf_tis.correction.names import REWARD_DROPPED, REWARD_NONFINITE
+from openrlhf_tis.metric_names import REWARD_DROPPED, REWARD_NONFINITE
 
 DROP_FLAG = "--reward.nonfinite drop"
 

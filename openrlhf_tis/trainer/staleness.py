@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from openrlhf_tis.correction.names import (
+from openrlhf_tis.metric_names import (
     STALENESS_DROPPED,
     STALENESS_MAX,
     STALENESS_MEAN,

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from openrlhf_tis.correction.names import (
+from openrlhf_tis.metric_names import (
     SYNC_BASELINE,
     SYNC_EXCESS,
     SYNC_GAP_MAX,

@@ -1,6 +1,6 @@
 """Per-token dumps on the actor side: the controller's plan, and the rows one rank collects of a dumped step.
 
-Run store, docs/design.md §6: before `fit` on a dumped step the controller (trainer/ppo_trainer.py)
+Run store, docs/design.md §6: before `fit` on a dumped step the controller (trainer/step_part.py TokenDumpPart)
 hands the actors a `TokenDumpPlan` (`set_token_dump`). Every replay-buffer item carries its sample id
 (trainer/ppo_actor.py `append_experience` keeps upstream's per-step sample index, which the buffer's
 split would drop); the planned samples are read off their first training step of the step by a

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from openrlhf_tis.correction.names import (
+from openrlhf_tis.metric_names import (
     ABS_DP_MAX,
     ENTROPY_KEYS,
     EVAL_PREFIX,
@@ -155,7 +155,7 @@ def _seed_of(config: Mapping[str, Any], label: str) -> int | None:
 
 
 def dose_of(config: Mapping[str, Any]) -> str:
-    """The rollout precision as a dose level (pipeline/study.py's names): `none` when the engine computes in the
+    """The rollout precision as a dose level (study/dose_response.py's names): `none` when the engine computes in the
     trainer's dtype, `int8` for the weight grid the CPU computes exactly (`auto`: 8 bits, 7 without VNNI),
     `w<N>a8` for an explicit grid, else the precision itself; `+q<N>` for async training with a queue of N (stale
     rollouts add to the mismatch); `?` for a run without a config."""

@@ -22,7 +22,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from openrlhf_tis.correction.names import (
+from openrlhf_tis.metric_names import (
     ABS_DP_MAX,
     BUCKET_FRAC_KEYS,
     BUCKET_GAP_KEYS,

@@ -29,6 +29,7 @@ import html
 import math
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ import ipywidgets as widgets
 import numpy as np
 import pandas as pd
 
-from openrlhf_tis.params import Param, ParameterError, ParamSpec, positive
+from openrlhf_tis.params import ParameterError, ParamObject, param, positive
 from openrlhf_tis.runs import query_tokens, token_steps
 from openrlhf_tis.runs.reader import find_runs
 from openrlhf_tis.runs.schema import MASK_REASONS
@@ -66,14 +67,17 @@ def _directory(value: str) -> str | None:
     return None if not value or Path(value).is_dir() else "no such directory"
 
 
-EXPLORER_PARAMS: ParamSpec = {
-    "run_dir": Param("", "run directory to open ('' with root: the newest run under root)", (str,),
-                     check=_directory),
-    "root": Param("", "a directory of runs: adds a run dropdown ('': none)", (str,), check=_directory),
-    "step": Param(None, "dumped step to open (None: the last)", (int, type(None))),
-    "sample": Param(None, "sample id to open (None: the first of the step)", (int, type(None))),
-    "clamp": Param(DEFAULT_CLAMP, "|log π_θ − log μ| at which token colours saturate", (float, int), check=positive),
-}
+@dataclass(frozen=True)
+class ExplorerParams(ParamObject):
+    """token_explorer.ipynb's parameters."""
+
+    run_dir: str = param("", "run directory to open ('' with root: the newest run under root)", (str,),
+                         check=_directory)
+    root: str = param("", "a directory of runs: adds a run dropdown ('': none)", (str,), check=_directory)
+    step: int | None = param(None, "dumped step to open (None: the last)", (int, type(None)))
+    sample: int | None = param(None, "sample id to open (None: the first of the step)", (int, type(None)))
+    clamp: float = param(DEFAULT_CLAMP, "|log π_θ − log μ| at which token colours saturate", (float, int),
+                         check=positive)
 
 
 def worst_tokens(frame: pd.DataFrame, n: int = WORST_ROWS) -> pd.DataFrame:
@@ -349,12 +353,12 @@ class TokenExplorer:
                                               prompt)
 
 
-def open_explorer(params: dict[str, Any]) -> TokenExplorer:
-    """The explorer a notebook's checked parameters (EXPLORER_PARAMS) ask for; a step or sample the run
-    did not dump is a ParameterError listing the ones it did."""
-    explorer = TokenExplorer(params["run_dir"] or None, root=params["root"] or None, clamp=params["clamp"])
+def open_explorer(params: ExplorerParams) -> TokenExplorer:
+    """The explorer a notebook's checked parameters ask for; a step or sample the run did not dump is a
+    ParameterError listing the ones it did."""
+    explorer = TokenExplorer(params.run_dir or None, root=params.root or None, clamp=params.clamp)
     try:
-        explorer.select(step=params["step"], sample=params["sample"])
+        explorer.select(step=params.step, sample=params.sample)
     except ValueError as err:
         raise ParameterError(f"token_explorer.ipynb parameters: {err}") from None
     return explorer

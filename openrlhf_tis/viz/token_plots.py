@@ -3,7 +3,7 @@
 Drawn on a bare `matplotlib.figure.Figure` (no pyplot: no global figure registry, no backend choice
 forced on the caller's kernel) and returned as PNG bytes for an ipywidgets.Image, which re-renders
 faster than an Output widget replaying a figure. Buckets are those of the logged metrics
-(`mismatch/abs_dlogp_pA-B`, edges from correction/names.py), so the figure and the curves agree.
+(`mismatch/abs_dlogp_pA-B`, edges from metric_names.py), so the figure and the curves agree.
 
 Nothing here imports torch: torch more than doubles a kernel's live objects, and with them the pause of every
 full garbage collection, enough to push an interaction past 300 ms (docs/measurements.md, the token explorer).
@@ -18,7 +18,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from openrlhf_tis.correction.names import PROB_BUCKET_EDGES
+from openrlhf_tis.metric_names import PROB_BUCKET_EDGES
 
 MAX_POINTS = 5000
 """Scatter points drawn at most (a uniform subsample beyond): enough to see the shape, cheap to render."""

@@ -1,4 +1,4 @@
-"""`openrlhf-tis-dashboard RUNS_ROOT [--port N]` (or `python -m openrlhf_tis.pipeline.dashboard`): the runs under
+"""`openrlhf-tis-dashboard RUNS_ROOT [--port N]` (or `python -m openrlhf_tis.dashboard.cli`): the runs under
 RUNS_ROOT, the token explorer and the run comparison as a local web app on 127.0.0.1, until Ctrl-C.
 
 The page is notebooks/dashboard.ipynb with RUNS_ROOT injected (papermill, as every project notebook gets its
@@ -16,8 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from openrlhf_tis.dashboard.voila_server import HOST, port_in_use, voila_args, voila_env
 from openrlhf_tis.pipeline.execute import notebook_path
-from openrlhf_tis.pipeline.voila_server import HOST, port_in_use, voila_args, voila_env
 
 PROG = "openrlhf-tis-dashboard"
 DEFAULT_PORT = 8866  # Voilà's own default

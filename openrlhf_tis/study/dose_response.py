@@ -1,4 +1,4 @@
-"""`python -m openrlhf_tis.pipeline.study`: the off-policy dose–response study, one command (scripts/study.sh).
+"""`python -m openrlhf_tis.study.dose_response`: the off-policy dose–response study, one command (scripts/study.sh).
 
 When does correction pay? The main job's recipe (pipeline/main_job.py) on the demo task under a dose axis of
 rollout precision, from none (the engine computes in the trainer's dtype) to harsh (4-bit weights), x
@@ -33,7 +33,15 @@ from openrlhf_tis.correction.config import PRESETS
 from openrlhf_tis.cpu_features import native_bf16
 from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.main_job import check_model_option, job_params
-from openrlhf_tis.pipeline.sweep import SweepResult, load_grid, recorded_cells, results_table, run_sweep, write_report
+from openrlhf_tis.pipeline.sweep import (
+    SweepResult,
+    finish,
+    load_grid,
+    recorded_cells,
+    run_command,
+    write_report,
+)
+from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.rollout.precision import PRECISION_FLAG, WEIGHT_BITS_FLAG
 from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.runs.reader import load_metrics
@@ -120,7 +128,8 @@ def study_grid(out: Path, model: str, *, cells: dict[str, tuple[str, ...]], seed
     if steps is not None:
         base["steps"] = steps
     staleness = {"async_queue": list(queues)} if tuple(queues) != (0,) else {}
-    grid = [{**{k: [v] for k, v in dose_params(dose, base["train_dtype"]).items()}, **staleness,
+    trainer_dtype = TrainParams(**base).train_dtype
+    grid = [{**{k: [v] for k, v in dose_params(dose, trainer_dtype).items()}, **staleness,
              "correction": list(corrections), "seed": list(seeds)} for dose, corrections in cells.items()]
     return {"base": base, "grid": grid}
 
@@ -132,7 +141,8 @@ def cell_count(grid: dict) -> int:
 
 def estimate_seconds(grid: dict) -> float:
     """The study's expected compute time on this machine's profile (CellCost), all cells run."""
-    return cell_count(grid) * COSTS[grid["base"]["train_dtype"]].seconds(grid["base"]["steps"])
+    base = TrainParams(**grid["base"])
+    return cell_count(grid) * COSTS[base.train_dtype].seconds(base.steps)
 
 
 def seed_table(result: SweepResult) -> pd.DataFrame:
@@ -142,9 +152,9 @@ def seed_table(result: SweepResult) -> pd.DataFrame:
         if cell.status == "failed":
             continue
         row = final_table({cell.cell.name: load_metrics(cell.run_dir)}).iloc[0]
-        params = cell.cell.params
-        rows.append({"precision": params["rollout_precision"], "weights": params.get("int8_weight_bits", "auto"),
-                     "correction": params["correction"], **{k: row[k] for k in TABLE_COLUMNS}})
+        params = TrainParams(**cell.cell.params)
+        rows.append({"precision": params.rollout_precision, "weights": params.int8_weight_bits,
+                     "correction": params.correction, **{k: row[k] for k in TABLE_COLUMNS}})
     if not rows:
         return pd.DataFrame()
     grouped = pd.DataFrame(rows).groupby(["precision", "weights", "correction"], sort=False)
@@ -191,7 +201,7 @@ def compute_time(result: SweepResult, wall_s: float) -> dict[str, Any]:
 def check_profile(out: Path, trainer_dtype: str) -> None:
     """Refuse to add cells to a study whose cells trained in another dtype (another CPU profile): the new cells
     would not skip the old ones' settings and one report would mix two trainer precisions; raises ParameterError."""
-    other = sorted({str(r.cell.params.get("train_dtype")) for r in recorded_cells(out).results} - {trainer_dtype})
+    other = sorted({TrainParams(**r.cell.params).train_dtype for r in recorded_cells(out).results} - {trainer_dtype})
     if other:
         raise ParameterError(f"--out {out}: its cells trained in {', '.join(other)} (another CPU profile), this CPU "
                              f"trains in {trainer_dtype}: resume the study on a CPU of that profile, choose another "
@@ -287,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     steps = args.steps or (QUICK_STEPS if args.quick else None)
     out.mkdir(parents=True, exist_ok=True)
     grid = study_grid(out, args.model, cells=cells, seeds=seeds, steps=steps, queues=tuple(args.async_queues))
-    trainer = grid["base"]["train_dtype"]
+    base = TrainParams(**grid["base"])
+    trainer = base.train_dtype
     try:
         check_profile(out, trainer)
     except ParameterError as err:
@@ -298,24 +309,19 @@ def main(argv: list[str] | None = None) -> None:
         load_grid(grid_file)  # every cell checked as the sweep will, so a dry run says what the real one would
     except ParameterError as err:
         parser.error(str(err))
-    print(f"[study] {cell_count(grid)} cells of {grid['base']['steps']} steps, trainer {trainer}, seeds {list(seeds)}; "
+    print(f"[study] {cell_count(grid)} cells of {base.steps} steps, trainer {trainer}, seeds {list(seeds)}; "
           f"all cells ≈ {estimate_seconds(grid) / 60:.0f} min with SmolLM2 on this CPU's profile (finished cells "
           f"skip); grid {grid_file}\n"
           f"{_describe(cells, trainer)}", file=sys.stderr)
     if args.dry_run:
         return
-    try:
-        result = run_sweep(grid_file, out, title=f"Dose-response study: {cell_count(grid)} cells")
-    except ParameterError as err:
-        print(f"study: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    write_outputs(result, out, start)
+    write_outputs(run_command(parser.prog, grid_file, out, f"Dose-response study: {cell_count(grid)} cells"),
+                  out, start)
 
 
 def write_outputs(result: SweepResult, out: Path, start: float, sitting: bool = True) -> None:
     """The tables and the headline figure under `out`, and the compute time (kept in study_time.json after a
     sitting; a report rebuilt with --report only prints it), printed too; exit 1 if a cell failed."""
-    print(results_table(result).to_string())
     table = markdown(seed_table(result))
     (out / "study_table.md").write_text(table + "\n")
     doses = headline(result, out / "dose_response.png")
@@ -327,10 +333,7 @@ def write_outputs(result: SweepResult, out: Path, start: float, sitting: bool = 
     print(f"[study] compute: {timing['cell_seconds_total'] / 60:.1f} min of cell time over all sittings "
           f"({timing['cells_timed']} of {timing['cells']} cells timed); this sitting {timing['ran_now']} cells, "
           f"{timing['this_sitting_wall_s'] / 60:.1f} min wall; {timing['failed']} failed")
-    if result.html:
-        print(f"report: {result.html}")
-    if result.failures:
-        raise SystemExit(1)
+    finish(result)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
-"""Every metrics.jsonl key the fork writes or reads, in one module that imports nothing (no torch).
+"""Every metrics.jsonl key the fork writes or reads, in one bottom module that imports nothing (no torch).
+
+It sits at the package root, not in correction/: the keys belong to every layer that writes them (correction/,
+trainer/'s sync check, staleness, timing and eval) and the readers (runs/, viz/) need the strings, not the
+correction core.
 
 Writers (correction/metrics.py, trainer/*) and readers (viz/*, runs/summary.py, pipeline/live.py) import
 the names from here, so a renamed metric cannot leave a reader looking for the old one. torch stays out
