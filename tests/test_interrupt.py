@@ -3,7 +3,7 @@ under it ends before the command does, and the command ends in one line saying w
 how to go on. The notebook's kernel and its training are stand-ins with the real process layout (kernel and
 training each in a session of their own, a worker under the training that writes metrics.jsonl and goes when the
 training goes, as Ray's actors go with their driver), so the test runs in seconds instead of a training's minutes;
-the real training under a real sweep is tests/test_e2e_run_ownership.py's."""
+the real training under a real sweep is tests/test_notebooks_e2e.py's."""
 
 from __future__ import annotations
 
