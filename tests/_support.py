@@ -237,14 +237,16 @@ def engine_input_scales(llm) -> dict[str, float]:
 
 
 RAY = Path(sys.executable).with_name("ray")
+SETTLE_S = 5  # how long a started head must stay up before it is used
 
 
 @contextlib.contextmanager
 def ray_head(options: list[str], env: dict[str, str], log: Path, ready: Callable[[], bool],
              timeout: float = 300) -> Iterator[str]:
     """A Ray head of the test's own (`ray start --head --block` on 127.0.0.1, its own temp dir and GCS port, the
-    given `options`), yielding its GCS address once `ready()` holds. Stopped by killing its process group and any
-    process still naming its temp dir, by PID; never `ray stop`, which stops every Ray cluster of the machine's user.
+    given `options`), yielding its GCS address once `ready()` holds and the head stayed up SETTLE_S seconds after
+    registering its node. Stopped by killing its process group and any process still naming its temp dir, by PID;
+    never `ray stop`, which stops every Ray cluster of the machine's user.
     Started again when its raylet misses Ray's fixed 30 s registration window, or a process waiting for the raylet
     gives up (a loaded machine, see cli/ray_cluster.init_local_ray). Its logs are copied beside `log` (kept for a
     failure message)."""
@@ -260,9 +262,14 @@ def ray_head(options: list[str], env: dict[str, str], log: Path, ready: Callable
                                     start_new_session=True)
         try:
             deadline = time.monotonic() + timeout
-            while not ready() and head.poll() is None:
+            # `ray start` says "Ray runtime started" once its node registered; a process that gave up waiting for the
+            # raylet before that (ray_client_server) is reported by --block's monitor a second or so later.
+            while not (ready() and "Ray runtime started" in log.read_text()) and head.poll() is None:
                 assert time.monotonic() < deadline, f"no Ray head after {timeout} s:\n{log.read_text()[-3000:]}"
                 time.sleep(1)
+            settled = time.monotonic() + SETTLE_S
+            while head.poll() is None and time.monotonic() < settled:
+                time.sleep(0.5)
             if head.poll() is None:
                 yield f"127.0.0.1:{port}"
                 return
