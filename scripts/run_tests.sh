@@ -6,8 +6,8 @@
 #   bash scripts/run_tests.sh e2e       # the real Ray + DeepSpeed + vLLM runs
 # Any other arguments go to pytest as they are (a file, -k, -x, ...).
 # pytest-xdist runs the modules on TEST_WORKERS processes (default: one per core, at most 4), a module per worker at
-# a time so that a module's real run is shared by its tests (tests/conftest.py starts the slow modules first);
-# TEST_WORKERS=0 runs everything in this process.
+# a time so that a module's real run is shared by its tests; the modules with real runs go one after another on one
+# worker, started first (tests/conftest.py). TEST_WORKERS=0 runs everything in this process.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$ROOT/scripts/setup_env.sh"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+from pathlib import Path
 
 import pytest
 
@@ -46,11 +48,39 @@ def _cost_rank(item: pytest.Item) -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules with a real run first, then those with in-process engines, then the rest (stable within each): under
-    pytest-xdist (scripts/run_tests.sh runs `--dist loadscope`, a module per worker at a time) the slow modules start
-    at once and the many quick ones fill the gaps, instead of a real run starting last on one worker."""
+    """Modules with a real run first, then those with in-process engines, then the rest (stable within each), so that
+    under pytest-xdist the slow work starts at once and the many quick modules fill the other workers."""
     rank: dict[str, int] = {}
     for item in items:
         module = item.nodeid.split("::")[0]
         rank[module] = min(rank.get(module, 2), _cost_rank(item))
     items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
+
+
+REAL_RUNS = "modules with real runs"
+
+
+@functools.cache
+def _has_real_runs(module: str) -> bool:
+    """Whether a test module marks anything e2e (tests/_budget.py makes every test that starts Ray carry the mark)."""
+    path = Path(__file__).resolve().parent.parent / module
+    return path.is_file() and "mark.e2e" in path.read_text()
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: unknown when it is not loaded
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """pytest-xdist (scripts/run_tests.sh) hands out a module per worker at a time, so that a module's real run is
+    shared by its tests, except that every module with a real run goes to one worker, one after another.
+
+    Two real runs at once on two cores miss Ray's fixed start-up windows (the raylet waits 15 s for its dashboard
+    agent, not configurable in Ray 2.55): seen as a failed launch in a fresh-clone run. xdist's own `loadgroup`
+    cannot group them under pytest 9 (it renames `item._nodeid`, which pytest 9 no longer reads).
+    """
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RealRunsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return REAL_RUNS if _has_real_runs(module) else module
+
+    return RealRunsTogether(config, log)
