@@ -42,7 +42,6 @@ def valid_argv(tiny_model_dir, tmp_path):
             "--data.prompt_dataset", str(prompts), "--logger.run_dir", str(tmp_path / "run")]
 
 
-
 def _cost_rank(item: pytest.Item) -> int:
     return 0 if item.get_closest_marker("e2e") else 1 if item.get_closest_marker("engine") else 2
 
