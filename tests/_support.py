@@ -297,7 +297,19 @@ def _kill_ray_head(group: subprocess.Popen, temp_dir: str) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(group.pid, signal.SIGKILL)
     group.wait(timeout=30)
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        if any(temp_dir in arg for arg in proc.info["cmdline"] or []):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.kill()
+    for pid in processes_naming(temp_dir):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(pid).kill()
+
+
+def processes_naming(text: str | Path) -> dict[int, str]:
+    """pid → command line (cut to 160 characters) of the live processes, pytest's own and zombies aside, whose
+    command line names `text`: a run directory or a Ray temp dir, of which a kill or a shutdown must leave none."""
+    import psutil
+
+    found = {}
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if str(text) in cmdline and "pytest" not in cmdline and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            found[proc.pid] = cmdline[:160]
+    return found

@@ -22,10 +22,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 import torch
-from _support import error_line, free_port, kill_and_resume, read_steps, train_argv, wait_for
+from _support import error_line, free_port, kill_and_resume, processes_naming, read_steps, train_argv, wait_for
 from safetensors.torch import load_file
 
 from openrlhf_tis.demo.task import write_prompts
@@ -57,16 +56,6 @@ def stale_ray_tmpdir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _ray_processes(marker: Path) -> list[str]:
-    """Command lines of the live processes that belong to a Ray session under `marker`."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if str(marker) in cmdline and "pytest" not in cmdline:
-            found.append(cmdline[:160])
-    return found
-
-
 @pytest.fixture(scope="module")
 def finished_run(tiny_model_dir, tmp_path_factory, stale_ray_tmpdir):
     """Train, kill the whole process group mid-run (SIGKILL), then resume from upstream's checkpoint. Once the first
@@ -88,9 +77,9 @@ def finished_run(tiny_model_dir, tmp_path_factory, stale_ray_tmpdir):
 
     def ray_left() -> None:
         deadline = time.monotonic() + 30  # Ray's processes of the killed run go with it
-        while _ray_processes(stale_ray_tmpdir) and time.monotonic() < deadline:
+        while processes_naming(stale_ray_tmpdir) and time.monotonic() < deadline:
             time.sleep(1)
-        seen["ray_left"] = _ray_processes(stale_ray_tmpdir)
+        seen["ray_left"] = processes_naming(stale_ray_tmpdir)
 
     log, steps = kill_and_resume(argv, work, TOTAL_STEPS, env, on_start=second_start, after_kill=ray_left)
     assert "Loading the checkpoint" in log
@@ -178,7 +167,7 @@ def test_a_second_start_into_a_live_run_is_refused_in_one_line(finished_run):
 
 def test_a_killed_run_leaves_no_ray_process_and_a_stale_address_file_captures_no_run(finished_run):
     _, steps, seen = finished_run
-    assert seen["ray_left"] == []
+    assert seen["ray_left"] == {}
     assert len(steps) == TOTAL_STEPS  # both runs started a Ray of their own beside the dead cluster's address file
 
 

@@ -17,9 +17,8 @@ import sys
 import time
 
 import nbformat
-import psutil
 import pytest
-from _support import read_steps, wait_for
+from _support import processes_naming, read_steps, wait_for
 
 from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.pipeline.execute import execute
@@ -33,16 +32,6 @@ FAILING = ["--eval.dataset", "no_such_eval.jsonl"]
 TITLE = "two cells"
 # A tiny-model step takes ~0.7 s: enough steps that the Ctrl-C, sent once step 1 is logged, lands before the last one.
 STEPS = 8
-
-
-def _processes_naming(path) -> list[str]:
-    """Command lines of live processes that name `path` (a training CLI names its run directory)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if str(path) in cmdline and "pytest" not in cmdline and proc.info["status"] != psutil.STATUS_ZOMBIE:
-            found.append(cmdline[:160])
-    return found
 
 
 def _ctrl_c_in_first_cell(grid, out) -> dict:
@@ -61,7 +50,7 @@ def _ctrl_c_in_first_cell(grid, out) -> dict:
     seen = {"code": code, "stop_seconds": time.monotonic() - start, "console": log_path.read_text(),
             "cell_dir": cell_dir, "steps": len(read_steps(cell_dir / "run")),
             "status_written": (cell_dir / STATUS_FILE).exists(), "lock": lock_owner(cell_dir / "run"),
-            "naming": _processes_naming(cell_dir)}
+            "naming": processes_naming(cell_dir)}
     time.sleep(5)  # several of the tiny model's steps
     seen["steps_later"] = len(read_steps(cell_dir / "run"))
     return seen
@@ -101,7 +90,7 @@ def test_ctrl_c_stops_the_cells_training_before_the_sweep_exits_and_says_so_in_o
     cell_dir, interrupted_at = seen["cell_dir"], seen["steps"]
     assert 1 <= interrupted_at < STEPS and not seen["status_written"]
     # The training stopped with the sweep, not after it: its directory is free, no process names it, no step follows.
-    assert seen["lock"] is None and seen["naming"] == [] and seen["steps_later"] == interrupted_at
+    assert seen["lock"] is None and seen["naming"] == {} and seen["steps_later"] == interrupted_at
     console = seen["console"]
     assert seen["code"] == 130 and "Traceback" not in console and "Task exception" not in console, console[-6000:]
     line = console.strip().splitlines()[-1]
