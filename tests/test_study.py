@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -180,22 +181,17 @@ def test_the_table_averages_seeds_and_leaves_failed_cells_out(tmp_path):
     assert study.headline(SweepResult([])) == "(no cell completed)"
 
 
-def test_compute_time_adds_every_timed_cell_over_all_sittings(tmp_path):
-    timing = study.compute_time(_results(tmp_path), wall_s=930.4)
-    assert timing == {"cells": 4, "ran_now": 3, "failed": 1, "cell_seconds_total": 930.0, "cells_timed": 3,
-                      "this_sitting_wall_s": 930}
-
-
-def test_each_cell_keeps_its_time_so_a_later_sitting_still_counts_it(tmp_path, monkeypatch):
+def test_each_cell_keeps_every_attempts_time_so_a_later_sitting_still_counts_it(tmp_path, monkeypatch):
     from openrlhf_tis.pipeline import sweep
 
-    clock = iter([100.0, 160.5, 200.0, 230.0])
+    clock = iter([100.0, 160.5, 200.0, 230.0, 300.0, 312.5])
     monkeypatch.setattr(sweep.time, "monotonic", lambda: next(clock))
     calls = []
 
     def fake_execute(name, notebook, params, cwd):
         calls.append(params["seed"])
-        if params["seed"] == 2:
+        Path(params["run_dir"]).mkdir(parents=True, exist_ok=True)
+        if params["seed"] == 2 and calls.count(2) == 1:
             raise RuntimeError("boom")
 
     monkeypatch.setattr(sweep, "execute_stoppable", fake_execute)
@@ -204,8 +200,53 @@ def test_each_cell_keeps_its_time_so_a_later_sitting_still_counts_it(tmp_path, m
     assert [(r.status, r.seconds) for r in first] == [("complete", 60.5), ("failed", 30.0)]
     again = sweep.run_cell(cells[0], tmp_path)  # a later sitting: skipped, its time read back from status.json
     assert (again.status, again.seconds, calls) == ("skipped", 60.5, [1, 2])
-    status = json.loads((tmp_path / "cells" / cells[1].slug / "status.json").read_text())
-    assert status["seconds"] == 30.0 and status["error"] == "RuntimeError: boom"
+    failed = tmp_path / "cells" / cells[1].slug / "status.json"
+    status = json.loads(failed.read_text())
+    assert status["seconds"] == 30.0 and status["error"] == "RuntimeError: boom" and status["earlier"] == []
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", status["started"])
+    retried = sweep.run_cell(cells[1], tmp_path)  # the failed cell again: its first attempt's record is kept
+    after = json.loads(failed.read_text())
+    assert (retried.status, retried.seconds, after["status"], after["error"]) == ("complete", 12.5, "complete", None)
+    assert after["earlier"] == [{"status": "failed", "error": "RuntimeError: boom", "seconds": 30.0,
+                                 "started": status["started"]}]
+
+
+def _status(root: Path, name: str, state: str, seconds: float, started: str | None, earlier=(), run_time=None):
+    cell_dir = root / "cells" / Cell(name, {}).slug
+    cell_dir.mkdir(parents=True)
+    record = {"cell": name, "status": state, "params": {}, "error": None, "seconds": seconds, "earlier": list(earlier)}
+    if started:
+        record["started"] = started
+    (cell_dir / "status.json").write_text(json.dumps(record))
+    if run_time:  # a status.json from before starts were recorded: the run's config.json says when it began
+        RunWriter(cell_dir / "run", config={"x": 1}, origin={"time": run_time})
+
+
+def test_the_cost_counts_every_attempt_and_splits_sittings_where_the_machine_stood_idle(tmp_path):
+    from openrlhf_tis.study import cost
+
+    failed = {"status": "failed", "error": "boom", "seconds": 600.0, "started": "2026-11-26T22:00:00Z"}
+    _status(tmp_path, "a", "complete", 700.0, "2026-11-27T10:00:00Z", earlier=[failed])
+    _status(tmp_path, "b", "complete", 900.0, None, run_time="2026-11-26T22:10:30Z")  # 30 s after a's failure
+    _status(tmp_path, "c", "failed", 300.0, "2026-11-27T10:41:39Z")  # 29 min 59 s after a ended at 10:11:40
+    _status(tmp_path, "d", "complete", 60.0, None)  # no start anywhere: counted, in no sitting
+    found = cost.attempts(tmp_path)
+    assert [(a.cell, a.status, a.seconds) for a in found] == [
+        ("a", "failed", 600.0), ("b", "complete", 900.0), ("a", "complete", 700.0), ("c", "failed", 300.0),
+        ("d", "complete", 60.0)]
+    groups = cost.sittings([a for a in found if a.started])
+    assert [[a.cell for a in g] for g in groups] == [["a", "b"], ["a", "c"]]
+    assert [[a.cell for a in g] for g in cost.sittings([a for a in found if a.started], gap_s=1798)] == [
+        ["a", "b"], ["a"], ["c"]]
+    # by hand: 600 + 900 + 700 + 300 + 60 = 2560 s; failed 900 s; finished cells 900, 700, 60: mean 553.3 s
+    assert cost.cost_summary(found) == ("43 min of cell time: 5 attempts at 4 cells (2 failed, 15 min) in 2 sittings; "
+                                        "9.2 min a finished cell")
+    table = cost.cost_markdown(found)
+    assert "| 1 | 2026-11-26 22:00 | 2026-11-26 22:25 | 2 | 1 | 1 | 25 min | 15.0 |" in table
+    assert "| 2 | 2026-11-27 10:00 | 2026-11-27 10:46 | 2 | 1 | 1 | 17 min | 11.7 |" in table
+    assert "| (no start recorded) | | | 1 | 1 | 0 | 1 min | 1.0 |" in table
+    assert "| a | 2 | complete | 21.7 | 2026-11-27 10:00 |" in table and "| d | 1 | complete | 1.0 | – |" in table
+    assert cost.cost_markdown([]) == "(no timed attempt)"
 
 
 def test_a_finished_cell_skips_wherever_the_checkout_lies(tmp_path, monkeypatch):
@@ -282,8 +323,8 @@ def test_report_rebuilds_the_tables_from_the_recorded_cells_and_runs_nothing(tmp
     # by hand: gains 0.3 and 0.1 (engine-scored: these runs have no kept-policy file), mean 0.2
     assert "| w4a8 | tis | 2 | 0.5 | +0.200 |" in (tmp_path / "dose_response.md").read_text()
     assert "| int8 | 4 | tis | 2 | " in (tmp_path / "study_table.md").read_text()
-    assert "10.0 min of cell time over all sittings (3 of 3 cells timed)" in capsys.readouterr().out
-    assert not (tmp_path / "study_time.json").exists()  # it records sittings; a rebuilt report is none
+    assert "10 min of cell time: 3 attempts at 3 cells (1 failed, 5 min) in 0 sittings" in capsys.readouterr().out
+    assert "| seed=3 | 1 | failed | 5.0 | – |" in (tmp_path / "study_cost.md").read_text()
     assert not (tmp_path / "study_grid.json").exists()
     with pytest.raises(SystemExit) as err:
         study.main(["--out", str(tmp_path / "empty"), "--report"])
@@ -305,3 +346,25 @@ def test_cells_of_another_cpu_profile_are_not_mixed_into_a_study(tmp_path, monke
         else:
             study.main(["--out", str(tmp_path), "--model", "tiny", "--doses", "w4a8", "--dry_run"])
             assert "trainer fp32" in capsys.readouterr().err
+
+
+def test_a_study_run_a_part_at_a_time_reports_every_recorded_cell(tmp_path, monkeypatch):
+    """A sitting that runs one cell still reports, and tabulates, the whole study; a plain sweep only its grid."""
+    from openrlhf_tis.pipeline import sweep
+
+    _recorded_study(tmp_path)  # seed=1 and seed=2 complete, seed=3 failed
+    new = Cell("seed=4", {"seed": 4})
+    compared = []
+
+    def fake_execute(name, notebook, params, cwd):
+        if name == "compare":
+            compared.append(sorted(Path(r).parent.name for r in params["runs"]))
+
+    monkeypatch.setattr(sweep, "load_grid", lambda grid: [new])
+    monkeypatch.setattr(sweep, "execute_stoppable", fake_execute)
+    monkeypatch.setattr(sweep, "export_html", lambda notebook, html: html)
+    whole = sweep.run_sweep("grid", tmp_path, "t", whole_folder=True)
+    assert [(r.cell.name, r.status) for r in whole.results] == [
+        ("seed=1", "skipped"), ("seed=2", "skipped"), ("seed=3", "failed"), ("seed=4", "complete")]
+    assert compared == [sorted(Cell(f"seed={s}", {}).slug for s in (1, 2, 4))]
+    assert [(r.cell.name, r.status) for r in sweep.run_sweep("grid", tmp_path, "t").results] == [("seed=4", "skipped")]

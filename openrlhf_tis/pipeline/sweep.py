@@ -20,7 +20,9 @@ cells whose status says complete with the same parameters, and retries the other
 cell, or one interrupted before its status (Ctrl-C, a kill), starts afresh with the earlier attempt's run
 directory kept as run.attemptN, except that an interrupted cell holding a checkpoint of its own run
 resumes from it (`--ckpt.load_enable`). status.json records absolute paths relative to OUT (`portable`), so a
-sweep, like a study committed under results/study/, resumes from any checkout path. A failing cell
+sweep, like a study committed under results/study/, resumes from any checkout path; it records when the attempt
+started and how long it took, and keeps the earlier attempts' records (`earlier`), so what a cell cost counts every
+attempt (study/cost.py). A failing cell
 is recorded with its papermill error (cell and exception) and the sweep goes on; the report
 (OUT/report.ipynb and the self-contained OUT/report.html) names it.
 """
@@ -48,6 +50,7 @@ from openrlhf_tis.pipeline.failure import notebook_error
 from openrlhf_tis.pipeline.interrupt import EXIT_CODE, Interrupted, execute_stoppable, kept, resumable, stopped
 from openrlhf_tis.pipeline.train import check_training_command
 from openrlhf_tis.pipeline.train_params import TrainParams
+from openrlhf_tis.runs.config import run_started, utc_now
 from openrlhf_tis.runs.layout import atomic_write, unique_dir_name
 
 GRID_TABLES = ("base", "grid")
@@ -143,7 +146,8 @@ def check_cell(params: dict[str, Any], where: str) -> None:
         raise ParameterError(f"{where}: {err}") from None
 
 
-def _status(cell_dir: Path) -> dict[str, Any] | None:
+def read_status(cell_dir: Path) -> dict[str, Any] | None:
+    """A cell's status.json, None where there is none (never run, or interrupted before its end) or it is unreadable."""
     try:
         return json.loads((cell_dir / STATUS_FILE).read_text())
     except (OSError, ValueError):
@@ -165,7 +169,7 @@ def run_cell(cell: Cell, out_dir: Path) -> CellResult:
     """Execute train.ipynb for one cell unless it completed before with the same parameters."""
     cell_dir = out_dir / "cells" / cell.slug
     run_dir, notebook = cell_dir / "run", cell_dir / "train.ipynb"
-    status = _status(cell_dir)
+    status = read_status(cell_dir)
     recorded = portable(cell.params, out_dir)
     if status and status.get("status") == "complete" and portable(status.get("params") or {}, out_dir) == recorded:
         return CellResult(cell, "skipped", run_dir, notebook, seconds=status.get("seconds"))
@@ -174,11 +178,12 @@ def run_cell(cell: Cell, out_dir: Path) -> CellResult:
         return CellResult(cell, "failed", run_dir, notebook, f"{run_dir} is still in use by a training process "
                           f"(pid {owner}); stop it and run the sweep again")
     params = {**cell.params, "run_dir": str(run_dir)}
+    earlier = earlier_attempts(status, run_dir)  # read before the run directory is set aside
     if status is None and resumable(run_dir):  # interrupted (no status) after a checkpoint of its own run
         params["extra_args"] = [*params.get("extra_args", []), "--ckpt.load_enable"]
     elif run_dir.exists():  # an earlier failed, changed or interrupted attempt: start the run afresh
         _set_aside(run_dir)
-    start = time.monotonic()
+    started, start = utc_now(), time.monotonic()
     try:
         execute_stoppable("train", notebook, params, cwd=cell_dir)  # Ctrl-C: Stopped, no status (interrupted)
         result = CellResult(cell, "complete", run_dir, notebook)
@@ -187,8 +192,18 @@ def run_cell(cell: Cell, out_dir: Path) -> CellResult:
     result.seconds = round(time.monotonic() - start, 1)
     atomic_write(cell_dir / STATUS_FILE, json.dumps(
         {"cell": cell.name, "status": result.status, "params": recorded, "error": result.error,
-         "seconds": result.seconds}, indent=1).encode())
+         "seconds": result.seconds, "started": started, "earlier": earlier}, indent=1).encode())
     return result
+
+
+def earlier_attempts(status: dict[str, Any] | None, run_dir: Path) -> list[dict[str, Any]]:
+    """The records of the attempts a new attempt supersedes, oldest first: each one's status, error, seconds and
+    start (a status.json from before `started` was recorded: its run's config.json time, where its run is)."""
+    if status is None:
+        return []
+    last = {"status": status.get("status"), "error": status.get("error"), "seconds": status.get("seconds"),
+            "started": status.get("started") or run_started(run_dir)}
+    return [*status.get("earlier", []), last]
 
 
 def _set_aside(run_dir: Path) -> None:
@@ -202,8 +217,11 @@ def _attempt_dir(run_dir: Path) -> Path:
                 if not (target := run_dir.with_name(f"{run_dir.name}.attempt{n}")).exists())
 
 
-def run_sweep(grid: str | Path, out_dir: str | Path, title: str | None = None) -> SweepResult:
-    """Every cell of `grid` (checked first), then compare.ipynb over the completed cells, exported to HTML."""
+def run_sweep(grid: str | Path, out_dir: str | Path, title: str | None = None, whole_folder: bool = False
+              ) -> SweepResult:
+    """Every cell of `grid` (checked first), then compare.ipynb over the completed cells, exported to HTML.
+    `whole_folder`: the result and the report cover every cell recorded under `out_dir` (a study run a part at a
+    time), this grid's as they ran now."""
     cells = load_grid(grid)
     out_dir = Path(out_dir).expanduser().resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -218,6 +236,9 @@ def run_sweep(grid: str | Path, out_dir: str | Path, title: str | None = None) -
             bar.close()
             raise Interrupted(_cell_interrupted(cell, out_dir, result, len(cells), stop, again)) from None
     bar.close()
+    if whole_folder:
+        ran = {r.cell.name: r for r in result.results}
+        result = SweepResult([ran.pop(r.cell.name, r) for r in recorded_cells(out_dir).results] + list(ran.values()))
     return write_report(result, out_dir, title or f"Sweep {Path(grid).name}: {len(cells)} cells", again)
 
 
@@ -227,7 +248,7 @@ def recorded_cells(out_dir: str | Path) -> SweepResult:
     out_dir = Path(out_dir).expanduser().resolve()
     result = SweepResult()
     for cell_dir in sorted(p.parent for p in (out_dir / "cells").glob(f"*/{STATUS_FILE}")):
-        status = _status(cell_dir)
+        status = read_status(cell_dir)
         if status is None:
             continue
         state = "skipped" if status.get("status") == "complete" else "failed"
@@ -275,11 +296,12 @@ def results_table(result: SweepResult):
                           "run_dir": str(r.run_dir)} for r in result.results]).set_index("cell")
 
 
-def run_command(prog: str, grid: str | Path, out_dir: str | Path, title: str | None) -> SweepResult:
+def run_command(prog: str, grid: str | Path, out_dir: str | Path, title: str | None, whole_folder: bool = False
+                ) -> SweepResult:
     """run_sweep for a command line: a bad grid exits 2 naming what is wrong, Ctrl-C exits 130 saying what was
     stopped (the sweep and the study end alike)."""
     try:
-        return run_sweep(grid, out_dir, title)
+        return run_sweep(grid, out_dir, title, whole_folder)
     except ParameterError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

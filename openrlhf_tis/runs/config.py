@@ -177,8 +177,21 @@ def provenance() -> dict[str, Any]:
         "git": git_revision(),
         "host": platform.node(),
         "argv": list(sys.argv),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "time": utc_now(),
     }
+
+
+def utc_now() -> str:
+    """Now as the run store writes times: UTC, ISO 8601, to the second (config.json's `time`, a cell's `started`)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def run_started(run_dir: str | os.PathLike) -> str | None:
+    """When the run began, as its config.json says (`utc_now`'s format); None where it has no readable one."""
+    try:
+        return (read_run_config(run_dir) or {}).get("time")
+    except ValueError:
+        return None
 
 
 def read_run_config(run_dir: str | os.PathLike) -> dict[str, Any] | None:

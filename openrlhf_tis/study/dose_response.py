@@ -7,8 +7,10 @@ re-run skips finished cells, a failing cell is reported in the report and the ot
 resumes where it stopped and can run in several sittings. The sweep's comparison report aggregates seeds
 (one line and one bar per setting, with 95% intervals) and draws the headline: held-out gain of the kept
 policy against measured mean k3 KL, one line per correction. The study then writes the headline table and
-figure (`dose_response.md`, `dose_response.png`), the seed-averaged table (`study_table.md`) and its total
-compute time (`study_time.json`).
+figure (`dose_response.md`, `dose_response.png`), the seed-averaged table (`study_table.md`) and what it cost, a
+row per sitting and per cell (`study_cost.md`, study/cost.py). The report, the tables and the cost cover every cell
+recorded under the study's folder, not only the cells this command asked for: a study run one dose (or one cell) at a
+time reads whole after each command.
 
 Each dose's meaning on this machine is printed at the start (e.g. `int8` is W7A8 on a CPU without VNNI: the
 grid its int8 GEMM computes exactly). An unknown dose, or one this build's `--vllm.int8_weight_bits` cannot
@@ -22,10 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 
@@ -45,6 +45,7 @@ from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.rollout.precision import PRECISION_FLAG, WEIGHT_BITS_FLAG
 from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.runs.reader import load_metrics
+from openrlhf_tis.study.cost import attempts, cost_markdown, cost_summary
 from openrlhf_tis.viz.compare import final_table, run_facts
 from openrlhf_tis.viz.curves import png
 from openrlhf_tis.viz.gain_plots import plot_dose_response
@@ -65,6 +66,7 @@ DOSES: dict[str, tuple[dict[str, str], str]] = {
 # rejects almost every sequence once k3 >= 0.01 (the mean log-ratio is ≈ −KL), so it would train on nothing.
 CORRECTIONS = ("off", "tis", "token_mis", "seq_mis")
 BASELINES = ("ppo_is", "vanilla_is")  # the TIS talk's: PPO-IS (μ inside the clip) and untruncated IS
+COST_FILE = "study_cost.md"  # what the study cost, per sitting and per cell (study/cost.py)
 SEEDS = (1, 2, 3)
 DOSE_FLAG = "--doses"
 # --quick: a coarse curve with 2 seeds that fits an hour on a 2-core AVX2 CPU (see QUICK_STEPS and CellCost).
@@ -190,14 +192,6 @@ def headline(result: SweepResult, figure: Path | None = None) -> str:
     return headline_markdown(points, source)
 
 
-def compute_time(result: SweepResult, wall_s: float) -> dict[str, Any]:
-    """Total cell time over every sitting (each cell's status.json keeps its seconds) and this sitting's wall."""
-    ran = [r for r in result.results if r.status != "skipped"]
-    timed = [r.seconds for r in result.results if r.seconds is not None]
-    return {"cells": len(result.results), "ran_now": len(ran), "failed": len(result.failures),
-            "cell_seconds_total": round(sum(timed), 1), "cells_timed": len(timed), "this_sitting_wall_s": round(wall_s)}
-
-
 def check_profile(out: Path, trainer_dtype: str) -> None:
     """Refuse to add cells to a study whose cells trained in another dtype (another CPU profile): the new cells
     would not skip the old ones' settings and one report would mix two trainer precisions; raises ParameterError."""
@@ -280,13 +274,11 @@ def main(argv: list[str] | None = None) -> None:
     if any(q < 0 for q in args.async_queues):
         parser.error(f"--async_queues must be >= 0, got {args.async_queues}")
     out = Path(args.out).expanduser().resolve()
-    start = time.monotonic()
     if args.report:
         result = recorded_cells(out)
         if not result.results:
             parser.error(f"--report: no finished cell under {out / 'cells'}")
-        write_outputs(write_report(result, out, f"Dose-response study: {len(result.results)} cells"), out, start,
-                      sitting=False)
+        write_outputs(write_report(result, out, report_title(out)), out)
         return
     check_model_option(parser, args.model)
     try:
@@ -315,24 +307,24 @@ def main(argv: list[str] | None = None) -> None:
           f"{_describe(cells, trainer)}", file=sys.stderr)
     if args.dry_run:
         return
-    write_outputs(run_command(parser.prog, grid_file, out, f"Dose-response study: {cell_count(grid)} cells"),
-                  out, start)
+    write_outputs(run_command(parser.prog, grid_file, out, report_title(out), whole_folder=True), out)
 
 
-def write_outputs(result: SweepResult, out: Path, start: float, sitting: bool = True) -> None:
-    """The tables and the headline figure under `out`, and the compute time (kept in study_time.json after a
-    sitting; a report rebuilt with --report only prints it), printed too; exit 1 if a cell failed."""
+def report_title(out: Path) -> str:
+    return f"Dose-response study {out.name}"
+
+
+def write_outputs(result: SweepResult, out: Path) -> None:
+    """The tables, the headline figure and the cost under `out` over `result` (every cell recorded there), printed
+    too; exit 1 while a recorded cell is failed (a later sitting re-runs it)."""
     table = markdown(seed_table(result))
     (out / "study_table.md").write_text(table + "\n")
     doses = headline(result, out / "dose_response.png")
     (out / "dose_response.md").write_text(doses + "\n")
-    timing = compute_time(result, time.monotonic() - start)
-    if sitting:
-        atomic_write(out / "study_time.json", json.dumps(timing, indent=1).encode())
+    spent = attempts(out)
+    (out / COST_FILE).write_text(cost_markdown(spent) + "\n")
     print(table, doses, sep="\n\n")
-    print(f"[study] compute: {timing['cell_seconds_total'] / 60:.1f} min of cell time over all sittings "
-          f"({timing['cells_timed']} of {timing['cells']} cells timed); this sitting {timing['ran_now']} cells, "
-          f"{timing['this_sitting_wall_s'] / 60:.1f} min wall; {timing['failed']} failed")
+    print(f"[study] compute: {cost_summary(spent)} (per sitting and cell: {out / COST_FILE})")
     finish(result)
 
 
