@@ -72,6 +72,10 @@ def _minutes_each(group: list[Attempt]) -> str:
     return f"{sum(done) / len(done) / 60:.1f}" if done else "–"
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def cost_summary(found: list[Attempt]) -> str:
     """One line: total cell time, attempts, cells, failed attempts, sittings."""
     if not found:
@@ -80,7 +84,7 @@ def cost_summary(found: list[Attempt]) -> str:
     timed = [a for a in found if a.started is not None]
     return (f"{_hours(sum(a.seconds for a in found))} of cell time: {len(found)} attempts at "
             f"{len({a.cell for a in found})} cells ({len(failed)} failed, {_hours(sum(a.seconds for a in failed))}) "
-            f"in {len(sittings(timed))} sittings; {_minutes_each(found)} min a finished cell")
+            f"in {_count(len(sittings(timed)), 'sitting')}; {_minutes_each(found)} min a finished cell")
 
 
 def cost_markdown(found: list[Attempt]) -> str:
