@@ -13,11 +13,17 @@ REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text(encoding="utf-8")
 
 
-def table_after(text: str, heading: str) -> list[list[str]]:
-    """The rows (cells stripped, header and rule left out) of the first table under `heading`."""
+def header_and_rows(text: str, heading: str) -> tuple[list[str], list[list[str]]]:
+    """The header and the rows (cells stripped, the rule left out) of the first table under `heading`."""
     section = text[text.index(heading):]
     lines = re.search(r"^\|.*?(?=^[^|]|\Z)", section, re.M | re.S).group(0).splitlines()
-    return [[c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines[2:]]
+    cells = [[c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines]
+    return cells[0], cells[2:]
+
+
+def table_after(text: str, heading: str) -> list[list[str]]:
+    """The rows of the first table under `heading`."""
+    return header_and_rows(text, heading)[1]
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +96,17 @@ def test_every_metric_to_watch_is_one_the_fork_writes():
 
 
 def test_the_study_table_is_copied_from_the_committed_results():
-    rows = table_after(README, "## What the study has shown so far")
-    assert len(rows) >= 2
+    """Each README column after the first is a column of the results table its row links to, by name, and each row
+    holds that table's values for its dose and correction."""
+    header, rows = header_and_rows(README, "## What the study has shown so far")
+    assert len(rows) >= 2 and header[1:3] == ["dose", "correction"]
     for study, *cells in rows:
         source = REPO / re.search(r"\]\(([^)]+)\)", study).group(1)
-        results = {tuple(r[:2]): r[:8] for r in table_after(source.read_text(encoding="utf-8"), "| dose")}
+        source_header, source_rows = header_and_rows(source.read_text(encoding="utf-8"), "| dose")
+        missing = [name for name in header[1:] if name not in source_header]
+        assert not missing, f"README study columns {missing} are not columns of {source}"
+        columns = [source_header.index(name) for name in header[1:]]
+        results = {tuple(r[:2]): [r[i] for i in columns] for r in source_rows}
         assert results.get(tuple(cells[:2])) == cells, f"README study row {cells} is not in {source}: {results}"
 
 
