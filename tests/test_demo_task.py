@@ -1,5 +1,5 @@
 """The demo task: a deterministic train/held-out split, the reward rule on hand-written answers, bad task
-or reward files refused before Ray starts (held-out evaluation in a real run: tests/test_e2e_bypass_int8.py)."""
+or reward files refused before Ray starts (held-out evaluation in a real run: tests/test_e2e_ray_job.py)."""
 
 from __future__ import annotations
 
