@@ -28,19 +28,20 @@ def test_the_grid_is_the_main_jobs_recipe_over_dose_correction_and_seed(tmp_path
     main = job_params(tmp_path / "task", "tiny")
     assert grid["base"] == main  # the int8 + tis cells are the main job under other seeds
     trainer = main["train_dtype"]
-    assert grid["grid"] == [
-        {"rollout_precision": [trainer], "correction": ["off", "tis"], "seed": [1, 2]},
-        {"rollout_precision": ["int8"], "correction": ["off"], "seed": [1, 2]},
-        {"rollout_precision": ["int8"], "int8_weight_bits": ["4"], "correction": ["off", "seq_mis"], "seed": [1, 2]},
-    ]
+    assert grid["grid"] == [table for seed in (1, 2) for table in (  # seed-major: a sitting stopped part-way
+        {"rollout_precision": [trainer], "correction": ["off", "tis"], "seed": [seed]},  # leaves whole seeds
+        {"rollout_precision": ["int8"], "correction": ["off"], "seed": [seed]},
+        {"rollout_precision": ["int8"], "int8_weight_bits": ["4"], "correction": ["off", "seq_mis"], "seed": [seed]},
+    )]
     assert study.cell_count(grid) == 10
     assert study.study_grid(tmp_path, "tiny", cells=cells, seeds=(3,), steps=5)["base"]["steps"] == 5
     stale = study.study_grid(tmp_path, "tiny", cells={"int8": ("off",)}, seeds=(1, 2), steps=None, queues=(0, 1, 2))
     assert stale["grid"] == [{"rollout_precision": ["int8"], "async_queue": [0, 1, 2], "correction": ["off"],
-                              "seed": [1, 2]}]
+                              "seed": [seed]} for seed in (1, 2)]
     assert study.cell_count(stale) == 6
     (tmp_path / "stale.json").write_text(json.dumps(stale))
-    assert [c.params["async_queue"] for c in load_grid(tmp_path / "stale.json")] == [0, 0, 1, 1, 2, 2]
+    assert [(c.params["seed"], c.params["async_queue"]) for c in load_grid(tmp_path / "stale.json")] == [
+        (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
 
 
 def test_the_grid_file_is_one_the_sweep_reads_and_each_cell_asks_for_its_weight_grid(tmp_path):
@@ -50,14 +51,14 @@ def test_the_grid_file_is_one_the_sweep_reads_and_each_cell_asks_for_its_weight_
     loaded = load_grid(grid)
     trainer = job_params(tmp_path / "task", "tiny")["train_dtype"]
     assert [(c.params["rollout_precision"], c.params.get("int8_weight_bits"), c.params["correction"], c.params["seed"])
-            for c in loaded] == [(trainer, None, "off", 1), (trainer, None, "off", 2), ("int8", "6", "tis", 1),
-                                 ("int8", "6", "tis", 2)]
+            for c in loaded] == [(trainer, None, "off", 1), ("int8", "6", "tis", 1), (trainer, None, "off", 2),
+                                 ("int8", "6", "tis", 2)]  # seed-major
     # the earlier int8 study's cells keep their names, so a re-run reuses them
     assert loaded[0].name == f"rollout_precision={trainer},correction=off,seed=1"
     def argv(params):
         return TrainParams.checked({**params, "run_dir": "r"}).argv(Path("m"), Path("p"), Path("r"))
 
-    w6a8 = argv(loaded[2].params)
+    w6a8 = argv(loaded[1].params)
     assert w6a8[w6a8.index("--vllm.int8_weight_bits") + 1] == "6"
     assert "--vllm.int8_weight_bits" not in argv(loaded[0].params)  # auto: the CLI's own default
 
@@ -368,3 +369,27 @@ def test_a_study_run_a_part_at_a_time_reports_every_recorded_cell(tmp_path, monk
         ("seed=1", "skipped"), ("seed=2", "skipped"), ("seed=3", "failed"), ("seed=4", "complete")]
     assert compared == [sorted(Cell(f"seed={s}", {}).slug for s in (1, 2, 4))]
     assert [(r.cell.name, r.status) for r in sweep.run_sweep("grid", tmp_path, "t").results] == [("seed=4", "skipped")]
+
+
+def test_a_stop_file_ends_the_sweep_after_the_cell_in_flight_and_the_same_command_goes_on(tmp_path, monkeypatch,
+                                                                                          capsys):
+    from openrlhf_tis.pipeline import sweep
+
+    cells = [Cell(f"seed={s}", {"seed": s}) for s in (1, 2, 3)]
+    trained = []
+
+    def fake_execute(name, notebook, params, cwd):
+        if name == "train":
+            trained.append(params["seed"])
+            if params["seed"] == 1:
+                (tmp_path / sweep.STOP_FILE).touch()  # asked while the first cell trains
+
+    monkeypatch.setattr(sweep, "load_grid", lambda grid: cells)
+    monkeypatch.setattr(sweep, "execute_stoppable", fake_execute)
+    monkeypatch.setattr(sweep, "export_html", lambda notebook, html: html)
+    first = sweep.run_sweep("grid", tmp_path, "t")
+    assert trained == [1] and [(r.cell.name, r.status) for r in first.results] == [("seed=1", "complete")]
+    assert not (tmp_path / sweep.STOP_FILE).exists()  # honoured once
+    assert "stopped before cell seed=2 (2 of 3), as" in capsys.readouterr().err
+    second = sweep.run_sweep("grid", tmp_path, "t")
+    assert trained == [1, 2, 3] and [r.status for r in second.results] == ["skipped", "complete", "complete"]

@@ -24,7 +24,9 @@ sweep, like a study committed under results/study/, resumes from any checkout pa
 started and how long it took, and keeps the earlier attempts' records (`earlier`), so what a cell cost counts every
 attempt (study/cost.py). A failing cell
 is recorded with its papermill error (cell and exception) and the sweep goes on; the report
-(OUT/report.ipynb and the self-contained OUT/report.html) names it.
+(OUT/report.ipynb and the self-contained OUT/report.html) names it. `touch OUT/STOP` ends a sweep after the cell in
+flight (where Ctrl-C would stop that cell): the file is removed, the report drawn over the cells done, and the same
+command goes on from the next cell.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from openrlhf_tis.runs.layout import atomic_write, unique_dir_name
 
 GRID_TABLES = ("base", "grid")
 STATUS_FILE = "status.json"
+STOP_FILE = "STOP"  # OUT/STOP: end the sweep after the cell in flight
 _PER_CELL = ("run_dir",)  # set by the sweep for each cell, never by the grid
 
 
@@ -228,7 +231,12 @@ def run_sweep(grid: str | Path, out_dir: str | Path, title: str | None = None, w
     result = SweepResult()
     again = shlex.join(["openrlhf-tis-sweep", str(grid), str(out_dir), *(["--title", title] if title else [])])
     bar = tqdm(cells, desc="sweep cells", unit="cell")
-    for cell in bar:
+    for number, cell in enumerate(bar, 1):
+        if stop_asked(out_dir):
+            bar.close()
+            print(f"[sweep] stopped before cell {cell.name} ({number} of {len(cells)}), as {out_dir / STOP_FILE} "
+                  f"asked (removed); {again} goes on from it", file=sys.stderr)
+            break
         bar.set_postfix_str(cell.name, refresh=True)
         try:
             result.results.append(run_cell(cell, out_dir))
@@ -240,6 +248,15 @@ def run_sweep(grid: str | Path, out_dir: str | Path, title: str | None = None, w
         ran = {r.cell.name: r for r in result.results}
         result = SweepResult([ran.pop(r.cell.name, r) for r in recorded_cells(out_dir).results] + list(ran.values()))
     return write_report(result, out_dir, title or f"Sweep {Path(grid).name}: {len(cells)} cells", again)
+
+
+def stop_asked(out_dir: Path) -> bool:
+    """True, once, when OUT/STOP exists: it is removed, so the next run of the sweep goes on."""
+    try:
+        (out_dir / STOP_FILE).unlink()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def recorded_cells(out_dir: str | Path) -> SweepResult:

@@ -123,8 +123,9 @@ def dose_params(dose: str, trainer_dtype: str) -> dict[str, str]:
 
 def study_grid(out: Path, model: str, *, cells: dict[str, tuple[str, ...]], seeds: tuple[int, ...],
                steps: int | None, queues: tuple[int, ...] = (0,)) -> dict:
-    """The sweep grid: the main job's parameters as the base, one grid table per dose (its corrections x seeds,
-    and x async queue sizes when the staleness axis is asked for; the sweep runs the union). Cells of the
+    """The sweep grid: the main job's parameters as the base, one grid table per seed and dose (its corrections, x
+    async queue sizes when the staleness axis is asked for; the sweep runs the union in order). Seed-major, so a
+    sitting that stops part-way leaves whole seeds of every setting, the pairs the statistics compare. Cells of the
     earlier int8 study keep their names, so they are reused."""
     base = job_params(out / "task", model)
     if steps is not None:
@@ -132,7 +133,7 @@ def study_grid(out: Path, model: str, *, cells: dict[str, tuple[str, ...]], seed
     staleness = {"async_queue": list(queues)} if tuple(queues) != (0,) else {}
     trainer_dtype = TrainParams(**base).train_dtype
     grid = [{**{k: [v] for k, v in dose_params(dose, trainer_dtype).items()}, **staleness,
-             "correction": list(corrections), "seed": list(seeds)} for dose, corrections in cells.items()]
+             "correction": list(corrections), "seed": [seed]} for seed in seeds for dose, corrections in cells.items()]
     return {"base": base, "grid": grid}
 
 
