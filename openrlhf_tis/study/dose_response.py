@@ -319,11 +319,11 @@ def write_outputs(result: SweepResult, out: Path) -> None:
     """The tables, the headline figure and the cost under `out` over `result` (every cell recorded there), printed
     too; exit 1 while a recorded cell is failed (a later sitting re-runs it)."""
     table = markdown(seed_table(result))
-    (out / "study_table.md").write_text(table + "\n")
+    atomic_write(out / "study_table.md", (table + "\n").encode())  # a kill never leaves a half-written table
     doses = headline(result, out / "dose_response.png")
-    (out / "dose_response.md").write_text(doses + "\n")
+    atomic_write(out / "dose_response.md", (doses + "\n").encode())
     spent = attempts(out)
-    (out / COST_FILE).write_text(cost_markdown(spent) + "\n")
+    atomic_write(out / COST_FILE, (cost_markdown(spent) + "\n").encode())
     print(table, doses, sep="\n\n")
     print(f"[study] compute: {cost_summary(spent)} (per sitting and cell: {out / COST_FILE})")
     finish(result)
