@@ -387,9 +387,11 @@ def test_a_stop_file_ends_the_sweep_after_the_cell_in_flight_and_the_same_comman
     monkeypatch.setattr(sweep, "load_grid", lambda grid: cells)
     monkeypatch.setattr(sweep, "execute_stoppable", fake_execute)
     monkeypatch.setattr(sweep, "export_html", lambda notebook, html: html)
+    (tmp_path / sweep.STOP_FILE).touch()  # left from before: asks nothing of the next sweep
     first = sweep.run_sweep("grid", tmp_path, "t")
     assert trained == [1] and [(r.cell.name, r.status) for r in first.results] == [("seed=1", "complete")]
     assert not (tmp_path / sweep.STOP_FILE).exists()  # honoured once
-    assert "stopped before cell seed=2 (2 of 3), as" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "left from before this sweep" in err and "stopped before cell seed=2 (2 of 3), as" in err
     second = sweep.run_sweep("grid", tmp_path, "t")
     assert trained == [1, 2, 3] and [r.status for r in second.results] == ["skipped", "complete", "complete"]

@@ -230,6 +230,8 @@ def run_sweep(grid: str | Path, out_dir: str | Path, title: str | None = None, w
     out_dir.mkdir(parents=True, exist_ok=True)
     result = SweepResult()
     again = shlex.join(["openrlhf-tis-sweep", str(grid), str(out_dir), *(["--title", title] if title else [])])
+    if stop_asked(out_dir):  # left from before this sweep began: it asks nothing of this one
+        print(f"[sweep] removed {out_dir / STOP_FILE}, left from before this sweep", file=sys.stderr)
     bar = tqdm(cells, desc="sweep cells", unit="cell")
     for number, cell in enumerate(bar, 1):
         if stop_asked(out_dir):
