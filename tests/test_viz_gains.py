@@ -22,10 +22,11 @@ from openrlhf_tis.viz.gains import (
     dose_response,
     headline_markdown,
     headline_source,
+    paired_differences,
     reference_setting,
     run_gains,
     setting_gains,
-    versus_reference,
+    uncorrected_of,
 )
 
 T2 = 0.95 * math.sqrt(2.0 / (1.0 - 0.95**2))  # t(0.975, 2), from the df = 2 CDF
@@ -131,12 +132,19 @@ def test_setting_gains_and_the_reference_comparison_against_hand_computed_interv
     assert math.isnan(table.loc[tis, "boot_low"])
     assert table.loc[tis, "t_high"] - table.loc[tis, "gain"] == pytest.approx(T1 * (0.1 / math.sqrt(2)) / math.sqrt(2))
     assert reference_setting(facts) == ref
-    versus = versus_reference(gains, KEPT, ref)
+    versus = paired_differences(gains, KEPT, {off: ref, tis: ref})
     # paired by seed: off − ref = -0.2, -0.2, -0.05 -> mean -0.15, s = 0.0866
     diffs = np.array([-0.2, -0.2, -0.05])
     assert versus.loc[off, "difference"] == pytest.approx(diffs.mean())
     assert versus.loc[off, "t_high"] == pytest.approx(diffs.mean() + T2 * diffs.std(ddof=1) / math.sqrt(3))
     assert versus.loc[off, "seeds"] == 3 and versus.loc[tis, "seeds"] == 2  # tis ran seeds 1, 2 only
+    # the correction against the uncorrected setting at its dose, paired by seed: tis − off = -0.05, +0.15 (seeds 1, 2)
+    assert uncorrected_of(facts) == {tis: off}
+    against_off = paired_differences(gains, KEPT, uncorrected_of(facts))
+    assert list(against_off.index) == [tis] and against_off.loc[tis, "seeds"] == 2
+    assert against_off.loc[tis, "difference"] == pytest.approx(0.05)
+    assert against_off.loc[tis, "t_low"] == pytest.approx(0.05 - T1 * math.sqrt(0.02) / math.sqrt(2))
+    assert not against_off.loc[tis, "shown"]
     engine = setting_gains(gains, ENGINE)
     assert engine["gain"].tolist() == pytest.approx([0.1, 0.1, 0.1])  # the fixtures' engine score: 0.2 -> 0.3
 
@@ -160,9 +168,13 @@ def test_the_headline_table_and_figure(tmp_path):
     text = headline_markdown(points, KEPT)
     rows = text.splitlines()[2:]
     assert len(rows) == 3 and rows[0].startswith("| none | off | 3 | 2e-09 | +0.250 | [+0.126, +0.374]")
-    assert rows[0].split(" | ")[8] == "n/a"  # the reference has no difference from itself
-    assert rows[1].split(" | ")[8] == "-0.150"
+    cells = [row.strip("| ").split(" | ") for row in rows]
+    assert len(text.splitlines()[0].split(" | ")) == len(cells[0]) == 14
+    assert cells[0][8] == "n/a"  # the reference has no difference from itself
+    assert cells[1][8] == "-0.150"
     assert rows[2].startswith("| w4a8 | tis | 2 | 0.8 | +0.100 |")
+    assert cells[0][11:] == cells[1][11:] == ["n/a"] * 3  # uncorrected settings have no uncorrected baseline
+    assert cells[2][11:13] == ["+0.050", f"[{0.05 - T1 * 0.1:+.3f}, {0.05 + T1 * 0.1:+.3f}]"] and cells[2][13] == "no"
     fig = plot_dose_response(points, KEPT, reference_setting(facts))
     ax = fig.axes[0]
     assert ax.get_xscale() == "log" and {t.get_text() for t in ax.get_legend().get_texts()} >= {"off", "tis"}

@@ -1,4 +1,5 @@
-"""Held-out gains (after − before) per run, per setting over seeds, and against the reference setting.
+"""Held-out gains (after − before) per run, per setting over seeds, and against a baseline setting (the reference;
+the uncorrected one at the same dose).
 
 Two sources, never mixed in one statistic: the kept policy (`heldout_kept.json`: the trainer's weights in
 the trainer's dtype, what a user deploys; first) and the rollout engine (`eval_start/*` → last `eval/*` in
@@ -71,19 +72,22 @@ def setting_gains(gains: pd.DataFrame, source: str) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("setting") if rows else pd.DataFrame()
 
 
-def versus_reference(gains: pd.DataFrame, source: str, reference: str) -> pd.DataFrame:
-    """Each setting's gain minus the reference setting's, paired by seed (only seeds both ran count): the mean
-    difference with its t-interval and paired bootstrap (the same seeds and questions on both sides), and
-    `shown` when both exclude 0, i.e. the setting's gain differs from the reference's."""
+def paired_differences(gains: pd.DataFrame, source: str, baseline_of: Mapping[str, str]) -> pd.DataFrame:
+    """Each setting's gain minus its baseline setting's (`baseline_of[setting]`; settings without one are left out),
+    paired by seed (only seeds both ran count): the mean difference with its t-interval and paired bootstrap (the
+    same seeds and questions on both sides), and `shown` when both exclude 0, i.e. the two gains differ."""
     mine = gains[(gains["source"] == source) & gains["seed"].notna()]
-    ref = mine[mine["setting"] == reference].drop_duplicates("seed").set_index("seed")[["gain", "q_gain"]]
+    by_setting = {setting: group.drop_duplicates("seed") for setting, group in mine.groupby("setting", sort=False)}
     rows = []
-    for setting, group in mine[mine["setting"] != reference].groupby("setting", sort=False):
-        paired = group.drop_duplicates("seed").merge(ref, left_on="seed", right_index=True, suffixes=("", "_ref"))
+    for setting, group in by_setting.items():
+        if baseline_of.get(setting) not in by_setting:
+            continue
+        base = by_setting[baseline_of[setting]].set_index("seed")[["gain", "q_gain"]]
+        paired = group.merge(base, left_on="seed", right_index=True, suffixes=("", "_base"))
         q_diffs = [a - b if isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and len(a) == len(b) else None
-                   for a, b in zip(paired["q_gain"], paired["q_gain_ref"], strict=True)]
+                   for a, b in zip(paired["q_gain"], paired["q_gain_base"], strict=True)]
         rows.append({"setting": setting,
-                     **_intervals((paired["gain"] - paired["gain_ref"]).to_numpy(), _question_matrix(q_diffs))})
+                     **_intervals((paired["gain"] - paired["gain_base"]).to_numpy(), _question_matrix(q_diffs))})
     table = pd.DataFrame(rows)
     return table.rename(columns={"gain": "difference"}).set_index("setting") if rows else table
 
@@ -106,18 +110,29 @@ def reference_setting(facts: pd.DataFrame) -> str | None:
     return str(match["setting"].iloc[0]) if len(match) else None
 
 
+def uncorrected_of(facts: pd.DataFrame) -> dict[str, str]:
+    """Each corrected setting's baseline: the uncorrected setting at its dose (the comparison that says whether the
+    correction pays there, free of the dose's own effect)."""
+    settings = facts.drop_duplicates("setting")
+    off = {row.dose: row.setting for row in settings.itertuples() if row.correction == "off"}
+    return {row.setting: off[row.dose] for row in settings.itertuples() if row.correction != "off" and row.dose in off}
+
+
 def dose_response(facts: pd.DataFrame, gains: pd.DataFrame, source: str) -> pd.DataFrame:
     """The headline's points, one per setting: dose, correction, mean k3 KL over its runs (each run's mean over
-    its steps) and the gain with its intervals; and the difference from the reference with `shown_vs_ref`."""
+    its steps) and the gain with its intervals; the difference from the reference (`*_vs_ref`) and, for a
+    corrected setting, from the uncorrected one at its dose (`*_vs_off`)."""
     per_setting = facts.groupby("setting", sort=False).agg(
         dose=("dose", "first"), correction=("correction", "first"), k3_mean=("k3_mean", "mean"))
     table = per_setting.join(setting_gains(gains, source), how="inner")
     reference = reference_setting(facts)
-    if reference is not None and len(table):
-        versus = versus_reference(gains, source, reference)
+    baselines = {"ref": {s: reference for s in per_setting.index if s != reference} if reference else {},
+                 "off": uncorrected_of(facts)}
+    for suffix, baseline_of in baselines.items():
+        versus = paired_differences(gains, source, baseline_of) if len(table) else pd.DataFrame()
         if len(versus):
             table = table.join(versus[["difference", "t_low", "t_high", "boot_low", "boot_high", "shown"]]
-                               .add_suffix("_vs_ref"), how="left")
+                               .add_suffix(f"_vs_{suffix}"), how="left")
     return table
 
 
@@ -129,19 +144,26 @@ def _ci(row: Mapping, low: str, high: str) -> str:
     return "n/a" if not np.isfinite(row.get(low, np.nan)) else f"[{_fmt(row[low])}, {_fmt(row[high])}]"
 
 
+def _versus(row: Mapping, suffix: str) -> list[str]:
+    """The difference, its t-interval and whether it is shown; n/a where the setting has no such baseline."""
+    difference = row.get(f"difference_vs_{suffix}", np.nan)
+    defined = difference is not None and np.isfinite(difference)
+    return [_fmt(difference), _ci(row, f"t_low_vs_{suffix}", f"t_high_vs_{suffix}"),
+            "n/a" if not defined else ("yes" if row.get(f"shown_vs_{suffix}") else "no")]
+
+
 def headline_markdown(table: pd.DataFrame, source: str) -> str:
     """The table the README takes: one row per setting, sorted by correction then k3."""
     if table.empty:
         return "(no run with a held-out score before and after training)"
     header = ["dose", "correction", "seeds", "mean k3 KL(μ‖π_old)", f"held-out gain ({source})",
               "95% CI (t, seeds)", "95% CI (bootstrap, seeds × questions)", "shown", "vs reference",
-              "95% CI (t)", "shown vs reference"]
+              "95% CI (t)", "shown vs reference", "vs uncorrected (same dose)", "95% CI (t) vs uncorrected",
+              "shown vs uncorrected"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for _, row in table.sort_values(["correction", "k3_mean"]).iterrows():
-        versus = row.get("difference_vs_ref", np.nan)
         lines.append("| " + " | ".join([
             str(row["dose"]), str(row["correction"]), str(int(row["seeds"])), _fmt(row["k3_mean"], ".2g"),
             _fmt(row["gain"]), _ci(row, "t_low", "t_high"), _ci(row, "boot_low", "boot_high"),
-            "yes" if row["shown"] else "no", _fmt(versus), _ci(row, "t_low_vs_ref", "t_high_vs_ref"),
-            "n/a" if not np.isfinite(versus) else ("yes" if row.get("shown_vs_ref") else "no")]) + " |")
+            "yes" if row["shown"] else "no", *_versus(row, "ref"), *_versus(row, "off")]) + " |")
     return "\n".join(lines)
