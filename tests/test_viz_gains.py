@@ -180,6 +180,8 @@ def test_the_headline_table_and_figure(tmp_path):
     assert ax.get_xscale() == "log" and {t.get_text() for t in ax.get_legend().get_texts()} >= {"off", "tis"}
     off_line = next(c for c in ax.containers if c.get_label() == "off").lines[0]
     np.testing.assert_allclose(off_line.get_xydata(), [[2e-9, 0.25], [1.0, 0.1]])  # sorted by k3
+    labels = {a.get_text(): a.xy[0] for a in ax.texts}  # each dose named once, at its points' geometric mean k3
+    assert labels == pytest.approx({"none": 2e-9, "w4a8": math.sqrt(1.0 * 0.8)})
     bars = plot_gains({KEPT: setting_gains(gains, KEPT), ENGINE: setting_gains(gains, ENGINE)}).axes[0]
     hatched = [p.get_hatch() for p in bars.patches[:3]]
     assert hatched == [None, "//", "//"]  # only the reference's gain is shown

@@ -70,9 +70,10 @@ def plot_dose_response(points: pd.DataFrame, source: str, reference: str | None 
                     markerfacecolor="none", label=correction)
         solid = group[group["shown"].astype(bool)]
         ax.plot(solid["k3_mean"], solid["gain"], "o", color=colour)
-        for _, row in group.iterrows():
-            ax.annotate(str(row["dose"]), (row["k3_mean"], row["gain"]), textcoords="offset points",
-                        xytext=(4, 4 + 9 * i), fontsize=7, color=colour)  # corrections at one dose: stacked labels
+    for dose, group in usable.groupby("dose", sort=False):  # once a dose, above its points: corrections share it
+        ax.annotate(str(dose), (float(np.exp(np.log(group["k3_mean"]).mean())), 1.0),
+                    xycoords=("data", "axes fraction"), xytext=(0, -10), textcoords="offset points", ha="center",
+                    fontsize=8, color="dimgrey")
     if reference is not None and reference in points.index:
         ref = points.loc[reference]
         ax.axhline(ref["gain"], color="black", linestyle="--", linewidth=0.8, label=f"reference ({reference})")
