@@ -314,7 +314,8 @@ def main() -> None:
     if args.upstream:
         from openrlhf_tis import patches
 
-        patches.apply_platform_patches()  # upstream imports flash_attn at module level
+        # upstream imports flash_attn at module level
+        patches.apply_platform_patches("cuda" if args.device.startswith("cuda") else "cpu")
         from openrlhf.models import PolicyLoss as upstream
     part1(args, upstream)
     if not args.skip_model:

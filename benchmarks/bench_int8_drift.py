@@ -329,7 +329,7 @@ def validate_vllm(src: Path, work: Path, seqs: torch.Tensor, plen: int, ref_lp: 
     from openrlhf_tis import patches
     from openrlhf_tis.rollout.checkpoint import write_rollout_model
 
-    patches.apply_platform_patches()
+    patches.apply_platform_patches("cpu")  # vLLM-CPU engines in this process
     out = {}
     for variant, model_dir in (("int8", write_rollout_model(src, work / "int8", precision="int8")), ("bf16", src)):
         llm = LLM(model=str(model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=seqs.shape[1] + 8,

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from openrlhf_tis import patches
 
-    patches.apply_platform_patches()
+    patches.apply_platform_patches("cpu")  # vLLM-CPU engines in this process
     work = Path(tempfile.mkdtemp(prefix="bench_rollout_"))
     if args.model == "tiny":
         from openrlhf_tis.demo.tiny_model import build_tiny_model

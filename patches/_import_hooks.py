@@ -1,6 +1,6 @@
 """Run a patch exactly when its upstream module is imported, in whichever process that happens.
 
-Patches are applied explicitly (`openrlhf_tis.patches.apply_platform_patches()`), but their targets must not be
+Patches are applied explicitly (`openrlhf_tis.patches.apply_platform_patches(device)`), but their targets must not be
 imported eagerly: OpenRLHF keeps deepspeed out of its vLLM processes on purpose
 (openrlhf/trainer/ray/__init__.py), and importing the trainer stack there would undo that. So a
 patch registers a hook; the hook fires right after the target module executes (or at once when it

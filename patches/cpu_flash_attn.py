@@ -19,6 +19,7 @@ from ._guard import require_version
 from ._import_hooks import around_import, is_available
 
 NAME = "cpu_flash_attn"
+DEVICES = ("cpu", "cuda")
 _TARGET = "openrlhf.models.ring_attn_utils"
 _STANDIN_MODULES = ("flash_attn", "flash_attn.bert_padding", "flash_attn.utils", "flash_attn.utils.distributed")
 

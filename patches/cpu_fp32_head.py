@@ -23,6 +23,7 @@ from ._guard import replace, require_version, unpatched
 from ._import_hooks import after_import
 
 NAME = "cpu_fp32_head"
+DEVICES = ("cpu",)  # the run's device, decided by its driver (patches/__init__.py)
 TARGET = "vllm.model_executor.layers.logits_processor"
 
 
@@ -42,8 +43,6 @@ def _patch_logits_processor(module) -> None:
 
 
 def apply() -> bool:
-    if torch.cuda.is_available():
-        return False
     require_version("vllm", ">=0.32,<0.33", patch=NAME)
     after_import(TARGET, _patch_logits_processor)
     return True

@@ -18,6 +18,7 @@ from ._guard import replace, require_version, unpatched
 from ._import_hooks import after_import
 
 NAME = "cpu_int8_sync"
+DEVICES = ("cpu",)  # the run's device, decided by its driver (patches/__init__.py)
 TARGET = "vllm.model_executor.kernels.linear.scaled_mm.cpu"
 
 
@@ -35,8 +36,6 @@ def _patch_kernel(module) -> None:
 
 
 def apply() -> bool:
-    if torch.cuda.is_available():
-        return False
     require_version("vllm", ">=0.32,<0.33", patch=NAME)
     after_import(TARGET, _patch_kernel)
     return True

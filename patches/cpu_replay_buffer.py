@@ -3,7 +3,7 @@
 openrlhf/trainer/ppo_utils/replay_buffer.py:40 builds `torch.device(f"cuda:{current_device()}")`,
 which is "cuda:cpu" on a CPU machine (an invalid device string). The buffer is built with
 current_device() answering 0 and its target device is then set to the CPU.
-Applied only where CUDA is absent.
+Applied only in a CPU run (DEVICES).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from ._guard import PatchTargetMissingError, replace, require_version
 from ._import_hooks import after_import
 
 NAME = "cpu_replay_buffer"
+DEVICES = ("cpu",)  # the run's device, decided by its driver (patches/__init__.py)
 
 
 def _patch(module) -> None:
@@ -34,8 +35,6 @@ def _patch(module) -> None:
 
 
 def apply() -> bool:
-    if torch.cuda.is_available():
-        return False
     require_version("openrlhf", "==0.11.2", patch=NAME)
     after_import("openrlhf.trainer.ppo_utils.replay_buffer", _patch)
     return True

@@ -1,11 +1,11 @@
-"""CPU patch: make upstream's unconditional torch.cuda calls harmless where CUDA is absent.
+"""CPU patch: make upstream's unconditional torch.cuda calls harmless in a CPU run.
 
 OpenRLHF 0.11.2 calls torch.cuda in ~30 places on the PPO path (DeepSpeed strategy, PPO actor,
 launcher, replay buffer, critic): `set_device(local_rank)`, `synchronize()` in every barrier,
 `current_device()` used as a tensor device, and `current_stream()` passed to the weight-sync
 broadcast. On a CPU-only torch each raises "Torch not compiled with CUDA enabled". Here they become
 no-ops and `current_device()` answers the CPU device, so every `.to(current_device())` stays on CPU.
-Applied only when `torch.cuda.is_available()` is False: a CUDA machine is never touched.
+Applied only in a CPU run (DEVICES, the driver's decision): a CUDA run is never touched.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from ._guard import replace, require_version
 
 NAME = "cpu_torch_cuda"
+DEVICES = ("cpu",)  # the run's device, decided by its driver (patches/__init__.py)
 
 
 def _noop(name: str):
@@ -32,8 +33,6 @@ def _cpu_device() -> torch.device:
 
 
 def apply() -> bool:
-    if torch.cuda.is_available():
-        return False
     require_version("openrlhf", "==0.11.2", patch=NAME)  # the calls it makes harmless
     require_version("torch", ">=2.13,<2.14", patch=NAME)  # the attributes it replaces
     for attr, stand_in in (

@@ -7,7 +7,7 @@ itself and its broadcast does nothing: vLLM keeps uninitialised (NaN) weights an
 exits 0. The engine's end has a seam (vLLM's `worker_extension_cls`) and is the fork's own class,
 openrlhf_tis.rollout.cpu_worker_extension.CPUWorkerExtension: a gloo group, CPU buffers, one reload
 per sync. The trainer's end has none (ppo_actor builds the group and runs the broadcast loop inside
-ActorPPOTrainer), so this patch, applied only where CUDA is absent:
+ActorPPOTrainer), so this patch, applied only in a CPU run:
 - builds the trainer's sync group as the same gloo group (ppo_actor imports the function by name);
 - replaces ActorPPOTrainer.broadcast_to_vllm with a few flat broadcasts of one dtype instead of one
   Ray call and one broadcast per parameter (DeepSpeed tensor parallelism keeps upstream's loop, which
@@ -23,6 +23,7 @@ from ._guard import replace, require_version, upstream_original
 from ._import_hooks import after_import
 
 NAME = "cpu_weight_sync"
+DEVICES = ("cpu",)  # the run's device, decided by its driver (patches/__init__.py)
 # One flat broadcast carries at most this much (the engine holds it until the sync's last bucket anyway).
 BUCKET_BYTES = 512 << 20
 
@@ -102,8 +103,6 @@ def _broadcast_to_vllm(self) -> None:
 
 
 def apply() -> bool:
-    if torch.cuda.is_available():
-        return False
     require_version("openrlhf", "==0.11.2", patch=NAME)
     require_version("vllm", ">=0.32,<0.33", patch=NAME)
     # ppo_actor binds stateless_init_process_group by name; patching distributed_util right after it is

@@ -15,6 +15,7 @@ from ._guard import replace, require_version
 from ._import_hooks import after_import
 
 NAME = "fp32_training"
+DEVICES = ("cpu", "cuda")
 
 
 def _patch(module) -> None:

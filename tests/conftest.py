@@ -12,6 +12,9 @@ pytest_plugins = ["_budget", "pytester"]  # _budget: a test that starts Ray must
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite is a CPU run's process: the engine and trainer classes it builds in-process read the run's device
+# (openrlhf_tis.run_device) as every process of a real run does.
+os.environ.setdefault("OPENRLHF_TIS_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -19,7 +22,26 @@ def platform_patches():
     """openrlhf cannot even be imported on CPU without them (flash_attn at module level)."""
     from openrlhf_tis import patches
 
-    patches.apply_platform_patches()
+    patches.apply_platform_patches("cpu")
+
+
+@pytest.fixture(autouse=True)
+def run_device_kept():
+    """A test that runs the CLI's main() in-process makes this process part of its run (OPENRLHF_TIS_DEVICE, set by
+    the driver for everything it starts); the next test is a CPU process again."""
+    before = os.environ["OPENRLHF_TIS_DEVICE"]
+    yield
+    os.environ["OPENRLHF_TIS_DEVICE"] = before
+
+
+@pytest.fixture()
+def without_amx(monkeypatch):
+    """This CPU as one without AMX tiles, where vLLM-CPU's oneDNN int8 kernel applies static activation scales; on an
+    AMX CPU (Sapphire Rapids and later) static scales are refused (rollout/precision.py), which a test of the static
+    path's other checks must not depend on."""
+    import torch
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
 
 
 @pytest.fixture(scope="session")

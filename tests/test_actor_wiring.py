@@ -16,7 +16,7 @@ from torch import nn
 
 from openrlhf_tis import patches
 
-patches.apply_platform_patches()  # openrlhf.models imports flash_attn at module level
+patches.apply_platform_patches("cpu")  # openrlhf.models imports flash_attn at module level
 import openrlhf.trainer.ray.ppo_actor as upstream_actor  # noqa: E402
 from openrlhf.models import PolicyLoss  # noqa: E402
 from openrlhf.trainer.ppo_utils import NaiveReplayBuffer  # noqa: E402

@@ -62,6 +62,6 @@ def test_without_the_variable_torchs_default_root_is_searched(tmp_path, monkeypa
 def test_every_run_builds_with_the_venvs_ninja(monkeypatch):
     venv_bin = str(Path(sys.executable).parent)
     monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", venv_bin, "/bin"]))
-    path = worker_env(cpu=True)["PATH"]
+    path = worker_env("cpu")["PATH"]
     assert path.split(os.pathsep) == [venv_bin, "/usr/bin", "/bin"]  # first, once, the rest in order
     assert shutil.which("ninja", path=path) == str(Path(venv_bin) / "ninja")  # the one the set-up built with

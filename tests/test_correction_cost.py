@@ -21,7 +21,7 @@ from openrlhf_tis.correction import compute_correction, metric_names, preset, we
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_correction as bench  # noqa: E402
 
-patches.apply_platform_patches()  # openrlhf.models imports flash_attn at module level
+patches.apply_platform_patches("cpu")  # openrlhf.models imports flash_attn at module level
 from openrlhf.models import PolicyLoss  # noqa: E402
 
 

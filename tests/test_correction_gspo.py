@@ -27,7 +27,7 @@ from openrlhf_tis.correction import (
 )
 from openrlhf_tis.correction.config import sequence_ratio_presets
 
-patches.apply_platform_patches()  # openrlhf.models imports flash_attn at module level
+patches.apply_platform_patches("cpu")  # openrlhf.models imports flash_attn at module level
 from openrlhf.models import PolicyLoss  # noqa: E402
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

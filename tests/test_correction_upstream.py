@@ -15,7 +15,7 @@ import torch
 from openrlhf_tis import patches
 from openrlhf_tis.correction import from_upstream, policy_loss, preset
 
-patches.apply_platform_patches()  # openrlhf.models imports flash_attn at module level
+patches.apply_platform_patches("cpu")  # openrlhf.models imports flash_attn at module level
 from openrlhf.models import PolicyLoss  # noqa: E402
 
 

@@ -24,7 +24,7 @@ from test_actor_wiring import make_args, make_trainer
 
 from openrlhf_tis import patches
 
-patches.apply_platform_patches()  # openrlhf.models imports flash_attn at module level
+patches.apply_platform_patches("cpu")  # openrlhf.models imports flash_attn at module level
 from openrlhf.models import Actor  # noqa: E402
 from openrlhf.trainer.ppo_utils import NaiveReplayBuffer  # noqa: E402
 from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402

@@ -82,7 +82,7 @@ def _module_command(module: str, args: list[str], tmp: Path) -> str:
         from openrlhf_tis import patches
         from openrlhf_tis.cli.train_ppo_ray import build_parser
 
-        patches.apply_platform_patches()
+        patches.apply_platform_patches("cpu")
         build_parser().parse_args(args)
         return "parsed by the training CLI's parser"
     if module == "openrlhf_tis.study.dose_response" and "--report" not in args:

@@ -28,7 +28,7 @@ def test_second_application_changes_nothing():
 
     init_before = rb.NaiveReplayBuffer.__init__
     current_device = torch.cuda.current_device
-    patches.apply_platform_patches()
+    patches.apply_platform_patches("cpu")
     assert rb.NaiveReplayBuffer.__init__ is init_before
     assert torch.cuda.current_device is current_device
 

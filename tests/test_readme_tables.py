@@ -32,7 +32,7 @@ def parsers():
     from openrlhf_tis.cli.train_ppo_ray import build_parser
     from openrlhf_tis.patches.upstream_cli import upstream_parser
 
-    patches.apply_platform_patches()
+    patches.apply_platform_patches("cpu")
     return build_parser(), upstream_parser()
 
 

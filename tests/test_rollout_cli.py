@@ -91,7 +91,8 @@ def test_engines_take_dtype_and_quantization_from_the_rollout_dir(valid_argv, pr
     assert plan_engine_overrides(getattr(args, "actor.model_name_or_path"), cuda=False) == {}  # plain model
 
 
-def test_static_int8_run_writes_scales_into_the_rollout_model(valid_argv, tiny_model_dir, tmp_path, engine_calls):
+def test_static_int8_run_writes_scales_into_the_rollout_model(valid_argv, tiny_model_dir, tmp_path, engine_calls,
+                                                             without_amx):
     from openrlhf_tis.rollout.checkpoint import load_int8_plan
 
     cal = write_calibration(tiny_model_dir, tmp_path / "cal.safetensors", static=True)

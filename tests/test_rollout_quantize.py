@@ -434,7 +434,7 @@ def test_auto_weight_bits_follow_the_cpu(caps, bits, monkeypatch):
 
 
 def test_static_activation_requests_are_checked_before_any_engine(static_calibration, tiny_model_dir, tmp_path,
-                                                                  monkeypatch):
+                                                                  monkeypatch, without_amx):
     model = str(tiny_model_dir)
     smooth_only = write_calibration(tiny_model_dir, tmp_path / "smooth.safetensors", static=False)
     with pytest.raises(UsageError, match="--vllm.int8_activations: static needs --vllm.int8_calibration"):
@@ -477,7 +477,7 @@ def test_int8_sync_refuses_float_weights_without_a_plan(tmp_path):
     assert prepare_for_engine(plain, named) is named
 
 
-def test_calibration_command_writes_a_file_the_run_accepts(tiny_model_dir, tmp_path, capsys):
+def test_calibration_command_writes_a_file_the_run_accepts(tiny_model_dir, tmp_path, capsys, without_amx):
     from openrlhf_tis.rollout.calibration import main
     from openrlhf_tis.rollout.calibration_file import dynamic_projections
 

@@ -379,13 +379,13 @@ def test_without_ray_address_the_cli_starts_its_own_ray(valid_argv, monkeypatch)
     from openrlhf_tis.cli import ray_cluster
 
     seen, reaped = {}, []
-    for key in ray_cluster.worker_env(cpu=True):  # start_ray exports them; restored after the test
+    for key in ray_cluster.worker_env("cpu"):  # start_ray exports them; restored after the test
         monkeypatch.delenv(key, raising=False)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray_cluster.ray, "init", lambda **kwargs: seen.update(kwargs) or SimpleNamespace(
         address_info={"session_dir": "/tmp/ray/session_x"}))
     monkeypatch.setattr(ray_cluster, "reap_when_gone", reaped.append)
-    ray_cluster.start_ray(train_ppo_ray.parse(valid_argv, cpu=True), cpu=True)
+    ray_cluster.start_ray(train_ppo_ray.parse(valid_argv, cpu=True), "cpu")
     assert seen["address"] == "local"  # never the cluster of an address file
     assert reaped == ["/tmp/ray/session_x"]  # its leftovers are stopped once the driver is gone
 
@@ -469,8 +469,7 @@ DRIVER = textwrap.dedent("""
     from openrlhf_tis.cli.lifetime import reap_when_gone
     marker = os.environ["MARKER"]  # not in this driver's own command line, as a Ray session dir is not
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", marker], start_new_session=True)
-    reap_when_gone(marker)
-    print("started", flush=True)
+    print("started" if reap_when_gone(marker) else "not armed", flush=True)
     time.sleep(600)
 """)
 
@@ -481,7 +480,10 @@ def test_what_a_killed_driver_started_is_stopped_by_its_watchdog(tmp_path):
     marker = str(tmp_path / "session_x")  # as a Ray session directory names its processes
     driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "MARKER": marker})
-    assert driver.stdout.readline().strip() == "started"
+    assert driver.stdout.readline().strip() == "started"  # reap_when_gone returned only once its watchdog was armed
+    deadline = time.monotonic() + 30  # both are started (Popen returned after their exec); the process table, read
+    while len(leftover_processes(marker)) < 2 and time.monotonic() < deadline:  # by psutil, may lag under load
+        time.sleep(0.2)
     assert len(leftover_processes(marker)) == 2  # the straggler and the watchdog itself
     driver.kill()  # kill -9: no atexit, no ray.shutdown
     driver.wait()

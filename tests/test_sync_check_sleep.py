@@ -16,7 +16,7 @@ from _fake_engines import ALL_TAGS, PROMPT, FakeActorGroup, SleepyEngine, probe_
 
 from openrlhf_tis import patches
 
-patches.apply_platform_patches()  # openrlhf.models imports flash_attn at module level
+patches.apply_platform_patches("cpu")  # openrlhf.models imports flash_attn at module level
 from openrlhf.trainer.ppo_trainer import BasePPOTrainer  # noqa: E402
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator  # noqa: E402
 from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call  # noqa: E402

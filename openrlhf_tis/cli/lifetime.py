@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -48,11 +49,24 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def reap_when_gone(marker: str) -> None:
-    """Start the watchdog that stops the processes whose command line holds `marker` once this process ends."""
-    _watchdogs.append(subprocess.Popen([sys.executable, "-m", __name__, marker], stdin=subprocess.PIPE,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                       start_new_session=True))
+ARMED = b"armed\n"
+ARM_TIMEOUT_S = 60.0  # a watchdog starts a bare Python (~0.1 s); a loaded 2-core machine can take far longer
+
+
+def reap_when_gone(marker: str, timeout: float = ARM_TIMEOUT_S) -> bool:
+    """Start the watchdog that stops the processes whose command line holds `marker` once this process ends, and
+    return once it is armed (it says so on its stdout): True, or False with a warning when it did not say so within
+    `timeout` seconds (the run goes on; only the clean-up after a kill -9 is at stake)."""
+    watchdog = subprocess.Popen([sys.executable, "-m", __name__, marker], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+    _watchdogs.append(watchdog)
+    ready, _, _ = select.select([watchdog.stdout], [], [], timeout)
+    armed = bool(ready) and watchdog.stdout.readline() == ARMED
+    watchdog.stdout.close()
+    if not armed:
+        print(f"[openrlhf_tis] warning: the watchdog for {marker} did not start within {timeout:g} s (exit code "
+              f"{watchdog.poll()}); if this run is killed, stop what it leaves running yourself", file=sys.stderr)
+    return armed
 
 
 def leftover_processes(marker: str) -> list:
@@ -119,6 +133,9 @@ def _running(proc) -> bool:
 def _watch(marker: str) -> None:
     import psutil
 
+    sys.stdout.buffer.write(ARMED)  # reap_when_gone returns on this: from now on the driver's end is seen
+    sys.stdout.buffer.flush()
+    sys.stdout.close()
     while sys.stdin.buffer.read(1 << 16):  # EOF: the driver ended
         pass
     time.sleep(GRACE_S)

@@ -19,7 +19,7 @@ from openrlhf_tis.cli.build_locks import clear_stale_build_locks
 from openrlhf_tis.cli.lifetime import reap_when_gone
 from openrlhf_tis.cli.ray_address import ADDRESS_VAR, check_ray_address
 from openrlhf_tis.errors import UsageError
-from openrlhf_tis.patches import ENV_FLAG
+from openrlhf_tis.run_device import DEVICE_ENV, check_run_device
 
 # Upstream's own ray.init env defaults (openrlhf/cli/train_ppo_ray.py train()), kept when the fork
 # starts Ray first, plus what a CPU run needs (docs/design.md §5): a small vLLM KV cache, an in-process
@@ -31,15 +31,23 @@ RAY_START_ENV = {"RAY_agent_register_timeout_ms": "120000"}
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
 
 
-def worker_env(cpu: bool) -> dict[str, str]:
-    """Environment for the driver and every Ray worker; values the user already set win, except that the venv's
-    own tools come first on PATH (see `path_with_venv_first`)."""
-    defaults = {**UPSTREAM_ENV, **RAY_START_ENV, **(CPU_ENV if cpu else {}), ENV_FLAG: "1"}
+def worker_env(device: str) -> dict[str, str]:
+    """Environment for the driver and every Ray worker of a `device` run (cpu or cuda); values the user already set
+    win, except the run's device itself.
+
+    A CUDA run carries only the run's device and upstream's defaults: its workers run on GPU nodes with their own
+    PATH and their own CUDA builds. A CPU run (this machine, or a cluster of CPU nodes set up the same way) also
+    gets the CPU settings, the set-up's prebuilt DeepSpeed ops and the venv's own tools first on PATH (see
+    `path_with_venv_first`)."""
+    cpu = check_run_device(device) == "cpu"
+    defaults = {**UPSTREAM_ENV, **RAY_START_ENV, **(CPU_ENV if cpu else {})}
     prebuilt_ops = os.path.join(sys.prefix, "torch_extensions")  # scripts/setup_env.sh builds DeepSpeed's here
-    if os.path.isdir(prebuilt_ops):
+    if cpu and os.path.isdir(prebuilt_ops):
         defaults["TORCH_EXTENSIONS_DIR"] = prebuilt_ops
     env = {key: os.environ.get(key, value) for key, value in defaults.items()}
-    env["PATH"] = path_with_venv_first(os.environ.get("PATH", ""))
+    env[DEVICE_ENV] = device
+    if cpu:
+        env["PATH"] = path_with_venv_first(os.environ.get("PATH", ""))
     return env
 
 
@@ -72,12 +80,14 @@ def declared_gpus(args: argparse.Namespace) -> int:
     return total
 
 
-def start_ray(args: argparse.Namespace, cpu: bool) -> None:
-    """ray.init with the patch hook; on CPU, declare GPU slots so upstream's placement groups schedule.
+def start_ray(args: argparse.Namespace, device: str) -> None:
+    """ray.init for a `device` run with the patch hook; on CPU, declare GPU slots so upstream's placement groups
+    schedule.
 
     Raises UsageError naming RAY_ADDRESS when the cluster it names cannot be reached.
     """
-    env = worker_env(cpu)
+    env = worker_env(device)
+    cpu = device == "cpu"
     os.environ.update(env)
     clear_stale_build_locks(env)  # before any worker could wait on one
     runtime_env = {"env_vars": env, "worker_process_setup_hook": "openrlhf_tis.patches.ray_worker_setup"}

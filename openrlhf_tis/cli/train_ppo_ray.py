@@ -20,9 +20,11 @@ from openrlhf_tis.cli.cluster_device import (
     RESOURCES_DEST,
     ClusterResources,
     assumed_cluster,
+    check_cuda_stack,
     decide_device,
     describe_decision,
     read_cluster,
+    requested_device,
 )
 from openrlhf_tis.cli.fork_flags import add_fork_arguments
 from openrlhf_tis.cli.lifetime import die_with_parent
@@ -33,6 +35,7 @@ from openrlhf_tis.errors import UsageError
 from openrlhf_tis.patches import fork_classes
 from openrlhf_tis.patches._guard import UnsupportedUpstreamError
 from openrlhf_tis.patches.upstream_cli import run_upstream_main, upstream_parser
+from openrlhf_tis.run_device import DEVICE_ENV
 from openrlhf_tis.runs.reader import last_logged_step
 
 
@@ -88,22 +91,28 @@ def parse_flags(parser: argparse.ArgumentParser, argv: list[str],
     return args, notes
 
 
-def parse(argv: list[str], cpu: bool | None = None, cluster: ClusterResources | None = None):
+def parse(argv: list[str], cpu: bool | None = None, cluster: ClusterResources | None = None,
+          device_said: bool = False):
     """Parse and check the command line for the run's `cluster`; raises UsageError naming the flag at fault.
 
     Without `cluster`, `cpu` assumes a CPU (True) or CUDA (False) one, and None reads the cluster the run will use
-    (cli/cluster_device.py read_cluster).
+    (cli/cluster_device.py read_cluster). `device_said`: the caller already printed the device decision's line.
     """
     if cluster is None:
         cluster = read_cluster() if cpu is None else assumed_cluster(cuda=not cpu)
     args, notes = parse_flags(build_parser(), argv, cluster)
-    for note in notes:
-        print(f"[openrlhf_tis] {note}", file=sys.stderr)
+    for note in notes[1:] if device_said else notes:
+        say(note)
     run_dir = getattr(args, "logger.run_dir") or time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())
     setattr(args, "logger.run_dir", os.path.abspath(run_dir))  # every Ray process writes to the same place
     planned = check_inputs(args)
     open_run_dir(args, planned_steps=planned)
     return args
+
+
+def say(line: str) -> None:
+    """One console line of the driver's (stderr, as upstream's own logging)."""
+    print(f"[openrlhf_tis] {line}", file=sys.stderr)
 
 
 def settle_device(args: argparse.Namespace, cluster: ClusterResources) -> str:
@@ -127,15 +136,19 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     try:
         cluster = read_cluster()
-        # No GPU: a CPU run (or a refused one). Offline before the patches import huggingface_hub, which reads
-        # HF_HUB_OFFLINE once; parse() sets it too, for a CPU run on logical GPU slots.
-        if cluster.gpus <= 0:
+        requested = requested_device(argv)
+        device = decide_device(requested, cluster)
+        say(describe_decision(requested, device, cluster))  # first: every later refusal reads in its light
+        if device == "cuda":
+            check_cuda_stack()
+        # Offline before the patches import huggingface_hub, which reads HF_HUB_OFFLINE once.
+        if device == "cpu":
             go_offline()
-        patches.apply_platform_patches()
-        args = parse(argv, cluster=cluster)
+        enter_run(device)
+        args = parse(argv, cluster=cluster, device_said=True)
         fork_classes.apply()
         prepare_rollout_engines(args)
-        start_ray(args, cpu=getattr(args, DEVICE_DEST) == "cpu")
+        start_ray(args, device)
     except RunFinished as done:  # a resume of a finished run: said at once, not after Ray, vLLM and DeepSpeed start
         print(f"openrlhf_tis.cli.train_ppo_ray: nothing to do: {done}", file=sys.stderr)
         raise SystemExit(0) from None
@@ -144,6 +157,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     run_upstream_main(args)
     check_steps_logged(getattr(args, "logger.run_dir"))
+
+
+def enter_run(device: str) -> list[str]:
+    """Make this driver process part of a `device` run: the decision in its environment (inherited by whatever it
+    starts, and put in every Ray worker's by start_ray) and the platform patches of that device, before upstream is
+    imported. Returns the patches applied now."""
+    os.environ[DEVICE_ENV] = device
+    return patches.apply_platform_patches(device)
 
 
 def check_steps_logged(run_dir: str) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from openrlhf_tis.cli.cluster_device import ClusterResources, read_cluster
+from openrlhf_tis.cli.cluster_device import ClusterResources, decide_device, read_cluster, requested_device
 from openrlhf_tis.cli.lifetime import PARENT_ENV, stop_process_tree
 from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.errors import UsageError
@@ -106,16 +106,18 @@ def check_training_command(params: TrainParams, cluster: ClusterResources | None
     from openrlhf_tis import patches
     from openrlhf_tis.cli.train_ppo_ray import build_parser, parse_flags
 
-    patches.apply_platform_patches()  # upstream's parser module cannot be imported without them on CPU
-    parser = build_parser()
-
     def error(message: str):
         raise ParameterError(f"training CLI flags: {message}")
 
-    parser.error = error
     given = Path(params.model).expanduser(), Path(params.prompts), Path(params.run_dir)
+    argv = params.argv(*given)[3:]
+    cluster = read_cluster() if cluster is None else cluster
     try:
-        parse_flags(parser, params.argv(*given)[3:], read_cluster() if cluster is None else cluster)
+        # the run's patches (upstream's parser module cannot be imported without them on CPU), for its device
+        patches.apply_platform_patches(decide_device(requested_device(argv), cluster))
+        parser = build_parser()
+        parser.error = error
+        parse_flags(parser, argv, cluster)
     except UsageError as err:
         raise ParameterError(f"training CLI flags: {err}") from None
 

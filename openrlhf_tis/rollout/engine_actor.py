@@ -12,7 +12,6 @@ which upstream's actor has no method for. It also makes a failing reward fail th
 
 from __future__ import annotations
 
-import torch
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor as _UpstreamActorClass
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
@@ -22,6 +21,7 @@ from openrlhf_tis.rollout.cpu_worker_extension import CPUWorkerExtension
 from openrlhf_tis.rollout.precision import engine_kwargs
 from openrlhf_tis.rollout.reward_executor import make_rewards_loud
 from openrlhf_tis.rollout.versions import VERSION_FIRST, VERSION_LAST
+from openrlhf_tis.run_device import is_cuda_run
 
 _UpstreamRolloutRayActor = ray_actor_class(_UpstreamActorClass)
 
@@ -66,7 +66,7 @@ def worker_extension_override(requested: str | None, cuda: bool) -> dict[str, st
 
 class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
     async def __init__(self, *args, **kwargs):
-        cuda = torch.cuda.is_available()
+        cuda = is_cuda_run()  # the run's device, as its driver decided (never this process's own torch.cuda)
         overrides = plan_engine_overrides(kwargs["model"], cuda=cuda)
         if overrides:
             print(f"[openrlhf_tis] rollout engine {kwargs['model']}: {overrides}")

@@ -37,6 +37,7 @@ from openrlhf_tis.correction import CorrectionConfig, compute_correction, kept_w
 from openrlhf_tis.metric_names import K1_KL, MASKED_FRAC, TOKEN_DUMP_SECONDS, TOKEN_DUMP_TOKENS
 from openrlhf_tis.patches._guard import reclass
 from openrlhf_tis.ray_classes import ray_actor_class
+from openrlhf_tis.run_device import is_cuda_run
 from openrlhf_tis.runs.identity import write_checkpoint_identity
 from openrlhf_tis.runs.tokens import TokenDumpWriter
 from openrlhf_tis.trainer.bypass import rollout_as_old
@@ -253,7 +254,7 @@ class CorrectionActorPPOTrainer(ActorPPOTrainer):
             totals = kept_weight_totals(out.weights, out.mask, cfg.level).double()
         allreduce = self.actor_loss_fn.allreduce
         if allreduce is not None:
-            device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+            device = torch.cuda.current_device() if is_cuda_run() else "cpu"
             totals = allreduce(totals.to(device)).cpu()
         total, count = totals.tolist()
         return torch.tensor(total / count) if count > 0 and total > 0 else None
