@@ -64,7 +64,7 @@ setup(
             "openrlhf-tis-calibrate=openrlhf_tis.rollout.calibration:main",
         ],
         # Reaches vLLM processes that Ray's worker hook does not (multiprocess engines); it acts only
-        # in a fork run (its driver sets OPENRLHF_TIS_DEVICE for every process, openrlhf_tis/run_device.py).
+        # in a fork run (its driver sets OPENRLHF_TIS_RUN_DEVICE for every process, openrlhf_tis/run_device.py).
         "vllm.general_plugins": ["openrlhf_tis_patches=openrlhf_tis.patches:vllm_plugin"],
     },
 )

@@ -4,7 +4,7 @@ A process of a run never asks its own `torch.cuda` what the run is: a driver on 
 cluster would call a CUDA run a CPU one, and a Ray worker that touches CUDA before Ray hands it its GPU
 (`CUDA_VISIBLE_DEVICES` is set when the actor's task runs, after the worker process started) initialises
 CUDA on every GPU of its node, so each rank lands on GPU 0. The driver decides (cli/cluster_device.py) and
-writes the decision to `OPENRLHF_TIS_DEVICE`, which travels with the run: the Ray runtime environment of
+writes the decision to `OPENRLHF_TIS_RUN_DEVICE`, which travels with the run: the Ray runtime environment of
 every worker, and the environment of every vLLM process those workers spawn.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-DEVICE_ENV = "OPENRLHF_TIS_DEVICE"
+DEVICE_ENV = "OPENRLHF_TIS_RUN_DEVICE"
 RUN_DEVICES = ("cpu", "cuda")
 
 

@@ -48,6 +48,7 @@ class SleepyEngine:
         self.version = 0
         self.loses_syncs = loses_syncs
         self.generations = 0
+        self.weight_offloads = 0  # the costly part of a wake/sleep cycle: weights to host memory (and back later)
         self.sleep, self.wake_up = Remote(self._sleep), Remote(self._wake_up)
         self.generate, self.update_weight = Remote(self._generate), Remote(self._update_weight)
 
@@ -56,6 +57,7 @@ class SleepyEngine:
             return
         assert not self.sleeping, "sleep with the KV cache already released"
         self.sleeping = set(ALL_TAGS)
+        self.weight_offloads += 1
 
     def _executor_wake_up(self, tags):
         if not self.sleeping or any(tag not in self.sleeping for tag in tags):

@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite is a CPU run's process: the engine and trainer classes it builds in-process read the run's device
 # (openrlhf_tis.run_device) as every process of a real run does.
-os.environ.setdefault("OPENRLHF_TIS_DEVICE", "cpu")
+os.environ.setdefault("OPENRLHF_TIS_RUN_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -27,11 +27,11 @@ def platform_patches():
 
 @pytest.fixture(autouse=True)
 def run_device_kept():
-    """A test that runs the CLI's main() in-process makes this process part of its run (OPENRLHF_TIS_DEVICE, set by
+    """A test that runs the CLI's main() in-process makes this process part of its run (OPENRLHF_TIS_RUN_DEVICE, set by
     the driver for everything it starts); the next test is a CPU process again."""
-    before = os.environ["OPENRLHF_TIS_DEVICE"]
+    before = os.environ["OPENRLHF_TIS_RUN_DEVICE"]
     yield
-    os.environ["OPENRLHF_TIS_DEVICE"] = before
+    os.environ["OPENRLHF_TIS_RUN_DEVICE"] = before
 
 
 @pytest.fixture()

@@ -126,7 +126,7 @@ DRIVER = """
         import os
         from openrlhf_tis.cli.ray_cluster import worker_env
         checked.append({"device": device, "decided": getattr(args, "cluster.device"),
-                        "env": os.environ.get("OPENRLHF_TIS_DEVICE"), "workers": worker_env(device)})
+                        "env": os.environ.get("OPENRLHF_TIS_RUN_DEVICE"), "workers": worker_env(device)})
         raise SystemExit(0)
 
     train_ppo_ray.start_ray = start_ray

@@ -40,6 +40,25 @@ HOLDER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("code", ["ENOLCK", "EOPNOTSUPP"])
+def test_a_filesystem_without_locks_is_refused_at_once_naming_the_directory(valid_argv, capsys, monkeypatch, code):
+    """A run directory on shared storage that cannot flock (NFSv3 without lockd, Lustre without -o flock): one line
+    that says what the filesystem needs, never a wait."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    start = time.monotonic()
+    line = error_line(refused(valid_argv, capsys))
+    assert time.monotonic() - start < 60
+    path = run_dir(valid_argv)
+    assert line.startswith(f"--logger.run_dir: cannot lock {path / '.lock'}: ")
+    assert f"the filesystem of {path} offers no flock" in line and "Lustre -o flock" in line
+
+
 def test_a_directory_held_by_a_live_process_is_refused_naming_its_pid_and_freed_by_kill_9(valid_argv, capsys):
     path = run_dir(valid_argv)
     path.mkdir()

@@ -34,7 +34,7 @@ class Controller(ForkController, BasePPOTrainer):
     def __init__(self, args, engines, actor_group):
         self.args, self.vllm_engines, self.actor_model_group = args, engines, actor_group
         self.checker = make_sync_checker(args, probe_tokenizer, engines, actor_group)
-        self.parts = [SyncCheckPart(self.checker, args.vllm.sync_check_steps)]
+        self.parts = [SyncCheckPart(self.checker, args.vllm.sync_check_steps)] if self.checker else []
 
     def step_metrics(self) -> dict[str, float]:
         """What the parts add to a step's status (the sync check's metrics since the last step)."""
@@ -82,35 +82,38 @@ def _train_and_sync(controller: Controller, rollouts: Rollouts) -> dict[str, flo
     return controller.step_metrics()
 
 
-def test_sleeping_engines_are_checked_at_every_sync():
-    engines = [SleepyEngine(), SleepyEngine()]
-    args = make_args(enable_sleep=True)
+def _sleeping_run(check_steps: int, engines: list[SleepyEngine], steps: int = 3) -> list[dict[str, float]]:
+    """Upstream's loop over sleeping engines (created asleep), `steps` steps and the next rollout; each step's
+    metrics."""
+    args = make_args(enable_sleep=True, steps=check_steps)
     controller = Controller(args, engines, FakeActorGroup(engines))
-    assert controller.checker is not None and controller.checker.sleeping
     rollouts = Rollouts(args, engines)
     batch_vllm_engine_call(engines, "sleep")  # upstream's create_vllm_engines ends so
-    assert controller.checker.start()
-    assert all(e.sleeping == set(ALL_TAGS) for e in engines)
-    for step in (1, 2, 3):
-        metrics = _train_and_sync(controller, rollouts)
+    if controller.checker:
+        assert controller.checker.sleeping and controller.checker.start()
+    metrics = [_train_and_sync(controller, rollouts) for _ in range(steps)]
+    rollouts.next_batch()  # upstream's next rollout wakes them as it always does, and puts them to sleep after it
+    return metrics
+
+
+def test_sleeping_engines_are_checked_at_every_sync_without_a_wake_sleep_cycle_of_their_own():
+    engines = [SleepyEngine(), SleepyEngine()]
+    for metrics in _sleeping_run(1, engines):
         assert metrics[SYNC_GAP_MEAN] == pytest.approx(0.0, abs=1e-6)  # scored on the weights just synced
         assert metrics[SYNC_VLLM_PROBE_CHANGE] == pytest.approx(0.7, rel=1e-5)  # the engines moved with them
         assert SYNC_VLLM_LOGPROB_CHANGE not in metrics  # no probe before the sync when the engines sleep
-        assert all(e.sleeping == set(ALL_TAGS) and e.version == step for e in engines)
-    rollouts.next_batch()  # upstream's next rollout wakes them as it always does
+    assert all(e.version == 3 and e.sleeping == set(ALL_TAGS) for e in engines)  # upstream's state after a rollout
     assert all(e.generations == 1 + 3 * 2 + 1 for e in engines)  # start, (rollout + check) x 3, rollout
+    unchecked = [SleepyEngine(), SleepyEngine()]
+    _sleeping_run(0, unchecked)
+    # the weights go to host memory exactly as often as without the check: once at creation, once per rollout
+    assert [e.weight_offloads for e in engines] == [e.weight_offloads for e in unchecked] == [5, 5]
 
 
 def test_a_sync_lost_by_a_sleeping_engine_stops_the_run():
     engines = [SleepyEngine(), SleepyEngine(loses_syncs=True)]
-    args = make_args(enable_sleep=True)
-    controller = Controller(args, engines, FakeActorGroup(engines))
-    rollouts = Rollouts(args, engines)
-    batch_vllm_engine_call(engines, "sleep")
-    controller.checker.start()
     with pytest.raises(WeightSyncError, match="engine 1"):
-        _train_and_sync(controller, rollouts)
-    assert all(e.sleeping == set(ALL_TAGS) for e in engines)  # asleep again even though the check failed
+        _sleeping_run(1, engines, steps=1)
 
 
 def test_awake_engines_keep_the_probe_before_the_sync():

@@ -33,6 +33,8 @@ FLAG = "--logger.run_dir"
 OVERWRITE_FLAG = "--logger.run_dir_overwrite"
 LOAD_FLAG = "--ckpt.load_enable"
 LOCK_FILE = ".lock"
+# flock answers these, at once, where the filesystem cannot lock (never a wait: the lock is taken with LOCK_NB)
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
 RUN_ID_DEST = "logger.run_id"
 _held_locks: dict[Path, int] = {}  # run directory -> the descriptor holding its lock, open for the process's life
 
@@ -82,6 +84,11 @@ def lock_run_dir(run_dir: Path) -> None:
     except OSError as err:
         owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
+        if err.errno in NO_LOCKS:
+            raise UsageError(FLAG, f"cannot lock {path}: {err.strerror or err}: the filesystem of {run_dir} offers "
+                             "no flock (NFSv3 without lockd, Lustre mounted without -o flock, some FUSE mounts); "
+                             "mount it with locking (NFSv4, Lustre -o flock, GPFS and CephFS have it) or choose a "
+                             f"{FLAG} on one that does") from None
         if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
             raise UsageError(FLAG, f"cannot lock {path}: {err.strerror or err}") from None
         raise UsageError(FLAG, f"{run_dir} is in use by another run (pid {owner}); wait for it to end, stop it, "

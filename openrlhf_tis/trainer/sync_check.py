@@ -28,16 +28,18 @@ Metrics (per checked sync):
 
 Sleeping engines (`--vllm.enable_sleep`, the colocated hybrid engine; GPU only): upstream keeps the engines
 asleep (level 1: weights backed up to host memory, KV cache released) except while they generate, and its sync
-wakes the weights alone. A sleeping engine cannot score, so each scoring wakes the engines whole, scores, and
-puts them back to sleep before the trainer's forward (`SleepingEngines`): the state every upstream call after it
-expects, at the memory peak of a rollout. The probe before a sync is skipped there: it would cost one more
-wake/sleep cycle, and `sync/vllm_probe_change_mean_abs` says how far the engines moved (through this one sync
-when every sync is checked); `sync/vllm_logprob_change_mean_abs` is then absent. docs/design.md §4.
+wakes the weights alone. A sleeping engine cannot score, so the check scores where upstream's sync left them,
+weights awake, after waking the KV cache that upstream's next rollout wakes anyway, and leaves them awake
+(`SleepingEngines`): that rollout's own `wake_up()` then finds nothing asleep and its `sleep()` restores
+upstream's state. A check adds no wake/sleep cycle (the weights never go to host memory and back for it); what it
+moves is the KV cache's allocation, from the rollout's start to the sync's end, beside the trainer's probe
+forward of a few dozen tokens. The probe before a sync is skipped there (the engines sleep then):
+`sync/vllm_probe_change_mean_abs` says how far the engines moved (through this one sync when every sync is
+checked); `sync/vllm_logprob_change_mean_abs` is then absent. docs/design.md §4.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import ray
@@ -187,22 +189,18 @@ def trainer_sequence(output) -> tuple[torch.Tensor, int]:
 
 
 class SleepingEngines:
-    """Engines under `--vllm.enable_sleep`, awake only inside `awake()` (see the module doc).
+    """Engines under `--vllm.enable_sleep`, woken for a check and left awake for upstream's next rollout (see the
+    module doc).
 
-    `wake_up()` without tags wakes what still sleeps: after upstream's sync only the KV cache (its own
-    rollouts rely on the same call). Level-1 sleep keeps the weights, the ones just synced included.
+    `wake_up()` without tags wakes what still sleeps: after upstream's sync only the KV cache (its own rollouts
+    rely on the same call, and on it doing nothing when nothing sleeps).
     """
 
     def __init__(self, engines):
         self.engines = engines
 
-    @contextmanager
-    def awake(self):
+    def wake(self) -> None:
         ray.get([engine.wake_up.remote() for engine in self.engines])
-        try:
-            yield
-        finally:
-            ray.get([engine.sleep.remote() for engine in self.engines])
 
 
 def make_sync_checker(args, tokenizer, vllm_engines, actor_group) -> SyncChecker | None:
@@ -232,8 +230,9 @@ class SyncChecker:
 
     def _score(self, max_tokens: int) -> list:
         params = probe_sampling_params(self.temperature, max_tokens)
-        with self.sleeping.awake() if self.sleeping else nullcontext():
-            return ray.get([engine.generate.remote(self.prompt_ids, params) for engine in self.engines])
+        if self.sleeping:
+            self.sleeping.wake()
+        return ray.get([engine.generate.remote(self.prompt_ids, params) for engine in self.engines])
 
     def _probe_scores(self) -> tuple[list, list[ProbeScore]]:
         outputs = self._score(max_tokens=self.new_tokens)
