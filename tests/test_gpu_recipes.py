@@ -102,7 +102,8 @@ def checked(argv: list[str], nodes: int):
 def test_the_one_node_recipe_is_colocated_with_sleep_checkpointing_packing_and_tis(tmp_path):
     argv = training_argv(run_recipe("one_node_colocated.sh", tmp_path, RUN_DIR="/data/runs/x"))
     args = checked(argv, nodes=1)
-    assert getattr(args, "train.colocate_all") and getattr(args, "vllm.enable_sleep") and getattr(args, "ds.enable_sleep")
+    assert getattr(args, "train.colocate_all") and getattr(args, "vllm.enable_sleep")
+    assert getattr(args, "ds.enable_sleep")
     assert getattr(args, "actor.gradient_checkpointing_enable") and getattr(args, "ds.packing_samples")
     assert getattr(args, "train.dynamic_batch_enable") and getattr(args, "vllm.rollout_precision") == "bf16"
     assert getattr(args, "algo.correction.preset") == "tis"
