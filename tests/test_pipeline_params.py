@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 
 import nbformat
@@ -151,6 +152,26 @@ def test_a_list_of_grids_runs_the_union_of_their_products_once_each(tmp_path):
 def test_json_grids_work_too(tmp_path):
     grid = _grid(tmp_path, json.dumps({"grid": {"extra_args": [[], ["--vllm.fp32_lm_head"]]}}), ".json")
     assert [c.params["extra_args"] for c in load_grid(grid)] == [[], ["--vllm.fp32_lm_head"]]
+
+
+def test_cells_equal_by_value_run_once_under_the_first_name(tmp_path, capsys):
+    """`lr = [1, 1.0]` is one learning rate (issue 44): one cell, and the console says which spelling was dropped."""
+    grid = _grid(tmp_path, '[grid]\nlr = [1, 1.0, 2]\nseed = [1, 2]\n')
+    assert [c.name for c in load_grid(grid)] == ["lr=1,seed=1", "lr=1,seed=2", "lr=2,seed=1", "lr=2,seed=2"]
+    err = capsys.readouterr().err
+    assert "cell lr=1.0,seed=1 is cell lr=1,seed=1 (the same values): run once" in err
+    assert "cell lr=1.0,seed=2 is cell lr=1,seed=2" in err
+
+
+def test_a_grid_too_large_is_refused_at_once_with_its_size(tmp_path):
+    axes = "\n".join(f"a{i} = [{', '.join(str(j) for j in range(10))}]" for i in range(6))
+    grid = _grid(tmp_path, f"[grid]\n{axes}\n")
+    start = time.monotonic()
+    with pytest.raises(ParameterError) as err:
+        load_grid(grid)
+    assert time.monotonic() - start < 5  # before any cell is checked (about 16 h at 57 ms a cell)
+    assert str(err.value).startswith(f"grid file {grid}: 1000000 cells (10 x 10 x 10 x 10 x 10 x 10), more than the "
+                                     "1000 a sweep takes")
 
 
 @pytest.mark.parametrize("text, fault", [

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import shlex
 import sys
@@ -59,6 +60,8 @@ GRID_TABLES = ("base", "grid")
 STATUS_FILE = "status.json"
 STOP_FILE = "STOP"  # OUT/STOP: end the sweep after the cell in flight
 _PER_CELL = ("run_dir",)  # set by the sweep for each cell, never by the grid
+MAX_CELLS = 1000  # more is a typo or a job for another tool: one CPU cell trains for minutes
+CHECK_S = 0.06  # measured: checking one cell (its parameters and training command) on a 2-core EPYC
 
 
 def _grid_file(value: str) -> str | None:
@@ -124,19 +127,44 @@ def load_grid(path: str | Path) -> list[Cell]:
     fixed = [k for table in (base, *grids) for k in table if k in _PER_CELL]
     if fixed:
         raise ParameterError(f"{where}: sets {fixed}, which the sweep sets per cell")
-    cells: dict[str, Cell] = {}
+    axes_list = []
     for axes in grids:
         bad_axes = [k for k, v in axes.items() if not isinstance(v, list) or not v]
         if bad_axes:
             raise ParameterError(f"{where}: [grid] values must be non-empty lists: {bad_axes}")
-        for values in itertools.product(*axes.values()):
-            chosen = dict(zip(axes, values, strict=True))
-            params = {**base, **chosen}
-            name = ",".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in chosen.items()) or "base"
-            if name not in cells:
-                check_cell(params, where=f"{where}, cell {name}")
-                cells[name] = Cell(name, params)
+        axes_list.append(axes)
+    count = sum(math.prod(len(v) for v in axes.values()) for axes in axes_list)
+    if count > MAX_CELLS:
+        sizes = " + ".join(" x ".join(str(len(v)) for v in axes.values()) or "1" for axes in axes_list)
+        raise ParameterError(f"{where}: {count} cells ({sizes}), more than the {MAX_CELLS} a sweep takes: checking "
+                             f"them alone would take about {count * CHECK_S / 3600:.1f} h, running them far longer; "
+                             "split the grid or shorten its lists")
+    cells: dict[str, Cell] = {}
+    seen: dict[str, str] = {}  # a cell's values -> the name it was first given
+    with tqdm(total=count, desc=f"checking {path.name}", unit="cell", disable=count < 50) as progress:
+        for axes in axes_list:
+            for values in itertools.product(*axes.values()):
+                progress.update()
+                chosen = dict(zip(axes, values, strict=True))
+                params = {**base, **chosen}
+                name = ",".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+                                for k, v in chosen.items()) or "base"
+                same = seen.setdefault(_by_value(params), name)
+                if same != name:
+                    print(f"[sweep] {where}: cell {name} is cell {same} (the same values): run once", file=sys.stderr)
+                    continue
+                if name not in cells:
+                    check_cell(params, where=f"{where}, cell {name}")
+                    cells[name] = Cell(name, params)
     return list(cells.values())
+
+
+def _by_value(params: dict[str, Any]) -> str:
+    """`params` as a key equal for equal values however spelled (1 and 1.0 are one learning rate; True stays a bool)."""
+    def value(v: Any) -> Any:
+        return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else v
+
+    return json.dumps({k: value(v) for k, v in params.items()}, sort_keys=True)
 
 
 def check_cell(params: dict[str, Any], where: str) -> None:
