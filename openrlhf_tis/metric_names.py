@@ -86,6 +86,16 @@ def staleness_lag_key(lag: int) -> str:
     return f"staleness/lag_{lag}"
 
 
+BY_LAG = "mismatch_by_lag/"
+LAG_STALE = "stale"  # every lag above 0 together
+
+
+def mismatch_lag_key(stat: str, lag: int | str) -> str:
+    """μ vs π_old over the tokens of the samples `lag` versions behind π_old (an int, or LAG_STALE for every lag
+    above 0): how much of `mismatch/*` is precision (lag 0) and how much staleness (trainer/mismatch_by_lag.py)."""
+    return f"{BY_LAG}{stat}_lag_{lag}"
+
+
 REWARD_NONFINITE, REWARD_DROPPED = "reward/nonfinite_samples", "reward/dropped_samples"
 QUEUE_WAIT = "timing/queue_wait"
 """Async: seconds the trainer blocked on the rollout queue (not summed into STEP_SECONDS)."""

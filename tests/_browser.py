@@ -23,7 +23,8 @@ import pytest
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
-WAIT_S = 60  # bound of every wait: server start, page load, an element appearing, a widget change landing
+WAIT_S = 60  # bound of every wait: server start, an element appearing, a widget change landing
+PAGE_LOAD_S = 3 * WAIT_S  # a page's load (see chromium)
 
 
 def free_port() -> int:
@@ -83,7 +84,9 @@ def chromium(profile: Path) -> Iterator:
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"performance": "ALL"})
     browser = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
-    browser.set_page_load_timeout(WAIT_S)
+    # A Voilà page is the notebook executed by a fresh kernel before the HTML is sent: on 2 busy cores (the suite's
+    # other worker, a real run) that alone took over 60 s once.
+    browser.set_page_load_timeout(PAGE_LOAD_S)
     try:
         yield browser
     finally:

@@ -2,6 +2,7 @@
 opened in headless Chromium (tests/_browser.py) while the run store under ROOT changes: first missing (a notice),
 then holding a run in progress and a run without token dumps, then the first run logging and dumping a new step.
 The served HTML names no external asset and the browser fetched nothing from anywhere but the local server.
+Served on a root that already holds runs, the first screen is the runs table, its headers over their columns.
 """
 
 from __future__ import annotations
@@ -47,6 +48,29 @@ def _run_rows(browser) -> list[list[str]]:
     return browser.execute_script("""
         return [...document.querySelectorAll('table.mm-runs tbody tr')].map(
             tr => [...tr.querySelectorAll('td')].map(td => td.textContent.trim()));""")
+
+
+def _first_screen(browser) -> dict | None:
+    """What the page shows without a click: the selected tab's title, whether the runs table is displayed, and
+    per column the [left, right] of the header's text and of each cell's (None before the table is in the page)."""
+    return browser.execute_script("""
+        const table = document.querySelector('table.mm-runs');
+        if (!table) return null;
+        const box = cell => { const range = document.createRange(); range.selectNodeContents(cell);
+                              const r = range.getBoundingClientRect(); return [r.left, r.right]; };
+        const rows = [...table.querySelectorAll('tr')].map(tr => [...tr.querySelectorAll('th, td')].map(box));
+        return {tab: document.querySelector('.lm-TabBar-tab.lm-mod-current')?.textContent.trim() ?? null,
+                shown: table.offsetParent !== null && table.getBoundingClientRect().height > 0,
+                columns: rows[0].map((_, i) => rows.map(row => row[i]))};""")
+
+
+def _off_their_columns(columns: list[list[list[float]]]) -> list[int]:
+    """The columns whose header and cells share neither their text's left edge nor its right edge (1 px slack)."""
+    def lined_up(edges: list[float]) -> bool:
+        return max(edges) - min(edges) <= 1
+
+    return [i for i, texts in enumerate(columns)
+            if not (lined_up([left for left, _ in texts]) or lined_up([right for _, right in texts]))]
 
 
 def _visible_tokens(browser) -> list[str]:
@@ -124,3 +148,21 @@ def test_dashboard_in_headless_chromium(server, driver):
     local = [u for u in urls if u.startswith((url, url.replace("http://", "ws://")))]
     assert any(u.startswith("ws://") and "/api/kernels/" in u for u in local), local  # the live kernel
     assert sorted(set(urls) - set(local)) == []
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(300)
+def test_the_first_screen_is_the_runs_table(server, driver):
+    """Issue 44: the page opened on a tab bar with no tab selected over an empty box, and once the runs tab was
+    clicked the table's headers sat right-aligned over left-aligned cells."""
+    url, root, log = server
+    for step in (1, 2):
+        write_step(root / "live", step)
+    RunWriter(root / "nodumps").append_metrics(1, {"reward": 0.25})
+    driver.get(url)  # and no click from here on
+    _wait(driver, "the runs table on the first screen", lambda b: (_first_screen(b) or {}).get("shown"), log)
+    screen = _first_screen(driver)
+    assert screen["tab"] == "runs" and [r[0] for r in _run_rows(driver)] == ["live", "nodumps"]
+    assert _off_their_columns(screen["columns"]) == [], screen["columns"]
+    intro = driver.find_element(By.CSS_SELECTOR, ".jp-MarkdownOutput").text
+    assert "folder" in intro and "root" not in intro  # RUNS_ROOT is upper case; `root` was the parameter's name

@@ -101,6 +101,7 @@ class Engine(SleepyEngine):
         self.set_policy_version = Remote(lambda version: world.events.append(("version", version)))
         self.pause_generation = Remote(lambda: world.events.append("pause"))
         self.resume_generation = Remote(lambda: world.events.append("resume"))
+        self.set_reward_timeout = Remote(lambda seconds: world.events.append(("reward limit", seconds)))
 
     def _generate(self, prompt_ids, params):
         self.world.clock.spend(ENGINE_CALL_S)
@@ -310,7 +311,7 @@ def make_args(run_dir, ckpt, *, eval_steps=2, sync_check_steps=2, dump_every=2, 
         algo=ns(kl=ns(init_coef=0.0, target=None, horizon=1), dynamic_filtering_enable=False,
                 advantage=ns(estimator="group_norm"), correction=ns(resolved=CorrectionConfig().to_json())),
         actor=ns(num_nodes=1, num_gpus_per_node=1),
-        reward=ns(remote_url=["reward.py"], nonfinite=nonfinite),
+        reward=ns(remote_url=["reward.py"], nonfinite=nonfinite, timeout_s=7.5),
     )
 
 
@@ -365,6 +366,14 @@ def run_async(world: World):
 
 
 # ── synchronous training ──
+
+@pytest.mark.parametrize("run", [run_sync, run_async])
+def test_the_engines_learn_the_reward_limit_before_anything_else(world_of, run):
+    world = world_of()
+    world.batches = on_policy(1) if run is run_sync else [rollout([0] * (GROUP * PROMPTS))]
+    run(world)
+    assert world.events[:2] == [("reward limit", 7.5)] * 2 and world.events.count(("reward limit", 7.5)) == 2
+    assert world.scored  # the start's evaluation, which rolls out on the engines, came after
 
 def test_each_step_line_holds_the_forks_metrics_where_they_are_due(world_of):
     world = world_of()

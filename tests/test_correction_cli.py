@@ -128,6 +128,23 @@ def test_correction_without_vllm_isrefused(argv, capsys):
     assert getattr(args, "algo.advantage.is_correction_level") == "off"
 
 
+@pytest.mark.parametrize(("extra", "level", "mode", "name"), [
+    (["--algo.advantage.is_correction_enable"], "token", "clip", "upstream_tis"),  # 0.11.0's default type: tis
+    (["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "icepop"], "token", "mask",
+     "upstream_icepop"),
+    (["--algo.advantage.is_correction_type=seq-mask-tis", "--algo.advantage.is_correction_enable"], "seq", "mask",
+     "upstream_seq_mask_tis"),
+])
+def test_openrlhf_0110_flags_are_refused_naming_their_0112_replacement(argv, extra, level, mode, name, capsys):
+    """OpenRLHF 0.11.0's --algo.advantage.is_correction_enable/_type are gone from 0.11.2: one line names the flag
+    and the 0.11.2 flags that compute the same loss, which the fork accepts and maps onto the named preset."""
+    replacement = ["--algo.advantage.is_correction_level", level, "--algo.advantage.is_correction_mode", mode]
+    line = error_line(refused(argv + extra + ["--algo.advantage.is_correction_threshold", "0.5", "5"], capsys))
+    assert line.startswith(f"{extra[0].partition('=')[0]}: OpenRLHF 0.11.0's flag"), line
+    assert " ".join(replacement) in line and f"--algo.correction.preset {name}" in line, line
+    assert _resolved(_parse(argv + replacement)) == preset(name)
+
+
 def test_top_p_only_warns_when_the_correction_is_off(argv, capsys):
     _parse(argv + ["--rollout.top_p", "0.9"])
     assert "--rollout.top_p" in capsys.readouterr().err

@@ -1,20 +1,29 @@
 """The dashboard's page as widgets (no server): the run list, the explorer and the comparison read from a run store
 that changes under it, and the notices for a root that is missing, empty, or holds runs without dumps or steps;
-the command refusing a port in use."""
+the command refusing a port in use. Then the command's server as a process: it answers local Host headers only
+(no DNS rebinding) and one SIGINT stops it, also where a shell started it in the background."""
 
 from __future__ import annotations
 
+import http.client
 import re
+import signal
 import socket
+import subprocess
+import sys
+import time
+import uuid
 
+import nbformat
 import numpy as np
 import pandas as pd
 import pytest
+from _browser import WAIT_S, free_port, jupyter_env, served
 from papermill import execute_notebook
 
 from openrlhf_tis.dashboard import cli as dashboard
 from openrlhf_tis.pipeline.dashboard_app import Dashboard
-from openrlhf_tis.pipeline.execute import KERNEL
+from openrlhf_tis.pipeline.execute import KERNEL, notebook_path
 from openrlhf_tis.runs import RunWriter, TokenDumpWriter
 
 
@@ -57,6 +66,7 @@ def test_missing_then_empty_then_populated_root(tmp_path):
     board.reload()  # a run that appeared after the page opened
     assert board.notice.value == "" and board.tabs.layout.display is None
     assert list(board.table["run"]) == ["a"] and board.explorer.steps == [1]
+    assert board.tabs.selected_index == 0  # the runs tab, not no tab (issue 44)
 
 
 def test_a_file_as_root_is_a_notice(tmp_path):
@@ -77,7 +87,7 @@ def test_run_table_explorer_and_comparison(root):
     # the explorer opens the newest run that has token dumps, at its last step
     assert board.explorer.run_dir == root / "live" and board.explorer.current_step == 2
     assert board.tabs.titles == ("runs", "tokens", "compare")
-    assert board.tabs.selected_index != 2 and board.shown == {}  # drawn when its tab is opened
+    assert board.tabs.selected_index == 0 and board.shown == {}  # opens on the runs; compare drawn when opened
     board.tabs.selected_index = 2
     # the comparison covers the runs with a logged step
     assert board.shown["runs"] == [root / "live", root / "nodumps"]
@@ -159,3 +169,66 @@ def test_notebook_runs_under_papermill(root, tmp_path):
     table = next(v for v in values if "mm-runs" in v)
     assert re.findall(r"<tr>\s*<td>(.*?)</td>", table) == ["live", "nodumps", "starting"]
     assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in out.cells[-1].outputs)
+
+
+def test_the_notebook_intro_names_the_folder_not_the_parameter():
+    """Issue 44: the page's intro said `root` (the parameter's name, shown nowhere on the page) for the folder."""
+    intro = nbformat.read(notebook_path("dashboard"), as_version=4).cells[0]
+    assert "`root`" not in intro.source and "folder" in intro.source
+
+
+# How a shell starts a script's background job (`openrlhf-tis-dashboard runs/ &`): with SIGINT ignored, which
+# exec keeps; Python then installs no KeyboardInterrupt handler of its own.
+_AS_BACKGROUND_JOB = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                      "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+STOP_S = 10  # one SIGINT must end the server (kernels shut down) within this; it takes 1-3 s on 2 busy cores
+
+
+def _dashboard_argv(root, port: int, background: bool = False) -> list[str]:
+    """The dashboard command over `root` on `port`, started as a shell's background job where `background`."""
+    command = ["-m", "openrlhf_tis.dashboard.cli", str(root), "--port", str(port)]
+    return [sys.executable, *(["-c", _AS_BACKGROUND_JOB] if background else []), *command]
+
+
+def _get(port: int, host: str, path: str = "/") -> int:
+    """The status of GET `path` from 127.0.0.1:`port` carrying Host `host`, as a page on another name that its DNS
+    rebound to 127.0.0.1 would send it."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    try:
+        connection.request("GET", path, headers={"Host": host})
+        response = connection.getresponse()
+        response.read()
+        return response.status
+    finally:
+        connection.close()
+
+
+@pytest.mark.timeout(300)
+def test_the_server_answers_local_host_headers_only(root, tmp_path):
+    """Issue 44: `Host: evil.example.com` got the page (200), so a DNS-rebinding page could read the runs."""
+    port = free_port()
+    kernel = f"/api/kernels/{uuid.uuid4()}"  # no such kernel: 404 once past the Host check
+    with served(_dashboard_argv(root, port), port, tmp_path / "log", jupyter_env(tmp_path / "jupyter"), tmp_path):
+        for host in ("evil.example.com", f"evil.example.com:{port}"):
+            assert [_get(port, host, path) for path in ("/", kernel, f"{kernel}/channels")] == [403] * 3, host
+        for host in (f"localhost:{port}", f"127.0.0.1:{port}"):
+            assert [_get(port, host, path) for path in ("/", kernel, f"{kernel}/channels")] == [200, 404, 404], host
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background-job"])
+def test_one_sigint_stops_the_server(root, tmp_path, background):
+    """Issue 44: SIGINTs left a dashboard started in the background running (only SIGTERM stopped it)."""
+    port = free_port()
+    argv = _dashboard_argv(root, port, background)
+    with served(argv, port, tmp_path / "log", jupyter_env(tmp_path / "jupyter"), tmp_path) as server:
+        assert _get(port, f"127.0.0.1:{port}") == 200  # a page was opened: a kernel to shut down
+        sent = time.monotonic()
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=STOP_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still serving {STOP_S} s after one SIGINT:\n{(tmp_path / 'log').read_text()[-2000:]}")
+        stopped_s = time.monotonic() - sent
+    assert server.returncode == 0 and stopped_s < STOP_S
+    assert "Kernel shutdown" in (tmp_path / "log").read_text()  # stopped as Voilà stops, its kernels shut down

@@ -1,6 +1,8 @@
 """docs/gpu.md is runnable as written: its training commands are the recipe files it links (each checked by
 tests/test_gpu_recipes.py on the GPUs it is written for), every flag the page names exists (with its
-value, where one is given), and each row of the OpenRLHF table resolves to one configuration on both sides."""
+value, where one is given), each row of the OpenRLHF tables resolves to one configuration on both sides (OpenRLHF
+0.11.0's removed flags: refused, naming the 0.11.2 flags of their row), and each verl preset row resolves to what its
+name says."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from openrlhf_tis.cli import train_ppo_ray
-from openrlhf_tis.cli.checks import check_correction
+from openrlhf_tis.cli.checks import UPSTREAM_0110_FLAGS, check_correction, refuse_upstream_0110_flags
+from openrlhf_tis.errors import UsageError
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "gpu.md").read_text(encoding="utf-8")
 MODULE = "openrlhf_tis.cli.train_ppo_ray"
@@ -74,6 +77,10 @@ def test_every_flag_the_page_names_exists_and_takes_the_value_it_is_given(parser
     assert len(spans) > 60  # the tables' cells are here: a regex that lost them must fail
     for span in spans:
         tokens = span.split()
+        if any(t in UPSTREAM_0110_FLAGS for t in tokens):  # OpenRLHF 0.11.0's: refused before argparse sees them
+            with pytest.raises(UsageError):
+                refuse_upstream_0110_flags(tokens)
+            continue
         unknown = [t for t in tokens if t.startswith("--") and not fnmatch.filter(options, t)]  # `--x.*`: a family
         assert not unknown, f"docs/gpu.md names {unknown} in `{span}`"
         if any(not t.startswith("--") for t in tokens):  # flags with values: parsed, corrections resolved
@@ -86,9 +93,60 @@ def test_every_flag_the_page_names_exists_and_takes_the_value_it_is_given(parser
                 raise AssertionError(f"docs/gpu.md: `{span}` is refused: {err}") from None
 
 
+OPENRLHF = PROSE[PROSE.index("## Coming from OpenRLHF"):PROSE.index("## Coming from verl")]
+GSPO = "--actor.policy_loss_type gspo "
+
+
 def test_each_openrlhf_row_resolves_to_one_configuration_on_both_sides(parser):
-    section = PROSE[PROSE.index("## Coming from OpenRLHF"):PROSE.index("## Coming from verl")]
-    rows = re.findall(r"^\| `(--algo\.advantage\.[^`]+)` \| `(--algo\.correction\.[^`]+)` \|", section, re.M)
-    assert len(rows) == 6
+    rows = re.findall(rf"^\| `((?:{GSPO})?--algo\.advantage\.is_correction_level [^`]+)` \| "
+                      rf"`((?:{GSPO})?--algo\.correction\.[^`]+)` \|", OPENRLHF, re.M)
+    assert len(rows) == 7 and sum(upstream.startswith(GSPO) for upstream, _ in rows) == 1
     for upstream, fork in rows:
+        assert upstream.startswith(GSPO) == fork.startswith(GSPO)
         assert _resolve(parser, upstream) == _resolve(parser, fork), (upstream, fork)
+
+
+def test_each_openrlhf_0110_row_is_refused_naming_its_0112_flags_which_resolve_to_the_forks(parser):
+    rows = re.findall(r"^\| `(--algo\.advantage\.is_correction_enable [^`]+)` \| `(--algo\.advantage\.[^`]+)` \| "
+                      r"`(--algo\.correction\.[^`]+)` \|", OPENRLHF, re.M)
+    assert [old.split()[-1] for old, _, _ in rows] == ["tis", "icepop", "seq-mask-tis"]
+    for old, new, fork in rows:
+        with pytest.raises(UsageError) as refusal:
+            refuse_upstream_0110_flags(old.split())
+        assert refusal.value.flag == "--algo.advantage.is_correction_enable" and new in str(refusal.value)
+        assert _resolve(parser, new) == _resolve(parser, fork), (new, fork)
+
+
+def test_each_verl_preset_row_resolves_to_what_its_name_says(parser):
+    """The verl preset table against the presets' definitions (verl/trainer/config/algorithm.py): the loss from the
+    prefix; IS weights from `token`/`seq` + `is`/`tis` (truncated at 2) or `icepop` (zeroed outside [0.5, 5]), else
+    none; rejection from `_rs` (Geo-RS: geometric mean of μ/π_old in [0.999, 1.001], symmetric up to 1e-6; K3: mean
+    k3 ≤ 0.01; `seq_is_rs`: μ/π_old's product in [0.5, 2]); the denominator shrinks with decoupled rejection only
+    (verl edits response_mask before the update; in bypass mode it rejects inside the loss)."""
+    section = PROSE[PROSE.index("verl's presets ("):PROSE.index("verl's older keys (")]
+    rows = re.findall(r"^\| `(\w+)\(\)` \| `(--[^`]+)`[^|]*\|$", section, re.M)
+    assert len(rows) == 19
+    for name, span in rows:
+        cfg = _resolve(parser, span)
+        loss = ("bypass_ppo" if name.startswith("bypass_ppo_clip") else
+                "bypass_reinforce" if name.startswith("bypass_pg") else "decoupled")
+        if "icepop" in name:
+            weights = ("token", "mask", 0.5, 5.0)
+        elif re.search(r"seq_t?is|pg_is", name):
+            weights = ("sequence", "truncate", None, 2.0)
+        elif re.search(r"token_t?is", name):
+            weights = ("token", "truncate", None, 2.0)
+        else:
+            weights = None
+        rejection = (("ratio", "mean", 0.999, 1.001) if "geo_rs" in name else ("k3", "mean", None, 0.01)
+                     if "k3_rs" in name else ("ratio", "sum", 0.5, 2.0) if name.endswith("_rs") else None)
+        assert cfg.loss == loss, (name, span)
+        if weights is None:
+            assert cfg.mode == "none", (name, span)
+        else:
+            lower = cfg.lower_bound if cfg.mode in ("clip", "mask") else None
+            assert (cfg.level, cfg.mode, lower, cfg.upper) == weights, (name, span)
+        got = [(c.statistic, c.agg, c.lower, c.upper) for c in cfg.rejection]
+        assert got == ([] if rejection is None else [rejection]), (name, span)
+        assert cfg.denominator == ("kept" if rejection and loss == "decoupled" else "all"), (name, span)
+        assert cfg.veto_threshold is None and cfg.opsm_delta is None and not cfg.batch_normalize, (name, span)

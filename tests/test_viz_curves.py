@@ -160,7 +160,10 @@ def test_live_curves_redraw_only_when_steps_land():
 def test_step_line_shows_the_lag_only_when_there_is_one():
     record = {"step": 4, "rollout/reward_mean": 0.5, "timing/step_total": 3.0}
     assert "lag" not in step_line({**record, "staleness/mean": 0.0, "staleness/max": 0.0}, 8)
-    assert "  lag 0.75  3.0 s" in step_line({**record, "staleness/mean": 0.75, "staleness/max": 2.0}, 8)
+    stale = {**record, "staleness/mean": 0.75, "staleness/max": 2.0}
+    assert "  lag 0.75 (k3 lag 0 -, stale -)  3.0 s" in step_line(stale, 8)
+    split = {**stale, "mismatch_by_lag/k3_lag_0": 0.002, "mismatch_by_lag/k3_lag_stale": 0.05}
+    assert "  lag 0.75 (k3 lag 0 2.00e-03, stale 5.00e-02)  3.0 s" in step_line(split, 8)  # precision vs staleness
 
 
 def test_staleness_is_drawn_for_async_runs():

@@ -18,6 +18,7 @@ from openrlhf_tis.cli.cluster_device import DEVICE_DEST, RESOURCES_DEST
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.model_files import check_model_path
 from openrlhf_tis.prompt_files import PromptFileError, local_files, read_prompt_file
+from openrlhf_tis.rollout.reward_calls import TIMEOUT_FLAG, check_timeout
 
 _UNSET = object()
 
@@ -205,6 +206,10 @@ def check_flags(args: argparse.Namespace) -> None:
         raise UsageError("--vllm.sync_check_steps", "must be >= 0 (0 disables the check)")
     if getattr(args, "vllm.sync_check_tolerance") <= 0:
         raise UsageError("--vllm.sync_check_tolerance", "must be > 0")
+    try:
+        check_timeout(getattr(args, "reward.timeout_s"))
+    except ValueError as err:
+        raise UsageError(TIMEOUT_FLAG, str(err)) from None
     if (samples := getattr(args, "data.max_samples")) < 1:
         raise UsageError("--data.max_samples", f"must be >= 1, got {samples}: it caps the prompts the run trains "
                          "(and evaluates) on, so the run would train no step")
@@ -215,7 +220,16 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def check_async(args: argparse.Namespace) -> None:
-    """Async training's flags, refused where they cannot apply (upstream asserts some of them later, after Ray)."""
+    """Async training's flags, refused where they cannot apply (upstream asserts some of them later, after Ray);
+    and the sync cadence, a synchronous run's fixed lag (trainer/sync_cadence.py)."""
+    every = getattr(args, "vllm.sync_every")
+    if every < 1:
+        raise UsageError("--vllm.sync_every", f"must be >= 1 (1 syncs after every step), got {every}")
+    if every > 1 and getattr(args, "train.async_enable"):
+        raise UsageError("--vllm.sync_every", f"{every} fixes the lag of a synchronous run; async training's lag comes "
+                         "from its queue (--train.async_queue_size, bounded by --train.async_max_lag)")
+    if every > 1 and not getattr(args, "vllm.num_engines"):
+        raise UsageError("--vllm.sync_every", f"{every}, but the run has no vLLM engine to sync (--vllm.num_engines)")
     if getattr(args, "train.async_enable"):
         if getattr(args, "train.async_queue_size") < 1:
             raise UsageError("--train.async_queue_size", "must be >= 1")
@@ -232,6 +246,46 @@ def check_async(args: argparse.Namespace) -> None:
         if given:
             raise UsageError(flag, "applies to async training only; add --train.async_enable (synchronous runs "
                              "always train on rollouts of the current policy: lag 0)")
+
+
+# OpenRLHF 0.11.0's correction flags, which 0.11.2 (whose parser the fork reuses) replaced: each 0.11.0
+# `--algo.advantage.is_correction_type` with the 0.11.2 level and mode that compute the same loss (0.11.0 and 0.11.2
+# `openrlhf/models/loss.py`, PolicyLoss.forward) and the fork's preset for them.
+UPSTREAM_0110_FLAGS = ("--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type")
+UPSTREAM_0110_TYPES = {"tis": ("token", "clip", "upstream_tis"), "icepop": ("token", "mask", "upstream_icepop"),
+                       "seq-mask-tis": ("seq", "mask", "upstream_seq_mask_tis")}
+
+
+def upstream_0110_replacement(kind: str) -> str:
+    """The OpenRLHF 0.11.2 flags for 0.11.0's `--algo.advantage.is_correction_enable --..._type <kind>`."""
+    level, mode, _ = UPSTREAM_0110_TYPES[kind]
+    return f"--algo.advantage.is_correction_level {level} --algo.advantage.is_correction_mode {mode}"
+
+
+def refuse_upstream_0110_flags(argv: list[str]) -> None:
+    """Refuse OpenRLHF 0.11.0's `--algo.advantage.is_correction_enable` / `_type` in one line naming the 0.11.2 flags
+    that replace them, where argparse would only call them unrecognized. Read from `argv` before it is parsed (the
+    parser does not know them); 0.11.0's `--algo.advantage.is_correction_threshold LOW HIGH` kept its meaning."""
+    given, kind = [], "tis"  # 0.11.0's default type
+    for i, token in enumerate(argv):
+        name, eq, value = token.partition("=")
+        if name in UPSTREAM_0110_FLAGS:
+            given.append(name)
+            if name == UPSTREAM_0110_FLAGS[1]:
+                kind = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    if not given:
+        return
+    if kind in UPSTREAM_0110_TYPES:
+        said = (f"0.11.0's --algo.advantage.is_correction_enable --algo.advantage.is_correction_type {kind} is "
+                f"{upstream_0110_replacement(kind)} in 0.11.2 (= --algo.correction.preset "
+                f"{UPSTREAM_0110_TYPES[kind][2]})")
+    else:
+        said = (f"0.11.0's types ({kind!r} is none of them) are, in 0.11.2, "
+                + "; ".join(f"{name}: {upstream_0110_replacement(name)}" for name in UPSTREAM_0110_TYPES))
+    if UPSTREAM_0110_FLAGS[0] not in given:
+        said = f"without --algo.advantage.is_correction_enable it did nothing (drop it); {said}"
+    raise UsageError(given[0], f"OpenRLHF 0.11.0's flag, gone from 0.11.2, which the fork runs: {said}; "
+                     "--algo.advantage.is_correction_threshold keeps its meaning")
 
 
 def check_correction(args: argparse.Namespace):

@@ -17,7 +17,9 @@ from openrlhf_tis.rollout.precision import (
     WEIGHT_BITS_FLAG,
 )
 from openrlhf_tis.rollout.quantize import ACTIVATION_MODES, SCALE_MODES, WEIGHT_BITS_CHOICES
+from openrlhf_tis.rollout.reward_calls import DEFAULT_TIMEOUT_S, TIMEOUT_FLAG
 from openrlhf_tis.runs.tokens import DEFAULT_DUMP_EVERY, DEFAULT_DUMP_SAMPLES
+from openrlhf_tis.trainer.sync_cadence import SYNC_EVERY_FLAG
 
 
 def allow_fp32_training(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +58,10 @@ FORK_FLAGS: tuple[ForkFlag, ...] = (
     ForkFlag("--vllm.sync_check_steps", type=int, default=1, help=(
         "Verify every Nth DeepSpeed->vLLM weight sync by scoring a probe text on both sides "
         "(openrlhf_tis.trainer.sync_check); 0 disables. Costs one short prefill per engine.")),
+    ForkFlag(SYNC_EVERY_FLAG, type=int, default=1, help=(
+        "Send the trainer's weights to the engines after every Kth step only (synchronous runs): the samples of "
+        "step s+1 are then s mod K policy versions behind pi_old, a staleness dose set by a flag instead of by "
+        "async timing (openrlhf_tis.trainer.sync_cadence). 1: after every step, as upstream.")),
     ForkFlag("--vllm.sync_check_tolerance", type=float, default=0.5, help=(
         "Stop the run when the engines and the trainer disagree on the probe after a sync by more than this "
         "mean |dlogp| beyond their gap before the first step, when both held the same weights (that baseline is "
@@ -70,6 +76,10 @@ FORK_FLAGS: tuple[ForkFlag, ...] = (
     ForkFlag("--reward.nonfinite", default="fail", choices=("fail", "drop"), help=(
         "A NaN/inf reward from --reward.remote_url: fail the step naming the samples and the reward script "
         "(default), or drop the prompt groups holding one and train on the rest (counted in reward/dropped_samples).")),
+    ForkFlag(TIMEOUT_FLAG, type=float, default=DEFAULT_TIMEOUT_S, help=(
+        "Seconds one call of a --reward.remote_url script's reward_func may take, in the try-out on the first prompt "
+        "before Ray starts and for each sample during training; past it the start is refused, or the run stops, "
+        "naming the script, the prompt and the limit. Must be > 0. Reward servers (HTTP) keep upstream's timeout.")),
     ForkFlag("--train.async_max_lag", type=int, help=(
         "Async training only: drop every prompt group holding a sample whose rollout policy is more than N "
         "steps older than the policy it trains (counted in staleness/dropped_samples); default no bound. "

@@ -5,6 +5,8 @@ Upstream imports a `--reward.remote_url file.py` inside every vLLM engine actor 
 or returns no rewards is only found out minutes later, from an actor. Here it is imported and called
 the way upstream calls it (one query; the prompt formatted by upstream's own `preprocess_data`, with
 the chat template when `--data.apply_chat_template`), with the prompt as its own query: no response yet.
+The call is bounded by `--reward.timeout_s` and its result checked as the engines check it during training
+(rollout/reward_calls.py), so a script that never returns or returns what upstream cannot use is refused here.
 """
 
 from __future__ import annotations
@@ -21,6 +23,15 @@ from typing import Any
 import torch
 
 from openrlhf_tis.errors import UsageError
+from openrlhf_tis.rollout.reward_calls import (
+    RewardCallTimeout,
+    RewardResultError,
+    call_within,
+    check_reward_result,
+    describe_call,
+    result_message,
+    timeout_message,
+)
 
 
 def load_reward_func(path: str):
@@ -54,19 +65,13 @@ def formatted_prompt(record: Mapping[str, Any], args: argparse.Namespace) -> tup
 
 
 def reward_values(result: Any) -> torch.Tensor:
-    """The `rewards` of one reward_func result as a flat float64 tensor; ValueError saying what is wrong."""
-    if not isinstance(result, Mapping):
-        raise ValueError(f"returned a {type(result).__name__}, not a dict with 'rewards'")
-    if result.get("rewards") is None:
-        raise ValueError(f"returned no 'rewards' (keys: {', '.join(map(repr, result)) or 'none'})")
-    try:
-        return torch.as_tensor(result["rewards"], dtype=torch.float64).reshape(-1)
-    except (TypeError, ValueError, RuntimeError) as err:
-        raise ValueError(f"returned rewards that are not numbers ({err})") from None
+    """The `rewards` of one reward_func result as a flat float64 tensor (its checks: check_reward_result)."""
+    return torch.as_tensor(result["rewards"], dtype=torch.float64).reshape(-1)
 
 
 def probe_reward_script(flag: str, url: str | None, record: Mapping[str, Any], args: argparse.Namespace) -> None:
-    """Refuse a local reward script that cannot be imported or called on `record`, or returns no usable reward."""
+    """Refuse a local reward script that cannot be imported or called on `record`, returns no usable reward, or does
+    not return within `--reward.timeout_s` (its call is abandoned on a daemon thread: rollout/reward_calls.py)."""
     if not url or not url.split(",")[0].endswith(".py"):
         return
     path = url.split(",")[0]  # upstream calls the first script only
@@ -79,18 +84,21 @@ def probe_reward_script(flag: str, url: str | None, record: Mapping[str, Any], a
         raise UsageError(flag, f"reward script {path} fails to import: {type(err).__name__}: {err}"
                          f"{_where(err, path)}") from None
     prompt, label = formatted_prompt(record, args)
+    timeout_s = getattr(args, "reward.timeout_s")
+    where = describe_call(f"reward_func in {path}", prompt, label)
     try:
-        result = reward_func([prompt], [prompt], [label])
+        result = call_within(reward_func, ([prompt], [prompt], [label]), timeout_s)
+    except RewardCallTimeout:
+        raise UsageError(flag, timeout_message(where, timeout_s)) from None
     except Exception as err:
         raise UsageError(flag, f"reward_func in {path} raised {type(err).__name__}: {err}{_where(err, path)} "
                          f"when tried on the first prompt (label {label!r})") from None
     try:
-        rewards = reward_values(result)
-    except ValueError as err:
-        raise UsageError(flag, f"reward_func in {path} {err} when tried on the first prompt") from None
-    if rewards.numel() != 1:
-        raise UsageError(flag, f"reward_func in {path} returned {rewards.numel()} rewards for 1 query")
-    if not math.isfinite(rewards.item()):
-        print(f"[openrlhf_tis] warning: reward_func in {path} returned {rewards.item()} for the first prompt with no "
+        check_reward_result(result, queries=1)
+    except RewardResultError as err:
+        raise UsageError(flag, result_message(where, err, result)) from None
+    reward = reward_values(result).item()
+    if not math.isfinite(reward):
+        print(f"[openrlhf_tis] warning: reward_func in {path} returned {reward} for the first prompt with no "
               f"response; a non-finite reward in training is handled by --reward.nonfinite "
               f"({getattr(args, 'reward.nonfinite')})", file=sys.stderr)

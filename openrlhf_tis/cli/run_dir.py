@@ -59,6 +59,18 @@ def checkpoint_dir(ckpt_path: str) -> Path | None:
     return actor if (actor / "latest").is_file() else None
 
 
+def interrupted_account(run_dir: Path, ckpt_path: str) -> str:
+    """What a training start stopped by Ctrl-C kept, and how to go on, as one line's end."""
+    last = last_logged_step(run_dir)
+    steps = f"step{'s 1-' if last > 1 else ' '}{last} in {run_dir / METRICS_FILE}" if last else "no step"
+    actor = checkpoint_dir(ckpt_path)
+    if actor is None:
+        again = f"start again with {OVERWRITE_FLAG}" if last else "start again with the same command"
+        return f"kept {steps} and no checkpoint; {again}"
+    tag = (actor / "latest").read_text().strip()
+    return f"kept {steps} and the checkpoint {tag} in {actor}; resume with the same command and {LOAD_FLAG}"
+
+
 def _check_writable(run_dir: Path) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise UsageError(FLAG, f"{run_dir} exists and is not a directory")

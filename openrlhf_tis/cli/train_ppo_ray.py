@@ -8,13 +8,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from openrlhf_tis import patches
-from openrlhf_tis.cli.checks import adapt_to_cpu, check_flags, check_inputs, explicit_dests
+from openrlhf_tis.cli.checks import (
+    adapt_to_cpu,
+    check_flags,
+    check_inputs,
+    explicit_dests,
+    refuse_upstream_0110_flags,
+)
 from openrlhf_tis.cli.cluster_device import (
     DEVICE_DEST,
     RESOURCES_DEST,
@@ -28,15 +36,19 @@ from openrlhf_tis.cli.cluster_device import (
 )
 from openrlhf_tis.cli.fork_flags import add_fork_arguments
 from openrlhf_tis.cli.lifetime import die_with_parent
+from openrlhf_tis.cli.placement import check_cluster_fits
+from openrlhf_tis.cli.ray_address import ADDRESS_VAR
 from openrlhf_tis.cli.ray_cluster import CPU_ENV, start_ray
 from openrlhf_tis.cli.rollout_engines import prepare_rollout_engines
-from openrlhf_tis.cli.run_dir import RunFinished, open_run_dir
+from openrlhf_tis.cli.run_dir import RunFinished, interrupted_account, open_run_dir
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.patches import fork_classes
 from openrlhf_tis.patches._guard import UnsupportedUpstreamError
 from openrlhf_tis.patches.upstream_cli import run_upstream_main, upstream_parser
 from openrlhf_tis.run_device import DEVICE_ENV
 from openrlhf_tis.runs.reader import last_logged_step
+
+INTERRUPTED_EXIT = 130  # a shell's code for a command ended by SIGINT
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +94,7 @@ def parse_flags(parser: argparse.ArgumentParser, argv: list[str],
     (checks.check_flags), no file read; on a CPU cluster upstream's GPU defaults are replaced first. Returns the
     arguments and the console lines that say what the run computes on and what was replaced; raises UsageError
     naming the flag at fault (argparse's own errors go to `parser.error`)."""
+    refuse_upstream_0110_flags(argv)  # before argparse, which does not know them
     args = parser.parse_args(argv)
     notes = [settle_device(args, cluster)]
     if getattr(args, DEVICE_DEST) == "cpu":
@@ -103,6 +116,8 @@ def parse(argv: list[str], cpu: bool | None = None, cluster: ClusterResources | 
     args, notes = parse_flags(build_parser(), argv, cluster)
     for note in notes[1:] if device_said else notes:
         say(note)
+    if getattr(args, DEVICE_DEST) == "cuda" or os.environ.get(ADDRESS_VAR):  # a local CPU run declares its own slots
+        check_cluster_fits(args, cluster)
     run_dir = getattr(args, "logger.run_dir") or time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())
     setattr(args, "logger.run_dir", os.path.abspath(run_dir))  # every Ray process writes to the same place
     planned = check_inputs(args)
@@ -155,8 +170,23 @@ def main(argv: list[str] | None = None) -> None:
     except (UsageError, UnsupportedUpstreamError) as err:
         print(f"openrlhf_tis.cli.train_ppo_ray: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    run_upstream_main(args)
+    try:
+        run_upstream_main(args)
+    except KeyboardInterrupt:
+        stop_after_interrupt(args)
     check_steps_logged(getattr(args, "logger.run_dir"))
+
+
+def stop_after_interrupt(args: argparse.Namespace) -> None:
+    """Ctrl-C during training: Ray shut down (its actors end, so nothing more is logged), then one line saying what
+    was kept and how to go on, and the shell's code for SIGINT; a second Ctrl-C does not cut the shutdown short."""
+    import ray
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ray.shutdown()
+    account = interrupted_account(Path(getattr(args, "logger.run_dir")), getattr(args, "ckpt.path"))
+    print(f"openrlhf_tis.cli.train_ppo_ray: interrupted: {account}", file=sys.stderr)
+    raise SystemExit(INTERRUPTED_EXIT)
 
 
 def enter_run(device: str) -> list[str]:

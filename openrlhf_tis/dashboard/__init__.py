@@ -1,2 +1,2 @@
 """The live dashboard: a command (cli.py) serving the dashboard notebook through Voilà on loopback only
-(voila_server.py, with a template under jupyter/ that loads nothing from a CDN)."""
+(voila_server.py: local Host headers only, and a template under jupyter/ that loads nothing from a CDN)."""

@@ -5,18 +5,21 @@ The page is notebooks/dashboard.ipynb with RUNS_ROOT injected (papermill, as eve
 parameters), served by Voilà (voila_server.py: loopback only, nothing from a CDN); each page load runs it in a
 fresh kernel, so it always reads the run store as it stands. A root that does not exist or holds no runs is a
 notice on the page, not an error (a run may be about to start there); a port already in use is refused here, in
-one line naming it, before Voilà starts.
+one line naming it, before Voilà starts. Only pages asking for localhost or a loopback address are answered
+(voila_server.py: no DNS rebinding). One SIGINT (Ctrl-C, or `kill -INT` of a dashboard a script started in the
+background) or SIGTERM stops it within seconds, its kernels shut down.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
 
-from openrlhf_tis.dashboard.voila_server import HOST, port_in_use, voila_args, voila_env
+from openrlhf_tis.dashboard.voila_server import HOST, port_in_use, serve_local, voila_env
 from openrlhf_tis.pipeline.execute import notebook_path
 
 PROG = "openrlhf-tis-dashboard"
@@ -47,19 +50,36 @@ def prepare_notebook(root: str | os.PathLike, directory: str | os.PathLike) -> P
     return target
 
 
+def stop_on_sigint() -> None:
+    """Make SIGINT raise KeyboardInterrupt, which Voilà's event loop takes as "stop" (kernels shut down, then exit).
+
+    Python installs that handler only where SIGINT was not ignored when it started, and a shell starts a script's
+    background job (`openrlhf-tis-dashboard runs/ &`) with SIGINT ignored: `kill -INT` then did nothing, and only
+    SIGTERM (which Voilà handles itself) stopped the server.
+    """
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def serve(root: str, port: int) -> None:
+    """Serve the dashboard over `root` on HOST:`port` until SIGINT or SIGTERM."""
+    os.environ["JUPYTER_PATH"] = voila_env()["JUPYTER_PATH"]  # read by Voilà's template lookup
+    with tempfile.TemporaryDirectory(prefix="openrlhf-tis-dashboard-") as directory:
+        notebook = prepare_notebook(root, directory)
+        print(f"{PROG}: serving {os.path.abspath(root)} at http://{HOST}:{port}/ (Ctrl-C stops it)", flush=True)
+        serve_local(notebook, port)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if port_in_use(args.port):
         print(f"{PROG}: error: port {args.port} on {HOST} is in use (choose another with --port)", file=sys.stderr)
         raise SystemExit(2)
-    from voila.app import Voila
-
-    os.environ["JUPYTER_PATH"] = voila_env()["JUPYTER_PATH"]  # read by Voilà's template lookup
-    with tempfile.TemporaryDirectory(prefix="openrlhf-tis-dashboard-") as directory:
-        notebook = prepare_notebook(args.root, directory)
-        print(f"{PROG}: serving {os.path.abspath(args.root)} at http://{HOST}:{args.port}/ (Ctrl-C stops it)",
-              flush=True)
-        Voila.launch_instance(argv=voila_args(notebook, args.port))
+    stop_on_sigint()
+    try:
+        serve(args.root, args.port)
+    except KeyboardInterrupt:  # before Voilà's loop runs, or a second Ctrl-C while its kernels shut down
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

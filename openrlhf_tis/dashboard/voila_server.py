@@ -1,9 +1,16 @@
-"""Serving a notebook as a local web page with Voilà: on 127.0.0.1 only, and with nothing fetched from a CDN.
+"""Serving a notebook as a local web page with Voilà: on 127.0.0.1 only, to local Host headers only, and with
+nothing fetched from a CDN.
 
 Voilà's lab template links Font Awesome from a CDN and nbconvert's imports mermaid from one; the page must work
 with no network (and leak nothing to one), so pages are rendered with the `openrlhf_tis` template shipped in
 `jupyter/` beside this module, which drops both (its index.html.j2 says how). Voilà finds templates on the Jupyter
 path, hence `voila_env`.
+
+Listening on loopback does not keep other web pages out: a page that rebinds its own DNS name to 127.0.0.1 talks
+to the server as its own origin. Voilà turns off jupyter_server's Host check (`allow_remote_access`), so
+`serve_local` turns it back on through Voilà's `tornado_settings`: every Jupyter handler (the page, the kernel API
+and its websocket) answers 403 to a Host that is neither `localhost` nor a loopback address. Only the packages'
+static assets (scripts, styles) are served whatever the Host; they hold no run data.
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ from pathlib import Path
 HOST = "127.0.0.1"
 JUPYTER_DIR = Path(__file__).resolve().parent / "jupyter"
 TEMPLATE = "openrlhf_tis"
+# The two settings jupyter_server's ServerApp hands its handlers, read by JupyterHandler.check_host: a Host header
+# must be a loopback address or one of these names.
+LOCAL_ONLY: dict[str, object] = {"allow_remote_access": False, "local_hostnames": ["localhost"]}
 
 
 def port_in_use(port: int, host: str = HOST) -> bool:
@@ -40,3 +50,18 @@ def voila_args(notebook: str | os.PathLike, port: int) -> list[str]:
     another port; an error in a cell shows its traceback on the page (the page is the only place a user looks)."""
     return [os.fspath(notebook), "--no-browser", f"--Voila.ip={HOST}", f"--port={port}", "--Voila.port_retries=0",
             f"--template={TEMPLATE}", "--VoilaConfiguration.show_tracebacks=True"]
+
+
+def serve_local(notebook: str | os.PathLike, port: int) -> None:
+    """Serve `notebook` with Voilà (`voila_args`) until SIGINT or SIGTERM, to local Host headers only.
+
+    Voilà's own `launch_instance`, with LOCAL_ONLY added to its `tornado_settings` once every configuration source
+    has been read, so that no Jupyter config file can turn the Host check off by setting other tornado settings (a
+    dict on the command line is deprecated in traitlets and types its values as strings).
+    """
+    from voila.app import Voila
+
+    app = Voila.instance()
+    app.initialize(voila_args(notebook, port))
+    app.tornado_settings = {**app.tornado_settings, **LOCAL_ONLY}
+    app.start()

@@ -8,9 +8,12 @@ place) and a reload picks up its new steps and dumps. A root that does not exist
 without token dumps, and runs that have logged no step are notices on the page, never an error: the server
 keeps serving, and a reload finds what appeared since.
 
+The page opens on the runs tab, and a reload keeps the tab that is open.
+
 DOM contract (the browser test relies on it): the runs table is a `<table class="mm-runs">` with one row per
-run, its first column the run's path relative to the root; the reload button's label is "reload"; the notice is
-an element of class `mm-notice`; the explorer keeps its own contract (viz/explorer.py).
+run, its first column the run's path relative to the root, each header aligned as its column's cells (numbers
+right, text left); the reload button's label is "reload"; the notice is an element of class `mm-notice`; the
+explorer keeps its own contract (viz/explorer.py).
 """
 
 from __future__ import annotations
@@ -55,6 +58,17 @@ def root_notice(root: Path, runs: list[Path]) -> str:
         return (f"<b>No runs under {where} yet</b> (a run directory holds config.json, metrics.jsonl or tokens/). "
                 f"Reload once a run has started.")
     return ""
+
+
+def table_style(table: pd.DataFrame) -> str:
+    """A `<style>` aligning each header of the runs table as its column's cells: numbers right, text left.
+
+    pandas right-aligns the header row while the page's cells stay left-aligned, so a header sat off its column.
+    """
+    numeric = [i for i, column in enumerate(table.columns, 1) if pd.api.types.is_numeric_dtype(table[column])]
+    right = ", ".join(f"table.mm-runs tr > :nth-child({i})" for i in numeric)
+    return ("<style>table.mm-runs th, table.mm-runs td {text-align: left; padding: 2px 16px 2px 0}"
+            + (f" {right} {{text-align: right}}" if right else "") + "</style>")
 
 
 def run_table(root: Path, runs: list[Path]) -> pd.DataFrame:
@@ -112,12 +126,13 @@ class Dashboard:
             self.table = pd.DataFrame()
             return
         self.table = run_table(self.root, self.run_paths)
-        self.runs.value = self.table.astype(object).fillna("–").to_html(index=False, classes="mm-runs", border=0)
+        self.runs.value = table_style(self.table) + self.table.astype(object).fillna("–").to_html(
+            index=False, classes="mm-runs", border=0)
         self.explorer = self._reopened_explorer()
         selected = self.tabs.selected_index
         self.tabs.children = [self.runs, self.explorer.widget, self.comparison]
         self.tabs.titles = TABS
-        self.tabs.selected_index = selected
+        self.tabs.selected_index = 0 if selected is None else selected  # opens on the runs, never on no tab
         self._on_tab(self.tabs.selected_index)
 
     def _on_tab(self, index: int | None) -> None:

@@ -10,11 +10,13 @@ from tqdm.auto import tqdm
 from openrlhf_tis.metric_names import (
     ABS_DP_MAX,
     K3_KL,
+    LAG_STALE,
     MASKED_FRAC,
     REWARD_MEAN,
     STALENESS_MAX,
     STALENESS_MEAN,
     STEP_SECONDS,
+    mismatch_lag_key,
 )
 from openrlhf_tis.pipeline.report import displayable, ipython_display
 from openrlhf_tis.viz.curves import plot_curves
@@ -26,8 +28,13 @@ def step_line(record: dict[str, Any], total: int) -> str:
         value = record.get(key)
         return format(value, spec) if isinstance(value, (int, float)) else "-"
 
-    # Lag only where there is any (async training): a synchronous run's line stays as short as before.
-    lag = f"  lag {fmt(STALENESS_MEAN, '.2f')}" if record.get(STALENESS_MAX) else ""
+    # Lag only where there is any (async training, a sync cadence): a synchronous run's line stays as short as
+    # before. Then the mismatch is split by its source: lag-0 samples (precision) and stale ones.
+    lag = ""
+    if record.get(STALENESS_MAX):
+        split = (f" (k3 lag 0 {fmt(mismatch_lag_key('k3', 0), '.2e')}, "
+                 f"stale {fmt(mismatch_lag_key('k3', LAG_STALE), '.2e')})")
+        lag = f"  lag {fmt(STALENESS_MEAN, '.2f')}{split}"
     return (f"step {record['step']}/{total}  reward {fmt(REWARD_MEAN, '.3f')}  "
             f"k3 {fmt(K3_KL, '.2e')}  max|Δp| {fmt(ABS_DP_MAX, '.3f')}  "
             f"masked {fmt(MASKED_FRAC, '.3f')}{lag}  {fmt(STEP_SECONDS, '.1f')} s")

@@ -106,8 +106,8 @@ NOTEBOOK_SOURCES = {
     "dashboard": lambda: _notebook(
         "dashboard", DashboardParams,
         "# Dashboard\n"
-        "The runs under `root`, the token explorer and the run comparison; **reload** re-reads the run store (runs\n"
-        "in progress included). Served as a web app by `openrlhf-tis-dashboard RUNS_ROOT`.",
+        "The runs in the folder named below, the token explorer and the run comparison; **reload** re-reads the run\n"
+        "store (runs in progress included). Served as a web app by `openrlhf-tis-dashboard RUNS_ROOT`.",
         ["from openrlhf_tis.pipeline.dashboard_app import open_dashboard\n\ndashboard = open_dashboard(params)\n"
          "dashboard"],
     ),

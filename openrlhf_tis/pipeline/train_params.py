@@ -103,6 +103,9 @@ class TrainParams(ParamObject):
     async_queue: int = param(0, "async training: rollout batches the generator may run ahead of the trainer "
                              "(--train.async_enable --train.async_queue_size N); 0 trains synchronously", (int,),
                              check=_not_negative, flag="--train.async_queue_size")
+    sync_every: int = param(1, "send the weights to the engines after every Nth step only: step s+1's samples are "
+                            "s mod N versions behind (a fixed staleness dose; 1: every step)", (int,), check=positive,
+                            flag="--vllm.sync_every")
     token_dump_every: int = param(1, "dump per-token records every N steps (0: never)", (int,), check=_not_negative,
                                   flag="--logger.token_dump_steps")
     run_dir: str = param("runs/notebook", "the run directory (created; a finished one is refused by the CLI)", (str,),
@@ -144,6 +147,7 @@ class TrainParams(ParamObject):
             # the CLI refuses an explicit grid for other precisions, naming the flag
             "int8_weight_bits": None if self.int8_weight_bits == "auto" else self.int8_weight_bits,
             "async_queue": self.async_queue or None,
+            "sync_every": self.sync_every if self.sync_every > 1 else None,  # upstream's sync after every step
         }
 
     def argv(self, model_dir: Path, prompts: Path, run_dir: Path) -> list[str]:

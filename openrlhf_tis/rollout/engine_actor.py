@@ -6,7 +6,7 @@ plan file names the precision; this subclass of upstream's actor turns that plan
 dtype / quantization arguments just before the engine is built, in the engine's own process.
 On CPU it names the fork's vLLM worker extension (rollout/cpu_worker_extension.py: the engine's end of
 the weight sync) in place of upstream's CUDA `WorkerWrap`, and exposes that extension's bucketed receive,
-which upstream's actor has no method for. It also makes a failing reward fail the rollout
+which upstream's actor has no method for. It also makes a failing, late or malformed reward fail the rollout
 (rollout/reward_executor.py), and stamps every sample with the policy version it was generated with.
 """
 
@@ -19,7 +19,7 @@ from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.rollout.checkpoint import read_plan
 from openrlhf_tis.rollout.cpu_worker_extension import CPUWorkerExtension
 from openrlhf_tis.rollout.precision import engine_kwargs
-from openrlhf_tis.rollout.reward_executor import make_rewards_loud
+from openrlhf_tis.rollout.reward_executor import limit_reward_calls, make_rewards_loud
 from openrlhf_tis.rollout.versions import VERSION_FIRST, VERSION_LAST
 from openrlhf_tis.run_device import is_cuda_run
 
@@ -74,6 +74,11 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         await super().__init__(*args, **{**kwargs, **overrides})
         make_rewards_loud(self.executor)
         self._policy_version = 0  # optimizer steps in the weights this engine holds (trainer/staleness.py)
+
+    async def set_reward_timeout(self, seconds: float) -> bool:
+        """The run's `--reward.timeout_s` for this engine's reward_func calls, sent by the controller before the first
+        rollout (trainer/step_part.py RewardLimitPart); False where the executor is a user's agent's."""
+        return limit_reward_calls(self.executor, seconds)
 
     async def set_policy_version(self, version: int) -> None:
         """Called by the controller right after a weight sync, before generation may resume."""

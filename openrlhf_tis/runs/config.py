@@ -46,6 +46,7 @@ RESUME_IGNORED: tuple[str, ...] = (
     "*.offload",
     "ds.adam_offload",
     "reward.nonfinite",  # resuming a run that failed on a NaN reward with `drop` is what the flag is for
+    "reward.timeout_s",  # likewise a longer limit for a run whose reward ran out of time
     "cluster.*",  # where the run computes: what the device changes in training shows in the flags it sets
     "algo.correction.compile_metrics",  # how the metrics are reduced, never what is trained
 )

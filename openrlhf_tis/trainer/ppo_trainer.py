@@ -53,8 +53,10 @@ from openrlhf_tis.trainer.step_part import (
     CoveragePart,
     EvalSchedule,
     MetricsLinePart,
+    MismatchByLagPart,
     PolicyVersionPart,
     QueueWaitPart,
+    RewardLimitPart,
     RewardScreenPart,
     StalenessPart,
     StartEvalPart,
@@ -63,6 +65,7 @@ from openrlhf_tis.trainer.step_part import (
     SyncCostPart,
     TokenDumpPart,
 )
+from openrlhf_tis.trainer.sync_cadence import SyncCadencePart
 from openrlhf_tis.trainer.sync_check import make_sync_checker
 
 _UpstreamPPOTrainer = ray_actor_class(_UpstreamSyncClass)
@@ -103,7 +106,8 @@ class ForkController:
     def _choose_parts(self) -> list[StepPart]:
         """This run's parts, in the order their hooks are called (trainer/step_part.py).
 
-        The order matters where two parts share a hook: the queue wait ends before the samples are screened;
+        The order matters where two parts share a hook: the engines know the reward's time limit before the start's
+        evaluation rolls out; the queue wait ends before the samples are screened;
         the dump plan counts the samples that reward screening and the lag bound kept; the run store is rewound
         before the start's sync check and evaluation; the sync check's metrics precede the sync's cost.
         """
@@ -112,7 +116,9 @@ class ForkController:
         schedule = EvalSchedule.of(args, self.eval_dataloader)
         # Sleeping engines (--vllm.enable_sleep) are checked too: the checker wakes them to score.
         checker = make_sync_checker(args, self.tokenizer, self.vllm_engines, self.actor_model_group)
+        reward_limit = getattr(args.reward, "timeout_s", None)
         parts = [
+            RewardLimitPart(self.vllm_engines, reward_limit) if self.vllm_engines and reward_limit else None,
             PolicyVersionPart(self.vllm_engines) if self.vllm_engines else None,
             QueueWaitPart() if self.waits_on_rollout_queue else None,
             RewardScreenPart(rules),
@@ -120,6 +126,8 @@ class ForkController:
                           partial_rollouts=getattr(args.train, "partial_rollout_enable", False)),
             TokenDumpPart(args, self.actor_model_group) if self.actor_model_group is not None else None,
             CoveragePart(),
+            MismatchByLagPart(),
+            SyncCadencePart(args.vllm.sync_every) if getattr(args.vllm, "sync_every", 1) > 1 else None,
             MetricsLinePart(RunWriter(run_dir), schedule) if run_dir else None,
             SyncCheckPart(checker, args.vllm.sync_check_steps) if checker is not None else None,
             SyncCostPart.from_args(args),
@@ -147,6 +155,8 @@ class ForkController:
         return logs
 
     def broadcast_to_vllm(self) -> None:
+        if any(isinstance(part, SyncCadencePart) and not part.due for part in self.parts):
+            return  # --vllm.sync_every: not a step of the cadence, the engines keep their weights
         for part in self.parts:
             part.before_sync()
         t0 = time.perf_counter()

@@ -46,6 +46,7 @@ from openrlhf_tis.rollout.checkpoint import read_last_sync_stats
 from openrlhf_tis.runs.layout import ROLLOUT_MODEL_DIR
 from openrlhf_tis.runs.store import RunWriter
 from openrlhf_tis.runs.tokens import select_samples, should_dump
+from openrlhf_tis.trainer.mismatch_by_lag import mismatch_by_lag
 from openrlhf_tis.trainer.rewards import RewardPolicy, screen_rewards
 from openrlhf_tis.trainer.staleness import LAG, drop_stale, sample_lags, spans_sync, staleness_metrics, stamp_lags
 from openrlhf_tis.trainer.sync_check import SyncChecker
@@ -101,6 +102,20 @@ class PendingMetrics(StepPart):
     def end_step(self, status: dict) -> None:
         status.update(self.pending)
         self.pending = {}
+
+
+# ── the engines' reward calls ──
+
+class RewardLimitPart(StepPart):
+    """Gives every engine the run's `--reward.timeout_s` before the first rollout: the engines' reward executors
+    (rollout/reward_executor.py) are built by upstream, which knows nothing of the flag."""
+
+    def __init__(self, engines: Sequence, seconds: float):
+        self.engines = engines
+        self.seconds = seconds
+
+    def on_start(self, step: int) -> None:
+        ray.get([engine.set_reward_timeout.remote(self.seconds) for engine in self.engines])
 
 
 # ── the step's samples ──
@@ -173,6 +188,13 @@ class CoveragePart(StepPart):
 
     def rollout_metrics(self, experiences: Sequence) -> dict[str, float]:
         return {LOGPROB_COVERAGE: rollout_logprob_coverage(experiences)}
+
+
+class MismatchByLagPart(StepPart):
+    """`mismatch_by_lag/*`: the step's μ vs π_old gap split into precision (lag 0) and staleness (lag > 0)."""
+
+    def rollout_metrics(self, experiences: Sequence) -> dict[str, float]:
+        return mismatch_by_lag(experiences)
 
 
 # ── the actors ──

@@ -30,6 +30,7 @@ from openrlhf_tis.metric_names import (
     ENTROPY_KEYS,
     EVAL_PREFIX,
     EVAL_START_PREFIX,
+    LAG_STALE,
     MASKED_KEYS,
     MISMATCH_KEYS,
     REJECTED_FRAC,
@@ -43,6 +44,7 @@ from openrlhf_tis.metric_names import (
     WEIGHT_RAW_MAX,
     WEIGHT_RAW_MEAN,
     WEIGHT_RAW_MIN,
+    mismatch_lag_key,
 )
 from openrlhf_tis.viz.stats import t_band
 
@@ -70,6 +72,9 @@ PANELS: tuple[Panel, ...] = (
     Panel("masked / truncated", (MASKED_KEYS, *_one(TRUNCATED_FRAC, VETOED_FRAC, REJECTED_FRAC))),
     # Policy versions between a batch's rollout policy and π_old: 0 throughout a synchronous run.
     Panel("staleness (lag)", _one(STALENESS_MEAN, STALENESS_MAX)),
+    # The k3 panel's gap by its source: lag-0 samples (precision) and stale ones (trainer/mismatch_by_lag.py).
+    Panel("k3 by source: lag 0 | stale", _one(mismatch_lag_key("k3", 0), mismatch_lag_key("k3", LAG_STALE)),
+          log=True),
 )
 
 
