@@ -2,11 +2,19 @@
 
     python benchmarks/gpu_check.py                       # on a machine with one NVIDIA GPU
     python benchmarks/gpu_check.py --device cpu --small  # the same checks at toy sizes (tests/test_gpu_check.py)
+    python benchmarks/prepare_gpu_check.py               # a folder to copy to a GPU machine without network
+
+It runs from a plain clone with only torch (with CUDA), transformers and triton installed: it puts the repository
+on sys.path itself, and a check whose optional package (openrlhf, transformers, vLLM, DeepSpeed, Ray) is missing is
+a skipped row, never an error. Where `openrlhf.models` does not import, upstream's PolicyLoss is the project's own
+statement of its formula (benchmarks/upstream_formula.py, held equal to upstream's by
+tests/test_upstream_formula.py), and the rows that use it say so.
 
 Checks (`--checks` picks some):
     core      every preset in fp32 on the device against float64 on the CPU: loss, gradient, mask, weights and
               every metric; with the metrics pass compiled (the CUDA default) for three presets as well
-    upstream  `off`, `upstream_icepop`, `upstream_tis` against OpenRLHF 0.11.2's own PolicyLoss on the device
+    upstream  `off`, `upstream_icepop`, `upstream_tis`, `upstream_seq_mask_tis` against OpenRLHF 0.11.2's
+              PolicyLoss on the device
     cost      the loss + metrics against upstream's PolicyLoss: time, kernels and peak memory
               (benchmarks/bench_correction.py's rows), and the host synchronizations of one call on CUDA
     step      the fork's share of a bf16 training step of a SmolLM2-135M-shaped model (random weights from a
@@ -27,6 +35,7 @@ falls within rounding of a bound and the two precisions must agree on every mask
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -39,15 +48,38 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import bench_correction as bench
-import torch
+VENDOR = "vendor"
+"""A prepared bundle's folder of pure-Python packages (benchmarks/prepare_gpu_check.py)."""
 
-from openrlhf_tis import metric_names as names
-from openrlhf_tis.correction import PRESETS, policy_loss, preset
+
+def _add_repository_to_path() -> Path:
+    """The repository root (its `openrlhf_tis`) and this folder (the benchmarks reused here) first on sys.path, so
+    that a plain clone or a prepared bundle runs with nothing installed; a bundle's vendor/ last, so that a package
+    the machine has wins over the bundle's copy. Returns the root."""
+    here = Path(__file__).resolve().parent
+    root = here.parent
+    for path in (here, root):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+    if (root / VENDOR).is_dir() and str(root / VENDOR) not in sys.path:
+        sys.path.append(str(root / VENDOR))
+    return root
+
+
+REPO = _add_repository_to_path()
+
+import bench_correction as bench  # noqa: E402
+import torch  # noqa: E402
+from upstream_formula import StatedPolicyLoss  # noqa: E402
+
+import openrlhf_tis  # noqa: E402
+from openrlhf_tis import metric_names as names  # noqa: E402
+from openrlhf_tis.correction import PRESETS, policy_loss, preset  # noqa: E402
 
 CHECKS = ("core", "upstream", "cost", "step", "cli")
 FAILING = ("MISMATCH", "ERROR")
-REPO = Path(__file__).resolve().parents[1]
+OPTIONAL = ("openrlhf", "transformers", "vllm", "deepspeed", "ray", "flash_attn", "pandas", "pyarrow", "duckdb")
+"""Packages a check may need that a GPU machine with only torch may lack: a check missing one is skipped."""
 SMOLLM2_135M = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                 "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
                 "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
@@ -57,9 +89,12 @@ TOY_MODEL = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "nu
              "tie_word_embeddings": True}
 REWARD = "dense_reward.py"  # the demo task's reward with its dense term: a random tiny model gets advantages
 COMPILED_PRESETS = ("tis", "mis_full", "seq_mis")
-UPSTREAM_SCHEMES = {"off": {}, "upstream_icepop": {"is_correction_mode": "mask"},
-                    "upstream_tis": {"is_correction_mode": "clip"}}
-"""The presets upstream's PolicyLoss computes too, and the PolicyLoss arguments that make it do so."""
+UPSTREAM_SCHEMES = {"off": {},
+                    "upstream_icepop": {"is_correction_level": "token", "is_correction_mode": "mask"},
+                    "upstream_tis": {"is_correction_level": "token", "is_correction_mode": "clip"},
+                    "upstream_seq_mask_tis": {"is_correction_level": "seq", "is_correction_mode": "mask"}}
+"""The presets upstream's PolicyLoss computes too, and the PolicyLoss arguments that make it do so (with its
+default band [0.5, 5], which config.from_upstream maps too)."""
 GOALS = {"time": 2.0, "kernels": 2.0, "memory": 1.25, "step": 1.02}
 """Issue 28's goals for the eager loss + metrics against upstream's PolicyLoss, and for a training step."""
 
@@ -174,31 +209,65 @@ def _compare(check: str, case: str, got: dict, ref: dict) -> Row:
 
 # ── upstream: the presets OpenRLHF computes too ──────────────────────────────────────────────────────
 
-def upstream_policy_loss(device: str) -> type | None:
-    """OpenRLHF's PolicyLoss where openrlhf is installed (its flash-attn import needs the fork's platform
-    patches where flash-attn is absent: those of a run on `device`), else None."""
-    if importlib.util.find_spec("openrlhf") is None:
-        return None
+def installed(package: str) -> bool:
+    """Whether `package` can be imported here (a None entry in sys.modules, which blocks an import, counts as
+    missing: the tests simulate a machine without it that way)."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """The upstream PolicyLoss of the upstream, cost and step rows, and where it comes from."""
+
+    policy_loss: Callable[..., tuple]
+    """OpenRLHF's class, or the statement of its formula (same constructor keywords and call)."""
+    stand_in: str = ""
+    """Why the statement stands in for OpenRLHF's class ("" where the class itself is used)."""
+
+    @property
+    def name(self) -> str:
+        if not self.stand_in:
+            return "OpenRLHF PolicyLoss"
+        return f"the fork's statement of OpenRLHF 0.11.2's PolicyLoss formula ({self.stand_in})"
+
+
+@functools.cache
+def load_upstream(device: str) -> Upstream:
+    """OpenRLHF's PolicyLoss where `openrlhf.models` imports (its flash-attn import needs the fork's platform
+    patches where flash-attn is absent: those of a run on `device`), else the project's statement of its formula:
+    upstream's numbers are still compared, and the rows say which side they came from."""
+    if not installed("openrlhf"):
+        return Upstream(StatedPolicyLoss, "openrlhf not installed")
+    try:
+        _apply_platform_patches(device)
+        from openrlhf.models import PolicyLoss
+    except Exception as exc:  # whatever stops the import (a missing DeepSpeed, flash-attn...): the statement stands in
+        return Upstream(StatedPolicyLoss, f"openrlhf.models did not import: {type(exc).__name__}: {exc}")
+    return Upstream(PolicyLoss)
+
+
+def _apply_platform_patches(device: str) -> None:
+    """The fork's platform patches of a run on `device`, where the fork is installed: setup.py maps patches/ to
+    `openrlhf_tis.patches`, which a plain clone lacks (there openrlhf.models is imported as it is)."""
+    if not installed("openrlhf_tis.patches"):
+        return
     from openrlhf_tis import patches
 
     patches.apply_platform_patches("cuda" if device.startswith("cuda") else "cpu")
-    from openrlhf.models import PolicyLoss
-
-    return PolicyLoss
 
 
 def check_upstream(args, sizes: Sizes) -> Iterator[Row]:
-    policy_loss_cls = upstream_policy_loss(args.device)
-    if policy_loss_cls is None:
-        yield Row("upstream", "off, upstream_icepop, upstream_tis", "", "", "skipped: openrlhf is not installed")
-        return
+    upstream = load_upstream(args.device)
     lp, old, roll, adv, am = (t.to(device=args.device, dtype=torch.float32)
                               for t in grid_batch(*sizes.core, seed=1, nonfinite=False))
     counts = {"batch_num_tokens": am.sum(), "global_batch_size": float(am.shape[0]), "dp_size": 1}
     for name, mode in UPSTREAM_SCHEMES.items():
-        scheme = {"is_correction_level": "token", "is_correction_threshold": [0.5, 5.0], **mode} if mode else {}
+        scheme = {"is_correction_threshold": [0.5, 5.0], **mode} if mode else {}
         up_lp = lp.clone().requires_grad_(True)
-        up_loss, up_clip, up_kl, vllm_kl, _ = policy_loss_cls(**scheme)(up_lp, old, adv, am, roll, **counts)
+        up_loss, up_clip, up_kl, vllm_kl, _ = upstream.policy_loss(**scheme)(up_lp, old, adv, am, roll, **counts)
         up_loss.backward()
         ours_lp = lp.clone().requires_grad_(True)
         ours = policy_loss(ours_lp, old, adv, am, roll, preset(name), **counts)
@@ -211,18 +280,15 @@ def check_upstream(args, sizes: Sizes) -> Iterator[Row]:
         scale = up_lp.grad.abs().max().item()
         ok = d_loss <= 1e-6 * abs(up_loss.item()) + 1e-8 and d_grad <= 1e-6 * scale + 1e-10 and d_kl <= 1e-6
         yield Row("upstream", name, f"Δloss {d_loss:.1e}, Δgrad {d_grad:.1e}, Δ(ppo_kl, clip, k1) {d_kl:.1e}",
-                  "OpenRLHF PolicyLoss: 1e-6 rel", "ok" if ok else "MISMATCH")
+                  f"{upstream.name}: 1e-6 rel", "ok" if ok else "MISMATCH")
 
 
 # ── cost: the loss + metrics against upstream's ──────────────────────────────────────────────────────
 
 def check_cost(args, sizes: Sizes) -> Iterator[Row]:
-    policy_loss_cls = upstream_policy_loss(args.device)
-    if policy_loss_cls is None:
-        yield Row("cost", "loss + metrics", "", "", "skipped: openrlhf is not installed (upstream is the baseline)")
-        return
+    upstream = load_upstream(args.device)
     batch = bench.make_batch(*sizes.cost, args.device)
-    steps = bench.loss_steps(batch, policy_loss_cls, args.compile)
+    steps = bench.loss_steps(batch, upstream.policy_loss, args.compile)
     costs = bench.loss_costs(steps, sizes.repeats, args.device)
     base = next(iter(costs.values()))
     graded = {*bench.EAGER_ROWS.values(), *bench.COMPILED_METRICS_ROWS.values()}
@@ -236,8 +302,13 @@ def check_cost(args, sizes: Sizes) -> Iterator[Row]:
             status = "info"
         else:
             status = "goal met" if all(ratios[key] <= GOALS[key] for key in ratios) else "over goal"
-        yield Row("cost", f"{name.removeprefix('fork, ')}, {where}", result,
-                  "≤ 2× time and kernels, ≤ 1.25× memory" if name in graded else "", status)
+        case = name.removeprefix("fork, ")
+        if upstream.stand_in:
+            case = case.replace("upstream PolicyLoss", "upstream PolicyLoss (stated formula)")
+        expected = "≤ 2× time and kernels, ≤ 1.25× memory" if name in graded else ""
+        if upstream.stand_in and (name in graded or name.startswith("upstream")):
+            expected = f"{expected} (baseline: {upstream.name})".lstrip()
+        yield Row("cost", f"{case}, {where}", result, expected, status)
     yield _host_syncs(args, batch)
 
 
@@ -270,12 +341,12 @@ def _host_syncs(args, batch: list[torch.Tensor]) -> Row:
 # ── step: a SmolLM2-135M-shaped bf16 training step ───────────────────────────────────────────────────
 
 def check_step(args, sizes: Sizes) -> Iterator[Row]:
+    if not installed("transformers"):
+        yield Row("step", "bf16 training step", "", "", "skipped: transformers not installed (it builds the model)")
+        return
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    policy_loss_cls = upstream_policy_loss(args.device)
-    if policy_loss_cls is None:
-        yield Row("step", "bf16 training step", "", "", "skipped: openrlhf is not installed (upstream is the baseline)")
-        return
+    upstream = load_upstream(args.device)
     torch.manual_seed(0)
     config = LlamaConfig(**sizes.model, attn_implementation="sdpa")
     model = LlamaForCausalLM(config).to(device=args.device, dtype=torch.bfloat16).train()
@@ -301,37 +372,41 @@ def check_step(args, sizes: Sizes) -> Iterator[Row]:
             loss(log_probs()).backward()
         return run
 
-    upstream = policy_loss_cls()
-    steps = {"upstream PolicyLoss": step(lambda lp: upstream(lp, old, adv, am, roll, **counts)[0])}
+    baseline = upstream.policy_loss()
+    steps = {"upstream PolicyLoss": step(lambda lp: baseline(lp, old, adv, am, roll, **counts)[0])}
     for name in bench.EAGER_ROWS:
         cfg = preset(name, compile_metrics="on" if args.compile else "off")
         steps[name] = step(lambda lp, cfg=cfg: policy_loss(lp, old, adv, am, roll, cfg, **counts).loss)
     times = bench.time_all(steps, max(3, sizes.repeats // 2), args.device)
     base = times.pop("upstream PolicyLoss")
     metrics = "metrics compiled" if args.compile else "metrics eager"
+    against = "upstream (stated formula)" if upstream.stand_in else "upstream"
+    goal = f"≤ {GOALS['step']}×" + (f" (baseline: {upstream.name})" if upstream.stand_in else "")
     for name, t in times.items():
         ratio = t / base
         yield Row("step", f"{name} ({metrics}), {B}×{T}, {config.num_hidden_layers} layers",
-                  f"{t * 1e3:.1f} ms vs upstream {base * 1e3:.1f} ms: {ratio:.3f}×", f"≤ {GOALS['step']}×",
+                  f"{t * 1e3:.1f} ms vs {against} {base * 1e3:.1f} ms: {ratio:.3f}×", goal,
                   "goal met" if ratio <= GOALS["step"] else "over goal")
 
 
 # ── cli: a 1-GPU run of the training command ─────────────────────────────────────────────────────────
 
 def check_cli(args, sizes: Sizes) -> Iterator[Row]:
-    missing = [m for m in ("vllm", "deepspeed", "ray") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("vllm", "deepspeed", "ray", "openrlhf") if not installed(m)]
+    reasons = [f"{', '.join(missing)} not installed"] if missing else []
+    if not missing and not installed("openrlhf_tis.patches"):  # a plain clone: setup.py maps patches/ there
+        reasons.append("openrlhf_tis.patches not installed (`pip install -e .` maps patches/ there)")
     if not args.device.startswith("cuda") or not torch.cuda.is_available():
-        yield Row("cli", "1-GPU training run", "", "", "skipped: needs a CUDA device (this run: "
-                  f"{args.device}){'; missing ' + ', '.join(missing) if missing else ''}")
-        return
-    if missing:
-        yield Row("cli", "1-GPU training run", "", "", f"skipped: {', '.join(missing)} not installed")
+        reasons.append(f"needs a CUDA device (this run: {args.device})")
+    if reasons:
+        yield Row("cli", "1-GPU training run", "", "", f"skipped: {'; '.join(reasons)}")
         return
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         work = Path(tmp)
         argv = cli_argv(work)
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)  # this checkout's fork
         proc = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=args.cli_timeout,
-                              env={**os.environ, "RAY_DEDUP_LOGS": "0"})
+                              env={**os.environ, "RAY_DEDUP_LOGS": "0", "PYTHONPATH": path})
         if proc.returncode != 0:
             log = Path(args.cli_log)
             log.write_text(proc.stdout + proc.stderr)
@@ -412,12 +487,29 @@ def run_checks(args, sizes: Sizes) -> list[Row]:
         try:
             rows.extend(RUNNERS[check](args, sizes))
         except Exception as exc:  # a check that cannot finish is a finding: the others still run
+            missing = _missing_optional(exc)
+            if missing:
+                rows.append(Row(check, "(the rest of the check)", "", "", f"skipped: {missing} not installed"))
+                continue
             traceback.print_exc()
             rows.append(Row(check, "(the check raised)", f"{type(exc).__name__}: {exc}", "", "ERROR"))
     return rows
 
 
+def _missing_optional(exc: Exception) -> str | None:
+    """The optional package (OPTIONAL) whose absence `exc` reports, else None: a check that imports one deeper
+    than its own test for it reads as skipped, like the others, not as an error."""
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return None
+    top = exc.name.split(".")[0]
+    return top if top in OPTIONAL else None
+
+
 def print_table(rows: list[Row], title: str) -> None:
+    """The rows as a rich table, or as plain text where rich is missing (it only draws)."""
+    if not installed("rich"):
+        print_plain_table(rows, title)
+        return
     from rich.console import Console
     from rich.table import Table
 
@@ -432,11 +524,26 @@ def print_table(rows: list[Row], title: str) -> None:
     Console(width=200).print(table)
 
 
+def print_plain_table(rows: list[Row], title: str) -> None:
+    """The same columns as text, one row a line, cells padded to the widest (the wrapping is the terminal's)."""
+    header = ("check", "case", "result", "reference / goal", "status")
+    cells = [header, *((r.check, r.case, r.result, r.expected, r.status) for r in rows)]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
+    print(title)
+    for i, line in enumerate(cells):
+        print(" | ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
+        if i == 0:
+            print("-+-".join("-" * width for width in widths))
+
+
 def describe_machine(device: str) -> str:
     where = torch.cuda.get_device_name() if device.startswith("cuda") else "CPU"
     cuda = f", CUDA {torch.version.cuda}" if device.startswith("cuda") else ""
-    found = [m for m in ("openrlhf", "vllm", "deepspeed", "ray", "flash_attn") if importlib.util.find_spec(m)]
-    return f"{where}: torch {torch.__version__}{cuda}; installed: {', '.join(found) or 'none of openrlhf/vllm/...'}"
+    found = [m for m in ("openrlhf", "transformers", "vllm", "deepspeed", "ray", "flash_attn", "triton", "rich")
+             if installed(m)]
+    fork = Path(openrlhf_tis.__file__).resolve().parent.parent
+    return (f"{where}: torch {torch.__version__}{cuda}; installed: {', '.join(found) or 'none of openrlhf/vllm/...'}"
+            f"; the fork from {fork}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -32,13 +32,25 @@ def platform_patches() -> tuple:
             fp32_training)
 
 
-def apply_platform_patches(device: str) -> list[str]:
-    """Apply every platform patch that applies on a `device` run (cpu or cuda); return the names applied now.
+_APPLIED: set[str] = set()  # the patches this process has, each applied once whoever asks again
 
-    The fork's own classes are wired in separately, in the driver only (fork_classes.apply()).
+
+def apply_platform_patches(device: str) -> list[str]:
+    """Apply every platform patch that applies on a `device` run (cpu or cuda) and that this process does not have
+    yet; return the names applied now.
+
+    Once per process and patch: a Ray worker that hosts a vLLM engine is reached by both the Ray hook and the vLLM
+    plugin, and a process may start several in-process engines (each loads vLLM's plugins). The fork's own classes
+    are wired in separately, in the driver only (fork_classes.apply()).
     """
     check_run_device(device)
-    return [patch.NAME for patch in platform_patches() if device in patch.DEVICES and patch.apply()]
+    applied = []
+    for patch in platform_patches():
+        if device in patch.DEVICES and patch.NAME not in _APPLIED:
+            if patch.apply():  # a patch that raises (an upstream out of range) is not recorded: it raises again
+                applied.append(patch.NAME)
+            _APPLIED.add(patch.NAME)
+    return applied
 
 
 def ray_worker_setup() -> None:

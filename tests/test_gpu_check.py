@@ -1,13 +1,17 @@
 """benchmarks/gpu_check.py, the GPU user's one command, at toy sizes on the CPU: every check runs and prints
 its table, the exit status follows the rows, a perturbed reference is caught, and the cli check's reading of
-a run directory fails a run that lacks what it must hold."""
+a run directory fails a run that lacks what it must hold. On a machine with only torch (and transformers), from a
+plain clone or from the folder benchmarks/prepare_gpu_check.py prepares (under 64 MiB), it still runs: missing
+packages are skipped rows, and upstream's side is the project's statement of its formula, which the rows name."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +22,8 @@ from openrlhf_tis.correction import PRESETS
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
+UPSTREAM_PRESETS = ("off", "upstream_icepop", "upstream_tis", "upstream_seq_mask_tis")
+STATED = "the fork's statement of OpenRLHF 0.11.2's PolicyLoss formula (openrlhf not installed)"
 
 
 def _gpu_check(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
@@ -39,7 +45,8 @@ def test_every_check_runs_on_the_cpu_and_agrees(tmp_path):
     assert list(by_check) == ["core", "upstream", "cost", "step", "cli"]
     assert [row["case"] for row in by_check["core"]] == [f"{name} (eager)" for name in PRESETS]
     assert {row["status"] for row in by_check["core"] + by_check["upstream"]} == {"ok"}
-    assert [row["case"] for row in by_check["upstream"]] == ["off", "upstream_icepop", "upstream_tis"]
+    assert [row["case"] for row in by_check["upstream"]] == list(UPSTREAM_PRESETS)
+    assert {row["expected"] for row in by_check["upstream"]} == {"OpenRLHF PolicyLoss: 1e-6 rel"}
     cost = {row["case"].rsplit(",", 1)[0]: row for row in by_check["cost"]}
     assert cost["upstream PolicyLoss, no correction"]["result"].count("(1.00×)") == 3  # the baseline
     for name in ("off (metrics only)", "tis", "mis_full"):
@@ -132,3 +139,151 @@ def test_the_cli_run_is_the_documented_one(tmp_path, gpu_check):
     assert value["--logger.token_dump_steps"] == "1"
     parsed = train_ppo_ray.build_parser().parse_args(flags)
     assert getattr(parsed, "vllm.num_engines") == 1
+
+
+# ── a machine with only torch: a plain clone, and the prepared folder ──
+
+def test_a_failing_upstream_import_leaves_the_statement_in_its_place(gpu_check, monkeypatch):
+    """openrlhf installed but `openrlhf.models` not importable (a GPU machine without DeepSpeed, say)."""
+    monkeypatch.setitem(sys.modules, "openrlhf.models", None)
+    upstream = gpu_check.load_upstream.__wrapped__("cpu")
+    assert upstream.policy_loss is gpu_check.StatedPolicyLoss
+    assert upstream.name.startswith("the fork's statement of OpenRLHF 0.11.2's PolicyLoss formula (openrlhf.models "
+                                    "did not import: ModuleNotFoundError")
+
+
+def test_a_missing_optional_package_is_a_skipped_row_and_any_other_failure_an_error(gpu_check, monkeypatch):
+    def needs(check_name: str, name: str):
+        def check(args, sizes):
+            yield gpu_check.Row(check_name, "before", "", "", "ok")
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return check
+
+    monkeypatch.setitem(gpu_check.RUNNERS, "cli", needs("cli", "vllm.engine"))
+    monkeypatch.setitem(gpu_check.RUNNERS, "step", needs("step", "openrlhf_tis.nowhere"))
+    args = gpu_check.parse_args(["--device", "cpu", "--checks", "cli,step"])
+    rows = gpu_check.run_checks(args, gpu_check.SMALL)
+    assert [(row.check, row.case, row.status) for row in rows] == [
+        ("cli", "before", "ok"), ("cli", "(the rest of the check)", "skipped: vllm not installed"),
+        ("step", "before", "ok"), ("step", "(the check raised)", "ERROR")]
+
+ABSENT = ("openrlhf", "deepspeed", "vllm", "ray", "flash_attn", "pandas", "pyarrow", "duckdb", "hypothesis")
+"""What this venv has and a GPU machine with only torch, transformers and triton lacks (the check must not need)."""
+
+RUN_WITHOUT = textwrap.dedent("""
+    import importlib.machinery, json, runpy, sys
+    absent, script, args = sys.argv[1].split(","), sys.argv[3], sys.argv[4:]
+    only_from = dict(a.split("=", 1) for a in sys.argv[2].split(",") if a)
+    sys.modules.update(dict.fromkeys(absent))  # None: `import` fails and importlib.util.find_spec says missing
+    # nor does the fork's editable install help: openrlhf_tis must come from the sys.path gpu_check sets
+    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+
+    class OnlyFrom:
+        \"\"\"Packages to import from one folder only (a bundle's vendor/), as on a machine without them.\"\"\"
+        def find_spec(self, name, path=None, target=None):
+            if name not in only_from:
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(name, [only_from[name]])
+            if spec is None:
+                raise ModuleNotFoundError(name, name=name)
+            return spec
+
+    sys.meta_path.insert(0, OnlyFrom())
+    sys.argv = [script, *args]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        files = {m: getattr(sys.modules.get(m), "__file__", None) for m in ("openrlhf_tis", "rich")}
+        print("LOADED", json.dumps(files))
+""")
+
+
+def _gpu_check_without(script: Path, tmp_path: Path, absent: tuple[str, ...], only_from: dict[str, Path],
+                       *flags: str) -> tuple[subprocess.CompletedProcess, list[dict], dict]:
+    """`script --device cpu --small` in a fresh interpreter where `absent` cannot be imported, `only_from`'s
+    packages come from their folder alone and nothing puts the repository on sys.path: (process, rows, the files
+    openrlhf_tis and rich were loaded from)."""
+    rows = tmp_path / "rows.json"
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    only = ",".join(f"{name}={folder}" for name, folder in only_from.items())
+    proc = subprocess.run([sys.executable, "-c", RUN_WITHOUT, ",".join(absent), only, str(script), "--device", "cpu",
+                           "--small", "--json", str(rows), *flags],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    loaded = re.search(r"^LOADED (.*)$", proc.stdout, re.M)
+    return proc, (json.loads(rows.read_text()) if rows.exists() else []), json.loads(loaded.group(1)) if loaded else {}
+
+
+def _by_check(rows: list[dict]) -> dict[str, list[dict]]:
+    by_check: dict[str, list[dict]] = {}
+    for row in rows:
+        by_check.setdefault(row["check"], []).append(row)
+    return by_check
+
+
+def _assert_upstream_is_the_statement(by_check: dict[str, list[dict]]) -> None:
+    """The upstream rows compare against the statement, say so, and agree; the cost rows take it as baseline."""
+    assert [row["case"] for row in by_check["upstream"]] == list(UPSTREAM_PRESETS)
+    for row in by_check["upstream"]:
+        assert row["status"] == "ok" and row["expected"] == f"{STATED}: 1e-6 rel", row
+    cost = {row["case"].rsplit(",", 1)[0]: row for row in by_check["cost"]}
+    assert cost["upstream PolicyLoss (stated formula), no correction"]["result"].count("(1.00×)") == 3
+    for name in ("off (metrics only)", "tis", "mis_full"):
+        row = cost[f"{name} + all metrics, eager"]
+        assert row["status"] in ("goal met", "over goal") and row["expected"].endswith(f"(baseline: {STATED})")
+
+
+def test_a_plain_clone_with_only_torch_runs_and_skips_what_is_missing(tmp_path):
+    """No openrlhf, DeepSpeed, vLLM, Ray, transformers nor rich, and the fork not installed: every row is ok or
+    skipped naming the package, the table is plain text, and the exit status is 0."""
+    proc, rows, loaded = _gpu_check_without(SCRIPT, tmp_path, (*ABSENT, "transformers", "rich"), {})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert loaded["openrlhf_tis"] == str(REPO / "openrlhf_tis" / "__init__.py") and loaded["rich"] is None
+    assert re.search(r"^check +\| case +\| result", proc.stdout, re.M) and "┏" not in proc.stdout
+    assert "every result as expected" in proc.stdout
+    by_check = _by_check(rows)
+    assert list(by_check) == ["core", "upstream", "cost", "step", "cli"]
+    assert {row["status"] for row in by_check["core"]} == {"ok"}
+    _assert_upstream_is_the_statement(by_check)
+    (step,) = by_check["step"]
+    assert step["status"] == "skipped: transformers not installed (it builds the model)"
+    (cli,) = by_check["cli"]
+    assert cli["status"] == "skipped: vllm, deepspeed, ray, openrlhf not installed; needs a CUDA device (this run: cpu)"
+    assert not [row for row in rows if row["status"] in ("MISMATCH", "ERROR")]
+
+
+def test_the_prepared_folder_is_under_64_mib_and_runs_the_check_alone(tmp_path):
+    """benchmarks/prepare_gpu_check.py's folder, away from the repository, on a machine with torch and transformers
+    only: the fork and rich come from the folder, the step runs against the statement, the exit status is 0."""
+    bundle = tmp_path / "gpu_check_bundle"
+    prep = subprocess.run([sys.executable, str(REPO / "benchmarks" / "prepare_gpu_check.py"), "--out", str(bundle)],
+                          capture_output=True, text=True, timeout=120)
+    assert prep.returncode == 0, prep.stdout + prep.stderr
+    files = [path for path in bundle.rglob("*") if path.is_file()]
+    size = sum(path.stat().st_size for path in files)
+    assert size <= 64 * 2**20
+    assert f"{bundle}: {len(files)} files, {size / 2**20:.2f} MiB (limit 64 MiB)" in prep.stdout
+    assert "python3 gpu_check_bundle/benchmarks/gpu_check.py" in prep.stdout
+    assert (bundle / "openrlhf_tis" / "patches" / "__init__.py").is_file()  # where setup.py installs patches/
+    assert not [path for path in files if "__pycache__" in path.parts or path.suffix == ".pyc"]
+
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    proc, rows, loaded = _gpu_check_without(bundle / "benchmarks" / "gpu_check.py", work, ABSENT,
+                                            {"rich": bundle / "vendor"})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert loaded == {"openrlhf_tis": str(bundle / "openrlhf_tis" / "__init__.py"),
+                      "rich": str(bundle / "vendor" / "rich" / "__init__.py")}
+    assert "┏" in proc.stdout and "every result as expected" in proc.stdout
+    by_check = _by_check(rows)
+    assert {row["status"] for row in by_check["core"]} == {"ok"}
+    _assert_upstream_is_the_statement(by_check)
+    assert [row["case"].split(" ")[0] for row in by_check["step"]] == ["off", "tis", "mis_full"]
+    for row in by_check["step"]:
+        assert "vs upstream (stated formula)" in row["result"] and row["expected"] == f"≤ 1.02× (baseline: {STATED})"
+    (cli,) = by_check["cli"]
+    assert cli["status"].startswith("skipped: vllm, deepspeed, ray, openrlhf not installed")
+
+    again = subprocess.run([sys.executable, str(REPO / "benchmarks" / "prepare_gpu_check.py"), "--out", str(work)],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0 and "is not a gpu_check bundle" in again.stderr  # never writes over other files

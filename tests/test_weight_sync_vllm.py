@@ -121,23 +121,22 @@ def _logprobs_with_head_dtype(llm, dtype: torch.dtype) -> torch.Tensor:
         llm.collective_rpc(set_head_dtype, args=(torch.float32,))
 
 
-def test_fp32_head_casts_once_reduces_the_mismatch_and_follows_a_sync(tiny_model_dir, tmp_path):
+def test_fp32_head_casts_once_is_exact_and_follows_a_sync(tiny_model_dir, tmp_path):
     from openrlhf_tis.rollout.precision import engine_kwargs
 
     kwargs = engine_kwargs("bf16", tiny_model_dir, cuda=False, fp32_head=True)
     llm = start_engine(kwargs.pop("model"), **kwargs)
     model = trainer_model(tiny_model_dir)
-    reference = reference_logprobs(model)
-    fp32_gap = (engine_prompt_logprobs(llm) - reference).abs().mean().item()
+    fp32_lp = engine_prompt_logprobs(llm)
     # 1. Generation cast the head once and kept it; the kept weight gives upstream's logits bit for bit,
     #    in fp32, exact to fp32 rounding, where the bf16 head rounds every logit to 8 bits.
     same, dtype, cast_once, fp32_error, bf16_error = llm.collective_rpc(_head_paths)[0]
     assert (same, dtype, cast_once) == (True, torch.float32, True)
     assert fp32_error < 1e-5 < 1e-3 < bf16_error, (fp32_error, bf16_error)
-    # 2. So the engine is closer to the fp32 trainer with the fp32 head than with a bf16 one (tiny model:
-    #    measured 8.7e-4 vs 9.8e-4 mean |dlogp|; its small logits make the head a small part of the gap).
-    bf16_gap = (_logprobs_with_head_dtype(llm, torch.bfloat16) - reference).abs().mean().item()
-    assert fp32_gap < bf16_gap, (fp32_gap, bf16_gap)
+    # 2. The head's dtype reaches what rollouts see. Whether it brings the whole engine closer to the fp32
+    #    trainer depends on the CPU's bf16 kernels elsewhere in the model (tiny model, mean |dlogp|: 8.7e-4 vs
+    #    9.8e-4 in an earlier session, 1.011e-3 vs 1.001e-3 on a Xeon with AMX), so it is not asserted.
+    assert not torch.equal(fp32_lp, _logprobs_with_head_dtype(llm, torch.bfloat16))
     # 3. After a sync the head uses the new weights: bit-identical to a fresh fp32-head engine on them.
     named = take_training_step(model)
     llm.collective_rpc(_reload, args=(named,))

@@ -11,13 +11,15 @@ import argparse
 import ast
 import dataclasses
 import os
+import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from openrlhf_tis.cli.cluster_device import DEVICE_DEST, RESOURCES_DEST
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.model_files import check_model_path
-from openrlhf_tis.prompt_files import PromptFileError, local_files, read_prompt_file
+from openrlhf_tis.prompt_files import PromptFileError, item_sources, prompt_problem, read_records, token_counts
 from openrlhf_tis.rollout.reward_calls import TIMEOUT_FLAG, check_timeout
 
 _UNSET = object()
@@ -104,18 +106,30 @@ def check_reward_script(flag: str, url: str | None) -> None:
             raise UsageError(flag, f"reward script {path!r} defines no reward_func(queries, prompts, labels)")
 
 
-def check_dataset(flag: str, spec: str | None, keys: dict[str, str | None], *,
-                  required: bool = True) -> tuple[dict | None, int | None]:
-    """Dataset files named on the command line must exist; local JSON(L), Parquet and CSV ones are read whole.
+@dataclass(frozen=True)
+class DatasetRead:
+    """What check_dataset read: the first record, the number of records (None unless every item of the spec was
+    read here) and (where, --data.input_key value) of each row upstream can reach (the first --data.max_samples
+    of each source: upstream takes no more from any)."""
+    first: dict[str, Any] | None = None
+    records: int | None = None
+    prompts: list[tuple[str, Any]] = field(default_factory=list)
+
+
+def check_dataset(flag: str, spec: str | None, keys: dict[str, str | None], *, required: bool = True,
+                  split: str = "train", reach: int = 0, modelscope: bool = False) -> DatasetRead:
+    """Dataset files named on the command line must exist; local JSON(L), Parquet and CSV ones are read whole, and
+    so are local directories, resolved as upstream resolves them (prompt_files.item_sources: one upstream cannot
+    load is refused here); `split` is the split upstream selects (--data.prompt_split / --eval.split).
 
     `keys` maps each key flag (`--data.input_key`, ...) to its value; every record must have the keys
-    that are set. Hub names are left to upstream. Returns the first record read (or None) and the number
-    of records when every item of `spec` is a file read here (else None).
+    that are set. Hub names are left to upstream. The prompts of the first `reach` rows of each source come back
+    for the row checks (check_prompt_rows).
     """
     if not spec:
         if required:
             raise UsageError(flag, "is required")
-        return None, None
+        return DatasetRead()
     for item in spec.split(","):
         path = item.split("@")[0].strip()
         looks_local = path.startswith((".", "/", "~")) or os.path.splitext(path)[1] in (
@@ -124,16 +138,112 @@ def check_dataset(flag: str, spec: str | None, keys: dict[str, str | None], *,
         if looks_local and not os.path.exists(os.path.expanduser(path)):
             raise UsageError(flag, f"dataset {path!r} does not exist")
     key_flags = {key: key_flag for key_flag, key in keys.items() if key}
-    first, count = None, 0
-    files = local_files(spec)
-    for path in files:
-        try:
-            found = read_prompt_file(path, list(key_flags))
-        except PromptFileError as err:
-            raise UsageError(key_flags.get(err.key, flag), str(err)) from None
-        first = first if first is not None else found.first
-        count += found.records
-    return first, count if len(files) == len(spec.split(",")) else None
+    first, count, prompts, every_item_read = None, 0, [], True
+    try:
+        for item in spec.split(","):
+            sources = item_sources(item, split, modelscope=modelscope)
+            every_item_read &= sources is not None
+            for name, records in sources or []:
+                found = read_records(name, records, list(key_flags), keys.get("--data.input_key"), reach)
+                first = first if first is not None else found.first
+                count += found.records
+                prompts += found.kept
+    except PromptFileError as err:
+        raise UsageError(key_flags.get(err.key, flag), str(err)) from None
+    return DatasetRead(first, count if every_item_read else None, prompts)
+
+
+def check_prompt_rows(args: argparse.Namespace, prompts: list[tuple[str, Any]]) -> None:
+    """Every reachable row must give upstream a prompt: not empty, of a type its PromptDataset formats
+    (prompt_files.prompt_problem), and, with the chat template, one the template renders. Upstream finds an empty
+    prompt only when vLLM refuses it, at the first step that samples it, naming no row."""
+    chat = getattr(args, "data.apply_chat_template")
+    template = _input_template(args)
+    key = getattr(args, "data.input_key")
+    for where, value in prompts:
+        if problem := prompt_problem(value, chat, template):
+            raise UsageError("--data.input_key", f"{where}: {key!r} {problem}")
+
+
+def _input_template(args: argparse.Namespace) -> str | None:
+    """--data.input_template as upstream's __main__ leaves it (dropped, with a warning there, without `{}`)."""
+    template = getattr(args, "data.input_template")
+    return template if template and "{}" in template else None
+
+
+def check_prompt_lengths(args: argparse.Namespace, prompts: list[tuple[str, Any]]) -> None:
+    """No reachable prompt may reach --data.max_len tokens, counted as the rollout counts them (formatted by
+    upstream's preprocess_data, with the chat template when set, tokenized without special tokens by the actor's
+    tokenizer; the model's weights are not loaded).
+
+    Upstream's rollout (SingleTurnAgentExecutor.execute) gives prompt and response --data.max_len tokens together
+    and cuts from its start a prompt that leaves the response (--rollout.max_new_tokens, else at least one token)
+    no room: one of --data.max_len tokens or more keeps at most its last max_len - 1 tokens and gets a response
+    of one token (or --rollout.max_new_tokens with fewer kept), no training sample, and a reward script that looks
+    for the prompt in the query does not find it: refused. A shorter prompt cut only to leave the room of
+    --rollout.max_new_tokens keeps its whole response budget, as upstream intends: warned. A --rollout.max_new_tokens
+    above --data.max_len makes upstream drop the start of every prompt (and send vLLM an empty one when that is
+    all of it): refused. Skipped for a vision-language model, whose prompts are counted with their images.
+    """
+    if not prompts:
+        return
+    max_len, max_new = getattr(args, "data.max_len"), getattr(args, "rollout.max_new_tokens")
+    if max_new is not None and max_new > max_len:
+        raise UsageError("--rollout.max_new_tokens", f"{max_new} is more than --data.max_len {max_len}, which prompt "
+                         f"and response share: upstream would drop the first {max_new - max_len} tokens of every "
+                         "prompt (and vLLM refuses one left empty)")
+    tokenizer = _actor_tokenizer(args)
+    if hasattr(tokenizer, "image_processor"):
+        return
+    texts = [_formatted(args, tokenizer, where, value) for where, value in prompts]
+    counts = token_counts(texts, tokenizer)
+    how = "with the chat template" if getattr(args, "data.apply_chat_template") else "as formatted"
+    kept = max_len - (max_new or 1)
+    for (where, _), count in zip(prompts, counts, strict=True):
+        if count >= max_len:
+            raise UsageError("--data.max_len", f"{where}: the prompt is {count} tokens ({how}), not under "
+                             f"--data.max_len {max_len} (prompt + response): no room for a response; upstream "
+                             f"would keep only its last {kept} tokens and generate {max_new or 'one'} (raise "
+                             "--data.max_len or shorten the prompt)")
+    if max_new is not None and max_new < max_len:
+        _warn_cut_prompts(prompts, counts, kept, max_new)
+
+
+def _warn_cut_prompts(prompts: list[tuple[str, Any]], counts: list[int], room: int, max_new: int) -> None:
+    """One warning for the prompts upstream cuts from the start to leave --rollout.max_new_tokens room."""
+    cut = [(where, count) for (where, _), count in zip(prompts, counts, strict=True) if count > room]
+    if cut:
+        where, count = cut[0]
+        print(f"[openrlhf_tis] warning: --data.max_len: {len(cut)} prompt(s) longer than the {room} tokens "
+              f"--rollout.max_new_tokens {max_new} leaves them (first: {where}, {count} tokens); upstream cuts their "
+              "first tokens to fit, so the model never sees their start", file=sys.stderr)
+
+
+def _actor_tokenizer(args: argparse.Namespace) -> Any:
+    """The tokenizer upstream's rollout uses (get_tokenizer on --actor.model_name_or_path), without the model."""
+    from openrlhf.utils.utils import get_tokenizer
+
+    model = getattr(args, "actor.model_name_or_path")
+    try:
+        return get_tokenizer(model, None, use_fast=not getattr(args, "data.disable_fast_tokenizer"))
+    except Exception as err:  # transformers raises many types for a missing or broken tokenizer
+        raise UsageError("--actor.model_name_or_path", f"cannot load the tokenizer of {model}: "
+                         f"{type(err).__name__}: {err}") from None
+
+
+def _formatted(args: argparse.Namespace, tokenizer: Any, where: str, value: Any) -> str:
+    """One row's prompt text exactly as upstream's PromptDataset builds it; a chat template that fails on the row
+    is refused naming it."""
+    from openrlhf.datasets.prompts_dataset import preprocess_data
+
+    key = getattr(args, "data.input_key")
+    chat = tokenizer.apply_chat_template if getattr(args, "data.apply_chat_template") else None
+    try:
+        prompt, _ = preprocess_data({key: value}, _input_template(args), key, None, chat)
+    except Exception as err:  # jinja's errors, a template's own raise_exception, str.format's, ...
+        what = "the chat template of --actor.model_name_or_path" if chat else "--data.input_template"
+        raise UsageError("--data.input_key", f"{where}: {what} fails on {key!r}: {type(err).__name__}: {err}") from None
+    return prompt
 
 
 def planned_steps(args: argparse.Namespace, prompts: int | None) -> int | None:
@@ -183,16 +293,21 @@ def check_inputs(args: argparse.Namespace) -> int | None:
     check_model_path("--critic.model_name_or_path", getattr(args, "critic.model_name_or_path"))
     check_reward_script("--reward.remote_url", getattr(args, "reward.remote_url"))
     keys = {"--data.input_key": getattr(args, "data.input_key"), "--data.label_key": getattr(args, "data.label_key")}
-    first_prompt, prompts = check_dataset("--data.prompt_dataset", getattr(args, "data.prompt_dataset"), keys)
-    check_dataset("--eval.dataset", getattr(args, "eval.dataset"), keys, required=False)
+    reach, modelscope = getattr(args, "data.max_samples"), getattr(args, "use_ms", False)
+    train = check_dataset("--data.prompt_dataset", getattr(args, "data.prompt_dataset"), keys,
+                          split=getattr(args, "data.prompt_split"), reach=reach, modelscope=modelscope)
+    evaluated = check_dataset("--eval.dataset", getattr(args, "eval.dataset"), keys, required=False,
+                              split=getattr(args, "eval.split"), reach=reach, modelscope=modelscope)
+    check_prompt_rows(args, train.prompts + evaluated.prompts)
     check_outputs(args)
     from openrlhf_tis.cli.reward_probe import probe_reward_script
     from openrlhf_tis.rollout.precision import check_cli_precision_files
 
     check_cli_precision_files(args, cuda=getattr(args, DEVICE_DEST) == "cuda")
-    if first_prompt is not None:
-        probe_reward_script("--reward.remote_url", getattr(args, "reward.remote_url"), first_prompt, args)
-    return planned_steps(args, prompts)
+    check_prompt_lengths(args, train.prompts + evaluated.prompts)
+    if train.first is not None:
+        probe_reward_script("--reward.remote_url", getattr(args, "reward.remote_url"), train.first, args)
+    return planned_steps(args, train.records)
 
 
 def check_flags(args: argparse.Namespace) -> None:
