@@ -320,3 +320,28 @@ def processes_naming(text: str | Path) -> dict[int, str]:
         if str(text) in cmdline and "pytest" not in cmdline and proc.info["status"] != psutil.STATUS_ZOMBIE:
             found[proc.pid] = cmdline[:160]
     return found
+
+
+class FakeRewardEngine:
+    """What upstream's SingleTurnAgentExecutor needs of the engine: generate() -> an output of 3 fixed tokens."""
+
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=[5, 6, 7], finish_reason="stop", logprobs=None)])
+
+
+def execute_prompts(executor, tokenizer, prompts: list[str]) -> list:
+    """Each prompt's `execute` on a reward executor, concurrently, as an engine's generate_responses runs them;
+    exceptions returned in place of their outputs."""
+    import asyncio
+    from types import SimpleNamespace
+
+    params = SimpleNamespace(max_tokens=3, logprobs=None)
+
+    async def run():
+        return await asyncio.gather(*[executor.execute(prompt=p, label="4", sampling_params=params, max_length=64,
+                                                        hf_tokenizer=tokenizer, llm_engine=FakeRewardEngine())
+                                      for p in prompts], return_exceptions=True)
+
+    return asyncio.run(run())

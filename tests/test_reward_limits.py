@@ -4,7 +4,6 @@ result must hold one number per query; either failure names the script, the prom
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 import textwrap
@@ -14,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import ray
-from _support import error_line, refused, with_value
+from _support import error_line, execute_prompts, refused, with_value
 from openrlhf.utils.agent import SingleTurnAgentExecutor
 
 from openrlhf_tis.cli import train_ppo_ray
@@ -99,12 +98,6 @@ def test_the_default_limit_is_the_engines_default(valid_argv):
 
 # --- on the engines, during training ----------------------------------------------------------------------------
 
-class _FakeEngine:
-    """What SingleTurnAgentExecutor needs of the engine: generate() -> an output of 3 fixed tokens."""
-
-    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
-        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=[5, 6, 7], finish_reason="stop", logprobs=None)])
-
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
@@ -122,16 +115,6 @@ def _loud(script: Path, timeout_s: float | None = None) -> LoudRewardExecutor:
     return executor
 
 
-def _execute(executor, tokenizer, prompts: list[str]) -> list:
-    """Each prompt's `execute` concurrently, as an engine's generate_responses runs them; exceptions returned."""
-    params = SimpleNamespace(max_tokens=3, logprobs=None)
-
-    async def run():
-        return await asyncio.gather(*[executor.execute(prompt=p, label="4", sampling_params=params, max_length=64,
-                                                        hf_tokenizer=tokenizer, llm_engine=_FakeEngine())
-                                      for p in prompts], return_exceptions=True)
-
-    return asyncio.run(run())
 
 
 def test_an_engine_stops_a_reward_that_never_returns(tmp_path, tokenizer, capsys):
@@ -139,7 +122,7 @@ def test_an_engine_stops_a_reward_that_never_returns(tmp_path, tokenizer, capsys
     executor = _loud(script, timeout_s=1)
     t0 = time.monotonic()
     try:
-        (failed,) = _execute(executor, tokenizer, ["what is 2 + 2?"])
+        (failed,) = execute_prompts(executor, tokenizer, ["what is 2 + 2?"])
     finally:
         release.touch()
     assert time.monotonic() - t0 < 30
@@ -153,7 +136,7 @@ def test_an_engine_stops_a_reward_that_never_returns(tmp_path, tokenizer, capsys
 
 def test_only_the_late_sample_fails(tmp_path, tokenizer):
     script = _script(tmp_path, "if 'slow' in prompts[0]:\n    time.sleep(3)\nreturn {'rewards': 1.0}\n")
-    slow, fast = _execute(_loud(script, timeout_s=1), tokenizer, ["a slow prompt", "a fast prompt"])
+    slow, fast = execute_prompts(_loud(script, timeout_s=1), tokenizer, ["a slow prompt", "a fast prompt"])
     assert isinstance(slow, RewardFunctionError) and "'a slow prompt'" in str(slow)
     assert fast["reward"] == 1.0
 
@@ -173,7 +156,7 @@ def test_a_call_waiting_for_its_turn_is_not_timed(tmp_path, tokenizer):
         """)
     script.write_text("import threading\nLOCK, RUNNING = threading.Lock(), [0, 0]\n" + script.read_text())
     threads = default_executor_threads()
-    outputs = _execute(_loud(script, timeout_s=1.5), tokenizer, [f"prompt {i}" for i in range(4 * threads)])
+    outputs = execute_prompts(_loud(script, timeout_s=1.5), tokenizer, [f"prompt {i}" for i in range(4 * threads)])
     assert [out["reward"] for out in outputs] == [1.0] * len(outputs), outputs
     assert max(out["extra_logs"]["peak"] for out in outputs) == threads
 
@@ -185,7 +168,7 @@ def test_a_call_waiting_for_its_turn_is_not_timed(tmp_path, tokenizer):
 ])
 def test_an_engine_names_the_script_the_prompt_and_the_bad_result(tmp_path, tokenizer, body, expected):
     script = _script(tmp_path, body)
-    (failed,) = _execute(_loud(script), tokenizer, ["what is 2 + 2?"])
+    (failed,) = execute_prompts(_loud(script), tokenizer, ["what is 2 + 2?"])
     assert isinstance(failed, RewardFunctionError), failed
     assert str(failed) == f"reward_func in {script} on prompt 'what is 2 + 2?' (label '4') {expected}"
 
@@ -193,7 +176,7 @@ def test_an_engine_names_the_script_the_prompt_and_the_bad_result(tmp_path, toke
 def test_results_upstream_can_use_pass_unchanged(tmp_path, tokenizer):
     script = _script(tmp_path, "import torch\nreturn {'rewards': torch.tensor([0.5]), 'scores': 1, "
                                "'extra_logs': {'n': 2}}\n")
-    (output,) = _execute(_loud(script), tokenizer, ["what is 2 + 2?"])
+    (output,) = execute_prompts(_loud(script), tokenizer, ["what is 2 + 2?"])
     assert output["reward"].tolist() == [0.5] and output["scores"] == 1 and output["extra_logs"] == {"n": 2}
 
 

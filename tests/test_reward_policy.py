@@ -3,7 +3,6 @@ reward function that raises fails the run with its own exception and traceback."
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
@@ -11,11 +10,11 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from _support import execute_prompts
 from openrlhf.trainer.ppo_utils.experience import Experience
 from openrlhf.utils.agent import SingleTurnAgentExecutor
 
@@ -80,23 +79,7 @@ def test_samples_without_a_reward_are_not_judged_here():
 
 # --- the engine side: a reward that raises -------------------------------------------------------------
 
-class _FakeEngine:
-    """What SingleTurnAgentExecutor needs of the engine: generate() -> an output of 3 fixed tokens."""
 
-    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
-        out = SimpleNamespace(token_ids=[5, 6, 7], finish_reason="stop", logprobs=None)
-        return SimpleNamespace(outputs=[out])
-
-
-def _execute(executor, tokenizer, prompts):
-    params = SimpleNamespace(max_tokens=3, logprobs=None)
-
-    async def run():
-        return await asyncio.gather(*[executor.execute(prompt=p, label="4", sampling_params=params, max_length=64,
-                                                        hf_tokenizer=tokenizer, llm_engine=_FakeEngine())
-                                      for p in prompts], return_exceptions=True)
-
-    return asyncio.run(run())
 
 
 @pytest.fixture(scope="module")
@@ -113,12 +96,12 @@ def test_a_raising_reward_fails_with_its_own_exception(tmp_path, tokenizer, caps
                       "        raise KeyError('no answer field')\n"
                       "    return {'rewards': 2.0}\n")
     upstream = SingleTurnAgentExecutor(str(script))
-    swallowed = _execute(upstream, tokenizer, ["a bad prompt"])[0]
+    swallowed = execute_prompts(upstream, tokenizer, ["a bad prompt"])[0]
     assert swallowed["reward"] is None  # upstream: logged at INFO, the sample goes on without a reward
 
     loud = SingleTurnAgentExecutor(str(script))
     assert make_rewards_loud(loud) and isinstance(loud, LoudRewardExecutor)
-    failed, fine = _execute(loud, tokenizer, ["a bad prompt", "a good prompt"])  # concurrent samples
+    failed, fine = execute_prompts(loud, tokenizer, ["a bad prompt", "a good prompt"])  # concurrent samples
     assert isinstance(failed, KeyError) and failed.args == ("no answer field",)
     frames = traceback.extract_tb(failed.__traceback__)
     assert any(f.filename == str(script) and f.lineno == 3 for f in frames)  # the script's own line
@@ -131,7 +114,7 @@ def test_a_reward_call_without_rewards_fails(tmp_path, tokenizer):
     script.write_text("def reward_func(queries, prompts, labels):\n    return {'scores': 1.0}\n")
     loud = SingleTurnAgentExecutor(str(script))
     make_rewards_loud(loud)
-    (result,) = _execute(loud, tokenizer, ["what is 2 + 2?"])
+    (result,) = execute_prompts(loud, tokenizer, ["what is 2 + 2?"])
     assert isinstance(result, RewardFunctionError) and "returned no 'rewards'" in str(result)
 
 
