@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The staleness axis's pilot (issue 43; docs/study.md "The staleness axis"): the precision study's recipe (the main
+# job's task, SmolLM2-135M, bf16 trainer and rollouts, 24 steps, seed 1) with the weights synced after every 8th step
+# only (--vllm.sync_every 8: lags 0..7, each measured by mismatch_by_lag/k3_lag_<k>), uncorrected and with TIS.
+# Cells land under results/study/staleness-pilot-avx512 (resumable: a re-run skips finished cells;
+# `touch results/study/staleness-pilot-avx512/STOP` ends the sitting after the cell in flight).
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+bash "$ROOT/scripts/setup_env.sh"
+OUT=${OPENRLHF_TIS_PILOT:-$ROOT/results/study/staleness-pilot-avx512}
+GRID=$(mktemp --suffix=.json)
+trap 'rm -f "$GRID"' EXIT
+"$ROOT/.venv/bin/python" - "$OUT" "$GRID" <<'PY'
+import json
+import sys
+from pathlib import Path
+
+from openrlhf_tis.study.dose_response import study_grid
+
+out, grid = Path(sys.argv[1]).resolve(), Path(sys.argv[2])
+spec = study_grid(out, "default", cells={"none": ("off", "tis")}, seeds=(1,), steps=24)  # absolute task paths
+for table in spec["grid"]:
+    table["sync_every"] = [8]
+grid.write_text(json.dumps(spec, indent=1) + "\n")
+PY
+exec "$ROOT/.venv/bin/openrlhf-tis-sweep" "$GRID" "$OUT"
