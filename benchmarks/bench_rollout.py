@@ -79,11 +79,11 @@ CALIBRATION_PROMPTS = [  # short arithmetic and chat prompts, phrased unlike the
 
 
 def _sync(worker, named):
-    from openrlhf_tis.rollout.cpu_worker_extension import reload_into_engine
+    from openrlhf_tis.rollout.weight_sync.reload import reload_into_engine
 
     t0 = time.perf_counter()
-    reload_into_engine(worker.model_runner, named)
-    return time.perf_counter() - t0
+    stats = reload_into_engine(worker.model_runner, named)
+    return time.perf_counter() - t0, stats
 
 
 def calibrate_once(src: Path, work: Path, prompts_file: str | None, alpha: float, min_levels: float,
@@ -178,17 +178,16 @@ def _run_variant(name: str, src: Path, work: Path, model_new, named_bf16, args, 
     sync_s, worker_s = [], []  # syncing the same weights again leaves the same engine state
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        worker_s.append(llm.collective_rpc(_sync, args=(named,))[0])
+        seconds, stats = llm.collective_rpc(_sync, args=(named,))[0]
+        worker_s.append(seconds)
         sync_s.append(time.perf_counter() - t0)
     outs = llm.generate(prompts, params, use_tqdm=False)
     train_lp, roll_lp = trainer_logprobs(model_new, outs)
     row = {"variant": name, "start_s": start_s, "tok_per_s": n_tok / min(gen_s), "load1": load1,
            "sync_s": min(sync_s), "reload_s": min(worker_s), **mismatch(train_lp, roll_lp)}
-    stats_file = Path(model_dir) / "sync_stats.jsonl"
-    if precision == "int8" and stats_file.exists():
-        last = json.loads(stats_file.read_text().splitlines()[-1])
-        row.update(quantize_s=last["quantize_s"], saturated=last["saturated_fraction"],
-                   max_rel_error=last["max_rel_error"],
+    if stats is not None:  # the last sync's re-quantization (INT8 engines)
+        row.update(quantize_s=stats["quantize_s"], saturated=stats["saturated_fraction"],
+                   max_rel_error=stats["max_rel_error"],
                    weight_bits=json.loads((Path(model_dir) / PLAN_FILE).read_text())["weight_bits"])
     del llm
     gc.collect()

@@ -19,6 +19,9 @@ Checks (`--checks` picks some):
               (benchmarks/bench_correction.py's rows), and the host synchronizations of one call on CUDA
     step      the fork's share of a bf16 training step of a SmolLM2-135M-shaped model (random weights from a
               LlamaConfig: nothing is downloaded) at micro-batch 8×1024
+    fp8       FP8 e4m3 128×128 block quantization (rollout/fp8_blocks.py) of a SmolLM2-135M-shaped model's
+              projections on the device: scales against float64 on the CPU, the round-trip bound, an all-zero
+              block, and the time to re-quantize every projection once (one sync's quantization)
     cli       where vLLM, DeepSpeed and Ray are installed and a GPU is present: a 1-GPU run of the training CLI
               on the tiny model (bf16 rollouts + TIS) whose metrics.jsonl, sync check and token dumps are read
 
@@ -76,7 +79,7 @@ import openrlhf_tis  # noqa: E402
 from openrlhf_tis import metric_names as names  # noqa: E402
 from openrlhf_tis.correction import PRESETS, policy_loss, preset  # noqa: E402
 
-CHECKS = ("core", "upstream", "cost", "step", "cli")
+CHECKS = ("core", "upstream", "cost", "step", "fp8", "cli")
 FAILING = ("MISMATCH", "ERROR")
 OPTIONAL = ("openrlhf", "transformers", "vllm", "deepspeed", "ray", "flash_attn", "pandas", "pyarrow", "duckdb")
 """Packages a check may need that a GPU machine with only torch may lack: a check missing one is skipped."""
@@ -106,10 +109,11 @@ class Sizes:
     step: tuple[int, int]  # micro-batch of the training step
     model: dict
     repeats: int
+    fp8_block: tuple[int, int]  # the FP8 weight blocks (vLLM's and verl's 128×128; the toy model is smaller)
 
 
-FULL = Sizes(core=(32, 512), cost=(256, 1024), step=(8, 1024), model=SMOLLM2_135M, repeats=10)
-SMALL = Sizes(core=(4, 24), cost=(8, 32), step=(2, 32), model=TOY_MODEL, repeats=2)
+FULL = Sizes(core=(32, 512), cost=(256, 1024), step=(8, 1024), model=SMOLLM2_135M, repeats=10, fp8_block=(128, 128))
+SMALL = Sizes(core=(4, 24), cost=(8, 32), step=(2, 32), model=TOY_MODEL, repeats=2, fp8_block=(16, 16))
 
 
 @dataclass
@@ -389,6 +393,64 @@ def check_step(args, sizes: Sizes) -> Iterator[Row]:
                   "goal met" if ratio <= GOALS["step"] else "over goal")
 
 
+# ── fp8: block quantization of the projections, as a sync re-quantizes them ─────────────────────────
+
+def projection_shapes(model: dict) -> dict[str, tuple[int, int]]:
+    """[out, in] of each decoder projection of a Llama-style config (q, k, v, o, gate, up, down)."""
+    h, i = model["hidden_size"], model["intermediate_size"]
+    kv = model["num_key_value_heads"] * h // model["num_attention_heads"]
+    return {"q_proj": (h, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, h),
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+
+def _float64_block_scales(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """max |W_b| / 448 per block, block by block in float64 on the CPU (an all-zero block: the smallest normal)."""
+    w = w.double().cpu()
+    bn, bk = block
+    rows, cols = math.ceil(w.shape[0] / bn), math.ceil(w.shape[1] / bk)
+    out = torch.empty(rows, cols, dtype=torch.float64)
+    for r in range(rows):
+        for c in range(cols):
+            amax = w[r * bn:(r + 1) * bn, c * bk:(c + 1) * bk].abs().max().item()
+            out[r, c] = amax / 448.0 if amax > 0 else torch.finfo(torch.float32).tiny
+    return out.float()
+
+
+def check_fp8(args, sizes: Sizes) -> Iterator[Row]:
+    from openrlhf_tis.rollout.fp8_blocks import dequantize_blocks, quantize_blocks
+
+    block = bn, bk = sizes.fp8_block
+
+    g = torch.Generator().manual_seed(0)
+    shapes = projection_shapes(sizes.model)
+    weights = {}
+    for name, shape in shapes.items():
+        w = (0.02 * torch.randn(shape, generator=g)).to(torch.bfloat16)
+        w[:bn, :bk] = 0  # an all-zero block in every weight
+        weights[name] = w.to(args.device)
+    for name, w in weights.items():
+        q, scale = quantize_blocks(w, block)
+        exact = torch.equal(scale.cpu(), _float64_block_scales(w, block))
+        back, w64 = dequantize_blocks(q, scale, block).double().cpu(), w.double().cpu()
+        rows = torch.arange(w.shape[0]) // bn
+        cols = torch.arange(w.shape[1]) // bk
+        bound = torch.maximum(w64.abs() / 16, scale.double().cpu()[rows][:, cols] / 1024) * (1 + 1e-6)
+        within = bool(((back - w64).abs() <= bound).all())
+        zero = bool((back[:bn, :bk] == 0).all()) and bool(torch.isfinite(scale).all())
+        rel = float((back - w64).abs().max() / w64.abs().max())
+        yield Row("fp8", f"{name} {tuple(w.shape)}, scales {tuple(scale.shape)}",
+                  f"scales {'exact' if exact else 'DIFFER'}, max rel. error {rel:.3f}, "
+                  f"{'within' if within else 'OUTSIDE'} e4m3's bound, zero block {'ok' if zero else 'NaN/non-zero'}",
+                  "float64 CPU scales; |ΔW| ≤ max(|W|/16, s/1024)", "ok" if exact and within and zero else "MISMATCH")
+    layers = sizes.model["num_hidden_layers"]
+    every = [w for _ in range(layers) for w in weights.values()]  # one sync: every projection of every layer
+    sync = {"sync": lambda: [quantize_blocks(w, block) for w in every]}
+    seconds = bench.time_all(sync, sizes.repeats, args.device)["sync"]
+    mib = sum(w.numel() * w.element_size() for w in every) / 2**20
+    yield Row("fp8", f"one sync's quantization: {len(every)} projections, {mib:.1f} MiB bf16, blocks {bn}×{bk}",
+              f"{seconds * 1e3:.1f} ms ({mib / seconds:.0f} MiB/s)", "", "info")
+
+
 # ── cli: a 1-GPU run of the training command ─────────────────────────────────────────────────────────
 
 def check_cli(args, sizes: Sizes) -> Iterator[Row]:
@@ -478,7 +540,8 @@ def check_run_dir(run: Path, steps: int) -> Iterator[Row]:
 # ── the table ────────────────────────────────────────────────────────────────────────────────────────
 
 RUNNERS: dict[str, Callable[..., Iterator[Row]]] = {"core": check_core, "upstream": check_upstream,
-                                                    "cost": check_cost, "step": check_step, "cli": check_cli}
+                                                    "cost": check_cost, "step": check_step, "fp8": check_fp8,
+                                                    "cli": check_cli}
 
 
 def run_checks(args, sizes: Sizes) -> list[Row]:

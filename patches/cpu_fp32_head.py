@@ -7,7 +7,7 @@ weight is cast afresh at every forward. For SmolLM2-135M that is 28 M values per
 it made `--vllm.fp32_lm_head` rollouts ~45% slower on CPU (`torch.mm(out_dtype=...)` has no CPU
 kernel in torch 2.13). This patch casts once and reuses the copy; the logits are bit-identical
 (the same F.linear on the same fp32 values). The copy (openrlhf_tis.rollout.fp32_head) is dropped whenever
-the fork reloads weights (`forget_fp32_heads`, called by openrlhf_tis.rollout.cpu_worker_extension.reload_into_engine)
+the fork reloads weights (`forget_fp32_heads`, called by openrlhf_tis.rollout.weight_sync.reload)
 and whenever the weight tensor itself is replaced, so a sync can never leave a stale head
 (tests/test_weight_sync_vllm.py).
 """

@@ -52,9 +52,7 @@ from openrlhf_tis.metric_names import (  # noqa: E402
     SYNC_WEIGHTS_SECONDS,
     staleness_lag_key,
 )
-from openrlhf_tis.rollout.checkpoint import append_sync_stats  # noqa: E402
 from openrlhf_tis.rollout.versions import VERSION_FIRST, VERSION_LAST  # noqa: E402
-from openrlhf_tis.runs.layout import ROLLOUT_MODEL_DIR  # noqa: E402
 from openrlhf_tis.runs.tokens import select_samples  # noqa: E402
 from openrlhf_tis.trainer import ppo_trainer, sync_check  # noqa: E402
 from openrlhf_tis.trainer.rewards import DROP_FLAG, NonFiniteRewardError  # noqa: E402
@@ -102,6 +100,8 @@ class Engine(SleepyEngine):
         self.pause_generation = Remote(lambda: world.events.append("pause"))
         self.resume_generation = Remote(lambda: world.events.append("resume"))
         self.set_reward_timeout = Remote(lambda seconds: world.events.append(("reward limit", seconds)))
+        self.sync_stats: list[dict] = []  # what an INT8 engine's workers returned of the last re-quantization
+        self.last_sync_stats = Remote(lambda: self.sync_stats)
 
     def _generate(self, prompt_ids, params):
         self.world.clock.spend(ENGINE_CALL_S)
@@ -141,11 +141,10 @@ class ActorGroup(FakeActorGroup):
         if method_name == "broadcast_to_vllm":
             events.append("broadcast")
             self.world.clock.spend(SYNC_S)
-            if self.world.int8_stats:  # what an INT8 engine logs beside its checkpoint at each re-quantization
-                (self.world.run_dir / ROLLOUT_MODEL_DIR).mkdir(parents=True, exist_ok=True)
-                append_sync_stats(self.world.run_dir / ROLLOUT_MODEL_DIR,
-                                  {"version": self.version, "saturated_fraction": self.version / 100,
-                                   "max_rel_error": 0.5, "quantize_s": 3.0})
+            if self.world.int8_stats:  # what INT8 engines return of each re-quantization (the worst one counts)
+                for i, engine in enumerate(self.world.engines):
+                    engine.sync_stats = [{"sync": self.version, "saturated_fraction": self.version / 100 - i / 1000,
+                                          "max_rel_error": 0.5 - i / 10, "quantize_s": 3.0 + i}]
         return super().async_run_method(method_name, **kwargs)
 
 
@@ -523,7 +522,7 @@ def test_int8_engines_report_each_requantization_on_its_step(world_of):
     for step, line in world.lines().items():
         assert {k: v for k, v in line.items() if k.startswith(INT8_SYNC_PREFIX)} == {
             INT8_SYNC_PREFIX + "saturated_fraction": step / 100, INT8_SYNC_PREFIX + "max_rel_error": 0.5,
-            INT8_SYNC_PREFIX + "quantize_s": 3.0}
+            INT8_SYNC_PREFIX + "quantize_s": 4.0}
 
 
 def test_a_frozen_actor_announces_no_dump(world_of):

@@ -24,15 +24,24 @@ README = REPO / "README.md"
 
 
 def _sections(block: str) -> dict[str, str]:
-    """The map's sections: a line at column 0 that starts with `name/` opens one; indented lines continue it.
+    """The map's sections: a line at column 0 that starts with `name/` opens one; indented lines continue it, and an
+    indented `sub/` line opens the nested section `name/sub/` for the lines indented deeper than itself.
     Lines at column 0 without a slash (the top-level modules) fall in section ''."""
     sections: dict[str, str] = {"": ""}
-    current = ""
+    current, nested, nested_indent = "", None, 0
     for line in block.splitlines():
-        if line and not line[0].isspace():
-            head = line.split()[0]
-            current = head if head.endswith("/") else ""
-        sections[current] = sections.get(current, "") + line + "\n"
+        indent = len(line) - len(line.lstrip())
+        head = line.split()[0] if line.strip() else ""
+        if line and not indent:
+            current, nested = (head if head.endswith("/") else ""), None
+        elif nested is not None and indent <= nested_indent:
+            nested = None
+        if indent and head.endswith("/") and nested is None:
+            nested, nested_indent = current + head, indent
+            sections[current] = sections.get(current, "") + line + "\n"
+            continue
+        key = nested or current
+        sections[key] = sections.get(key, "") + line + "\n"
     return sections
 
 
@@ -43,7 +52,9 @@ def _modules() -> list[Path]:
 
 
 def _packages() -> list[str]:
-    return sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py") if p.parent.name != "patches")
+    """Every package under the package root, nested ones as `rollout/weight_sync` (patches/ has its own table)."""
+    return sorted(str(p.parent.relative_to(PACKAGE)) for p in PACKAGE.glob("**/__init__.py")
+                  if p.parent != PACKAGE and "patches" not in p.parent.relative_to(PACKAGE).parts)
 
 
 def _listed(section: str, name: str) -> bool:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from openrlhf_tis import metric_names as names
 from openrlhf_tis.correction import PRESETS
@@ -42,7 +43,11 @@ def test_every_check_runs_on_the_cpu_and_agrees(tmp_path):
     by_check: dict[str, list[dict]] = {}
     for row in rows:
         by_check.setdefault(row["check"], []).append(row)
-    assert list(by_check) == ["core", "upstream", "cost", "step", "cli"]
+    assert list(by_check) == ["core", "upstream", "cost", "step", "fp8", "cli"]
+    fp8 = by_check["fp8"]
+    assert [row["case"].split(" ")[0] for row in fp8[:-1]] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                 "up_proj", "down_proj"]
+    assert {row["status"] for row in fp8[:-1]} == {"ok"} and fp8[-1]["status"] == "info"
     assert [row["case"] for row in by_check["core"]] == [f"{name} (eager)" for name in PRESETS]
     assert {row["status"] for row in by_check["core"] + by_check["upstream"]} == {"ok"}
     assert [row["case"] for row in by_check["upstream"]] == list(UPSTREAM_PRESETS)
@@ -152,6 +157,22 @@ def test_a_failing_upstream_import_leaves_the_statement_in_its_place(gpu_check, 
                                     "did not import: ModuleNotFoundError")
 
 
+def test_the_fp8_rows_catch_a_quantizer_that_leaves_a_zero_blocks_scale_at_zero(gpu_check, monkeypatch):
+    from openrlhf_tis.rollout import fp8_blocks
+
+    quantize = fp8_blocks.quantize_blocks
+
+    def unclamped(weight, block=fp8_blocks.DEFAULT_BLOCK):  # the known failure: scale 0 (then q = 0/0 = NaN)
+        q, scale = quantize(weight, block)
+        return fp8_blocks.Fp8Weight(q, torch.where(scale == torch.finfo(torch.float32).tiny, 0.0, scale))
+
+    monkeypatch.setattr(fp8_blocks, "quantize_blocks", unclamped)
+    args = gpu_check.parse_args(["--device", "cpu", "--checks", "fp8"])
+    rows = gpu_check.run_checks(args, gpu_check.SMALL)
+    assert {row.status for row in rows[:-1]} == {"MISMATCH"}
+    assert all("DIFFER" in row.result for row in rows[:-1])
+
+
 def test_a_missing_optional_package_is_a_skipped_row_and_any_other_failure_an_error(gpu_check, monkeypatch):
     def needs(check_name: str, name: str):
         def check(args, sizes):
@@ -242,7 +263,11 @@ def test_a_plain_clone_with_only_torch_runs_and_skips_what_is_missing(tmp_path):
     assert re.search(r"^check +\| case +\| result", proc.stdout, re.M) and "┏" not in proc.stdout
     assert "every result as expected" in proc.stdout
     by_check = _by_check(rows)
-    assert list(by_check) == ["core", "upstream", "cost", "step", "cli"]
+    assert list(by_check) == ["core", "upstream", "cost", "step", "fp8", "cli"]
+    fp8 = by_check["fp8"]
+    assert [row["case"].split(" ")[0] for row in fp8[:-1]] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                 "up_proj", "down_proj"]
+    assert {row["status"] for row in fp8[:-1]} == {"ok"} and fp8[-1]["status"] == "info"
     assert {row["status"] for row in by_check["core"]} == {"ok"}
     _assert_upstream_is_the_statement(by_check)
     (step,) = by_check["step"]

@@ -180,8 +180,8 @@ def test_graph_sees_the_package():
 
 def test_strings_naming_modules_are_edges():
     assert _string_target("openrlhf_tis.pipeline.train:run_training") == "openrlhf_tis.pipeline.train"
-    assert _string_target("openrlhf_tis.rollout.cpu_worker_extension.CPUWorkerExtension") == \
-        "openrlhf_tis.rollout.cpu_worker_extension"
+    assert _string_target("openrlhf_tis.rollout.weight_sync.receive.CPUWorkerExtension") == \
+        "openrlhf_tis.rollout.weight_sync.receive"
     assert _string_target("openrlhf_tis.viz") == "openrlhf_tis.viz"
     assert _string_target("openrlhf_tis.token_dump.schema_version") is None  # a key, not a module
     assert _string_target("openrlhf_tis.cli.train_ppo_ray: error: ") is None

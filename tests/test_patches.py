@@ -205,7 +205,7 @@ def test_cpu_weight_sync_leaves_upstreams_worker_wrap_alone():
 @given(st.lists(st.tuples(st.sampled_from([torch.bfloat16, torch.float32]), st.integers(1, 300)), max_size=30),
        st.integers(1, 1000))
 def test_sync_buckets_keep_order_one_dtype_and_the_size_limit(params, limit):
-    from openrlhf_tis.patches.cpu_weight_sync import sync_buckets
+    from openrlhf_tis.rollout.weight_sync.send import sync_buckets
 
     named = [(f"p{i}", dtype, numel) for i, (dtype, numel) in enumerate(params)]
     buckets = sync_buckets(named, limit)

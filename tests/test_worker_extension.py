@@ -16,13 +16,14 @@ import torch
 from _support import free_port
 
 from openrlhf_tis.rollout import engine_actor
-from openrlhf_tis.rollout.cpu_worker_extension import CPUWorkerExtension, GlooBroadcastGroup
 from openrlhf_tis.rollout.engine_actor import (
     CPU_WORKER_EXTENSION,
     UPSTREAM_WORKER_EXTENSION,
     PrecisionRolloutRayActor,
     worker_extension_override,
 )
+from openrlhf_tis.rollout.weight_sync.group import GlooBroadcastGroup
+from openrlhf_tis.rollout.weight_sync.receive import CPUWorkerExtension
 
 
 def test_the_extension_resolves_as_vllm_does_and_extends_upstreams_worker_wrap():
@@ -53,7 +54,7 @@ def test_the_extension_resolves_as_vllm_does_and_extends_upstreams_worker_wrap()
 
 def test_override_names_the_fork_extension_on_cpu_only():
     assert worker_extension_override(UPSTREAM_WORKER_EXTENSION, cuda=False) == {
-        "worker_extension_cls": "openrlhf_tis.rollout.cpu_worker_extension.CPUWorkerExtension"}
+        "worker_extension_cls": "openrlhf_tis.rollout.weight_sync.receive.CPUWorkerExtension"}
     assert worker_extension_override(None, cuda=False) == {"worker_extension_cls": CPU_WORKER_EXTENSION}
     assert worker_extension_override(UPSTREAM_WORKER_EXTENSION, cuda=True) == {}  # upstream's class on CUDA
     with pytest.raises(RuntimeError, match="upstream now starts vLLM with worker_extension_cls='other.Ext'"):
@@ -172,7 +173,7 @@ def test_sync_with_ray_is_refused_at_the_receive(tmp_path):
 
 def test_trainer_and_extension_meet_in_one_gloo_group(monkeypatch, tmp_path):
     """Both ends over a real gloo group: the trainer's (the cpu_weight_sync patch) and the extension's."""
-    from openrlhf_tis.patches.cpu_weight_sync import gloo_stateless_init_process_group
+    from openrlhf_tis.rollout.weight_sync.group import gloo_sync_group
 
     monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 0)  # the engine's own (world of 1) rank
     worker = CPUWorkerExtension()  # no group yet: init_process_group joins one
@@ -181,7 +182,7 @@ def test_trainer_and_extension_meet_in_one_gloo_group(monkeypatch, tmp_path):
     port = free_port()
     a, b = torch.randn(2, 3).to(torch.bfloat16), torch.randn(4).to(torch.bfloat16)
     with ThreadPoolExecutor(1) as trainer:
-        group = trainer.submit(gloo_stateless_init_process_group, "127.0.0.1", port, 0, 2)
+        group = trainer.submit(gloo_sync_group, "127.0.0.1", port, 0, 2)
         worker.init_process_group("127.0.0.1", port, 1, 2, "openrlhf_tis_test", "gloo", False)
         assert isinstance(group.result(timeout=60), GlooBroadcastGroup)
         assert isinstance(worker._model_update_group, GlooBroadcastGroup) and not worker._model_update_with_ray

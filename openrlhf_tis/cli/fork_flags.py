@@ -97,8 +97,8 @@ FORK_FLAGS: tuple[ForkFlag, ...] = (
         "(fp8_per_channel on CPU). Non-bf16 precisions are wired for the CPU weight sync.")),
     ForkFlag(SCALES_FLAG, default=DEFAULTS[SCALES_FLAG], choices=tuple(SCALE_MODES), help=(
         "Per-channel int8 weight scales at each sync: recomputed from the new weights (exact, never "
-        "saturates) or frozen at their initial values (saturation counted in "
-        "<run_dir>/rollout_model/sync_stats.jsonl).")),
+        "saturates) or frozen at their initial values (saturation counted in each step's "
+        "rollout/int8_saturated_fraction).")),
     ForkFlag(CALIBRATION_FLAG, default=DEFAULTS[CALIBRATION_FLAG], help=(
         "SmoothQuant smoothing factors (and, with --static_activations, static int8 activation scales) calibrated "
         "once on prompts (python -m openrlhf_tis.rollout.calibration); applied to the initial checkpoint and to every "

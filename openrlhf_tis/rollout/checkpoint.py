@@ -14,7 +14,6 @@ any engine starts, a directory that *is* the rollout variant of the actor's mode
                               because vLLM loads every top-level *.safetensors as weights: a
                               top-level copy silently replaced the smoothed norm weights by the
                               factors in the initial engine (measured: tiny model, |dlogp| 0.002 -> 0.2)
-  sync_stats.jsonl            appended by the engine at every INT8 sync (saturation counts)
 
 The engine worker finds the plan through its own model path, so a sync needs no extra plumbing.
 """
@@ -48,7 +47,6 @@ from openrlhf_tis.rollout.quantize import (
 
 PLAN_FILE = "openrlhf_tis_rollout.json"
 SMOOTHING_FILE = "calibration/calibration.safetensors"
-STATS_FILE = "sync_stats.jsonl"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
@@ -215,23 +213,5 @@ def load_int8_plan(model_dir: str | Path) -> Int8Plan:
                     dynamic_projections=frozenset(dynamic), weight_bits=meta.get("weight_bits", 8))
 
 
-def append_sync_stats(model_dir: str | Path, record: dict) -> None:
-    """One JSON line per sync (best effort: a read-only model dir must not break the sync)."""
-    try:
-        with open(Path(model_dir) / STATS_FILE, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-    except OSError:
-        pass
-
-
-def read_last_sync_stats(model_dir: str | Path) -> dict | None:
-    """The most recent sync record in `model_dir` (None before the first INT8 sync)."""
-    path = Path(model_dir) / STATS_FILE
-    if not path.exists():
-        return None
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return json.loads(lines[-1]) if lines else None
-
-
-__all__ = ["NotQuantizableError", "QuantStats", "append_sync_stats", "check_quantizable", "load_int8_plan",
-           "read_last_sync_stats", "read_plan", "scale_name", "weight_names", "write_rollout_model"]
+__all__ = ["NotQuantizableError", "QuantStats", "check_quantizable", "load_int8_plan", "read_plan", "scale_name",
+           "weight_names", "write_rollout_model"]

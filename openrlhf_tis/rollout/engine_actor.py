@@ -4,10 +4,11 @@ Upstream's `create_vllm_engines` passes a fixed `dtype="bfloat16"` and no quanti
 engine. The fork points the engines at `<run_dir>/rollout_model` (patches/rollout_engine.py), whose
 plan file names the precision; this subclass of upstream's actor turns that plan into the engine's
 dtype / quantization arguments just before the engine is built, in the engine's own process.
-On CPU it names the fork's vLLM worker extension (rollout/cpu_worker_extension.py: the engine's end of
-the weight sync) in place of upstream's CUDA `WorkerWrap`, and exposes that extension's bucketed receive,
-which upstream's actor has no method for. It also makes a failing, late or malformed reward fail the rollout
-(rollout/reward_executor.py), and stamps every sample with the policy version it was generated with.
+On CPU it names the fork's vLLM worker extension (rollout/weight_sync/receive.py: the engine's end of
+the weight sync) in place of upstream's CUDA `WorkerWrap`, exposes that extension's bucketed receive,
+which upstream's actor has no method for, and keeps the last sync's statistics for the controller. It also
+makes a failing, late or malformed reward fail the rollout (rollout/reward_executor.py), and stamps every sample
+with the policy version it was generated with.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
 from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.rollout.checkpoint import read_plan
-from openrlhf_tis.rollout.cpu_worker_extension import CPUWorkerExtension
 from openrlhf_tis.rollout.precision import engine_kwargs
 from openrlhf_tis.rollout.reward_executor import limit_reward_calls, make_rewards_loud
 from openrlhf_tis.rollout.versions import VERSION_FIRST, VERSION_LAST
+from openrlhf_tis.rollout.weight_sync.receive import CPUWorkerExtension
 from openrlhf_tis.run_device import is_cuda_run
 
 _UpstreamRolloutRayActor = ray_actor_class(_UpstreamActorClass)
@@ -59,7 +60,7 @@ def worker_extension_override(requested: str | None, cuda: bool) -> dict[str, st
     if requested not in (None, UPSTREAM_WORKER_EXTENSION):
         raise RuntimeError(
             f"upstream now starts vLLM with worker_extension_cls={requested!r}; the fork's {CPU_WORKER_EXTENSION} "
-            f"extends {UPSTREAM_WORKER_EXTENSION}: review openrlhf_tis/rollout/cpu_worker_extension.py"
+            f"extends {UPSTREAM_WORKER_EXTENSION}: review openrlhf_tis/rollout/weight_sync/receive.py"
         )
     return {"worker_extension_cls": CPU_WORKER_EXTENSION}
 
@@ -74,6 +75,7 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         await super().__init__(*args, **{**kwargs, **overrides})
         make_rewards_loud(self.executor)
         self._policy_version = 0  # optimizer steps in the weights this engine holds (trainer/staleness.py)
+        self._last_sync_stats: list[dict] = []  # what each worker's receive returned at the last sync's end
 
     async def set_reward_timeout(self, seconds: float) -> bool:
         """The run's `--reward.timeout_s` for this engine's reward_func calls, sent by the controller before the first
@@ -97,7 +99,23 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
             output["extra_logs"] = {**(output.get("extra_logs") or {}), VERSION_FIRST: first, VERSION_LAST: last}
         return outputs
 
+    async def update_weight(self, name, dtype, shape, empty_cache=False):
+        """Upstream's per-parameter receive; its last tensor (`empty_cache`) ends the sync."""
+        results = await super().update_weight(name, dtype, shape, empty_cache)
+        return self._sync_result(results, empty_cache)
+
     async def update_weights_bucket(self, names_shapes, dtype, last=False):
-        """Receive one flat broadcast of several parameters (CPU weight sync: CPUWorkerExtension); reload
+        """Receive one flat broadcast of several parameters (the CPU weight sync: rollout/weight_sync/); reload
         after the last."""
-        return await self.llm.collective_rpc("update_weights_bucket", args=(names_shapes, dtype, last))
+        results = await self.llm.collective_rpc("update_weights_bucket", args=(names_shapes, dtype, last))
+        return self._sync_result(results, last)
+
+    def _sync_result(self, results, last: bool):
+        if last:
+            self._last_sync_stats = [r for r in results or () if isinstance(r, dict)]
+        return results
+
+    async def last_sync_stats(self) -> list[dict]:
+        """The re-quantization statistics each worker returned at the end of the last sync (INT8 engines; [] for
+        float engines and before the first sync): the controller's `rollout/int8_*` metrics."""
+        return self._last_sync_stats

@@ -1,7 +1,7 @@
 """The rollout engine's fp32 lm_head weight, cast once per (re)load instead of at every decode step.
 
 Kept on the lm_head module by patches/cpu_fp32_head.py (vLLM off CUDA casts the head afresh at every
-forward) and dropped by the fork's weight sync (cpu_worker_extension.reload_into_engine) after every reload,
+forward) and dropped by the fork's weight sync (rollout/weight_sync/reload.py) after every reload,
 so a synced engine never computes with the old head. Here, not in the patch, because the sync needs it:
 patches import the rollout layer, never the other way.
 """

@@ -192,7 +192,7 @@ def check_calibration_file(calibration: str, model_dir: str, activations: str) -
 # dtype (bf16, hard-coded by upstream's engine factory: an fp16 trainer fails it at the first sync) and loads each
 # tensor straight into the engine's parameters, cast but never re-quantized: bf16 values land unscaled in int8 / fp8
 # parameters (docs/design.md §5, trap 5). The fork's sync that re-quantizes, re-casts and refreshes an fp32 head
-# (rollout/cpu_worker_extension.py, rollout/fp32_head.py) is built for the CPU path only.
+# (rollout/weight_sync/, rollout/fp32_head.py) is built for the CPU path only.
 CUDA_SYNC_WHY = ("on CUDA the trainer's weights reach the engines through upstream's weight update, which casts "
                  "the trainer's bf16 tensors straight into the engine's parameters (unscaled into int8/fp8 ones; "
                  "an engine or trainer not in bf16 fails its dtype assertion); the fork's re-quantizing sync, and "

@@ -9,7 +9,7 @@ A run directory (docs/design.md §6):
                                   written by several processes has one part each:
                                   step_000012.part001.parquet
       rollout_model/            what the vLLM engines start from, when the rollout precision is not the
-                                default (rollout/checkpoint.py: plan, INT8 weights, sync_stats.jsonl)
+                                default (rollout/checkpoint.py: plan, INT8 weights, calibration)
 
 Every whole-file write goes through `atomic_write`: the bytes land in a hidden temp file beside the
 target and are renamed over it, so a reader (or a run killed at any instant) sees the old file or the

@@ -130,7 +130,7 @@ class ForkController:
             SyncCadencePart(args.vllm.sync_every) if getattr(args.vllm, "sync_every", 1) > 1 else None,
             MetricsLinePart(RunWriter(run_dir), schedule) if run_dir else None,
             SyncCheckPart(checker, args.vllm.sync_check_steps) if checker is not None else None,
-            SyncCostPart.from_args(args),
+            SyncCostPart.from_args(args, self.vllm_engines),
             StartEvalPart(self._evaluate_now) if schedule.configured else None,
         ]
         return [part for part in parts if part is not None]

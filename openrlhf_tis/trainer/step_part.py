@@ -25,7 +25,6 @@ step; upstream's `ppo_train(global_steps)` trains step global_steps + 1 and `sav
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,8 +41,6 @@ from openrlhf_tis.metric_names import (
     SYNC_CHECK_SECONDS,
     SYNC_WEIGHTS_SECONDS,
 )
-from openrlhf_tis.rollout.checkpoint import read_last_sync_stats
-from openrlhf_tis.runs.layout import ROLLOUT_MODEL_DIR
 from openrlhf_tis.runs.store import RunWriter
 from openrlhf_tis.runs.tokens import select_samples, should_dump
 from openrlhf_tis.trainer.mismatch_by_lag import mismatch_by_lag
@@ -297,24 +294,27 @@ class SyncCheckPart(PendingMetrics):
 
 
 class SyncCostPart(PendingMetrics):
-    """`sync/weights_s` (upstream's sync alone; its `timing/broadcast` covers the check too), and what INT8
-    engines log of each re-quantization beside their checkpoint (`rollout/int8_*`; single node: same filesystem)."""
+    """`sync/weights_s` (upstream's sync alone; its `timing/broadcast` covers the check too), and what INT8 engines
+    return of each re-quantization (`rollout/int8_*`: the worst engine's, rollout/weight_sync/requantize.py)."""
 
-    def __init__(self, int8_model_dir: str | None = None):
+    STATS = ("saturated_fraction", "max_rel_error", "quantize_s")
+
+    def __init__(self, int8_engines: Sequence = ()):
         super().__init__()
-        self.int8_model_dir = int8_model_dir
+        self.int8_engines = int8_engines
 
     @classmethod
-    def from_args(cls, args) -> SyncCostPart:
-        int8 = getattr(args.vllm, "rollout_precision", "bf16") == "int8" and args.logger.run_dir
-        return cls(os.path.join(args.logger.run_dir, ROLLOUT_MODEL_DIR) if int8 else None)
+    def from_args(cls, args, engines: Sequence | None) -> SyncCostPart:
+        int8 = getattr(args.vllm, "rollout_precision", "bf16") == "int8"
+        return cls(engines if int8 and engines else ())
 
     def after_sync(self, seconds: float) -> None:
         self.pending[SYNC_WEIGHTS_SECONDS] = seconds
-        record = read_last_sync_stats(self.int8_model_dir) if self.int8_model_dir else None
-        if record is not None:
-            self.pending.update({INT8_SYNC_PREFIX + key: float(record[key])
-                                 for key in ("saturated_fraction", "max_rel_error", "quantize_s") if key in record})
+        if not self.int8_engines:
+            return
+        records = [r for stats in ray.get([e.last_sync_stats.remote() for e in self.int8_engines]) for r in stats]
+        self.pending.update({INT8_SYNC_PREFIX + key: max(float(r[key]) for r in records if key in r)
+                             for key in self.STATS if any(key in r for r in records)})
 
 
 # ── held-out scores and the run store ──

