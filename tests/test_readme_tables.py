@@ -96,18 +96,24 @@ def test_every_metric_to_watch_is_one_the_fork_writes():
 
 
 def test_the_study_table_is_copied_from_the_committed_results():
-    """Each README column after the first is a column of the results table its row links to, by name, and each row
-    holds that table's values for its dose and correction."""
-    header, rows = header_and_rows(README, "## What the study has shown so far")
-    assert len(rows) >= 2 and header[1:3] == ["dose", "correction"]
-    for study, *cells in rows:
-        source = REPO / re.search(r"\]\(([^)]+)\)", study).group(1)
-        source_header, source_rows = header_and_rows(source.read_text(encoding="utf-8"), "| dose")
-        missing = [name for name in header[1:] if name not in source_header]
-        assert not missing, f"README study columns {missing} are not columns of {source}"
-        columns = [source_header.index(name) for name in header[1:]]
-        results = {tuple(r[:2]): [r[i] for i in columns] for r in source_rows}
-        assert results.get(tuple(cells[:2])) == cells, f"README study row {cells} is not in {source}: {results}"
+    """The README's study table fits one screen (at most 8 columns) and is a copy of part of the full results table
+    its section links to: each column is one of that table's, by name, and it has a row for each of that table's
+    settings holding that table's values for its dose and correction."""
+    heading = "## What the study has shown so far"
+    section = README[README.index(heading):]
+    header, rows = header_and_rows(README, heading)
+    intro = section[:section.index("\n|")]
+    [link] = set(re.findall(r"\]\((results/study/[^)]+/dose_response\.md)\)", intro))
+    assert len(header) <= 8 and header[:2] == ["dose", "correction"], header
+    source_header, source_rows = header_and_rows((REPO / link).read_text(encoding="utf-8"), "| dose")
+    missing = [name for name in header if name not in source_header]
+    assert not missing, f"README study columns {missing} are not columns of {link}"
+    columns = [source_header.index(name) for name in header]
+    results = {tuple(r[:2]): [r[i] for i in columns] for r in source_rows}
+    readme = {tuple(cells[:2]): cells for cells in rows}
+    assert len(readme) == len(rows) and set(readme) == set(results), f"README study rows differ from {link}'s settings"
+    for key, cells in readme.items():
+        assert cells == results[key], f"README study row {cells} differs from {link}: {results[key]}"
 
 
 def test_every_console_script_has_one_readme_line():

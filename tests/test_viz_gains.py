@@ -8,6 +8,7 @@ import math
 import warnings
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from openrlhf_tis.pipeline.report import show_comparison
@@ -22,6 +23,7 @@ from openrlhf_tis.viz.gains import (
     dose_response,
     headline_markdown,
     headline_source,
+    holm_family,
     paired_differences,
     reference_setting,
     run_gains,
@@ -149,6 +151,61 @@ def test_setting_gains_and_the_reference_comparison_against_hand_computed_interv
     assert engine["gain"].tolist() == pytest.approx([0.1, 0.1, 0.1])  # the fixtures' engine score: 0.2 -> 0.3
 
 
+def test_each_comparison_says_what_it_could_detect_and_whether_it_survives_holm(tmp_path):
+    facts = run_facts(_study(tmp_path))
+    points = dose_response(facts, run_gains(facts), KEPT)
+    _, off, tis = points.index
+    # by hand (Student t with 1 and 2 df in closed form: F(t) = 1/2 + atan(t)/pi, 1/2 + t / (2 sqrt(2 + t²))):
+    # w4a8 off − ref = -0.2, -0.2, -0.05: s = sqrt(0.0075), t = -3 on 2 df; w4a8 tis − ref = -0.25, -0.05 (seeds 1, 2):
+    # s = sqrt(0.02), t = -1.5 on 1 df; tis − off = -0.05, +0.15: t = 0.5 on 1 df
+    p = {("off", "ref"): 1.0 - 3.0 / math.sqrt(11.0), ("tis", "ref"): 1.0 - 2.0 * math.atan(1.5) / math.pi,
+         ("tis", "off"): 1.0 - 2.0 * math.atan(0.5) / math.pi}
+    got = {("off", "ref"): points.loc[off, "p_vs_ref"], ("tis", "ref"): points.loc[tis, "p_vs_ref"],
+           ("tis", "off"): points.loc[tis, "p_vs_off"]}
+    assert got == pytest.approx(p, rel=1e-9)
+    # Holm over m = 3: sorted 0.0955, 0.3743, 0.7048 -> 3 p, 2 p, max(2 p_(2), p_(3))
+    assert points.loc[off, "p_holm_vs_ref"] == pytest.approx(3 * p["off", "ref"], rel=1e-9)
+    assert points.loc[tis, "p_holm_vs_ref"] == pytest.approx(2 * p["tis", "ref"], rel=1e-9)
+    assert points.loc[tis, "p_holm_vs_off"] == pytest.approx(2 * p["tis", "ref"], rel=1e-9)
+    t2_975, t2_80 = 0.95 * math.sqrt(2.0 / (1.0 - 0.95**2)), 0.6 * math.sqrt(2.0 / (1.0 - 0.6**2))
+    assert points.loc[off, "detectable_vs_ref"] == pytest.approx((t2_975 + t2_80) * math.sqrt(0.0075 / 3), rel=1e-9)
+    assert points.loc[tis, "detectable_vs_off"] == pytest.approx((T1 + math.tan(0.3 * math.pi)) * 0.1, rel=1e-9)
+    assert points.loc[tis, "pairs_vs_ref"] == 2 and not points["shown_holm_vs_ref"].any()
+    note, comparisons = headline_markdown(points, KEPT).split("\n\n")[1:]
+    rows = [row.strip("| ").split(" | ") for row in comparisons.splitlines()[2:]]
+    assert [r[:4] for r in rows] == [["w4a8", "off", "reference", "3"], ["w4a8", "tis", "reference", "2"],
+                                     ["w4a8", "tis", "uncorrected (same dose)", "2"]]
+    assert rows[0][8:] == [f"{(t2_975 + t2_80) * math.sqrt(0.0025):.3f}", f"{p['off', 'ref']:.3f}",
+                           f"{3 * p['off', 'ref']:.3f}", "no"]
+
+
+def test_a_comparison_with_one_pair_has_no_test_and_says_so(tmp_path):
+    runs = [_cell(tmp_path, "fp32", "off", seed, k3=2e-9, kept=(0.25, 0.25 + 0.1 * seed)) for seed in (1, 2)]
+    runs += [_cell(tmp_path, "int8", "off", seed, bits="4", k3=1.0, kept=(0.25, 0.3)) for seed in (1, 2)]
+    runs.append(_cell(tmp_path, "int8", "tis", 1, bits="4", k3=1.0, kept=(0.25, 0.45)))  # seed 1 only
+    facts = run_facts(runs)
+    points = dose_response(facts, run_gains(facts), KEPT)
+    tis = points.index[2]
+    assert points.loc[tis, "pairs_vs_ref"] == 1 and points.loc[tis, "difference_vs_ref"] == pytest.approx(0.1)
+    for column in ("p_vs_ref", "detectable_vs_ref", "p_holm_vs_ref", "p_vs_off", "p_holm_vs_off"):
+        assert math.isnan(points.loc[tis, column]), column
+    note, comparisons = headline_markdown(points, KEPT).split("\n\n")[1:]
+    assert "**1 in the family**" in note and "Fewer than 2 pairs in 2 of them" in note
+    tis_row = comparisons.splitlines()[3].strip("| ").split(" | ")
+    assert tis_row[:4] == ["w4a8", "tis", "reference", "1"] and tis_row[8:] == ["n/a (1 pair)"] * 3 + ["no"]
+
+
+def test_a_shown_difference_survives_holm_only_when_its_adjusted_p_is_below_005():
+    # the hand case p = 0.01, 0.04, 0.03 (m = 3) -> 0.03, 0.06, 0.06: only the first survives; the second setting's
+    # comparison against the uncorrected one has one pair (no p-value), so it is not in the family
+    table = pd.DataFrame({"p_vs_ref": [0.01, 0.04, 0.03], "shown_vs_ref": [True, True, False],
+                          "p_vs_off": [np.nan, np.nan, np.nan], "shown_vs_off": [np.nan, False, np.nan]})
+    got = holm_family(table)
+    np.testing.assert_allclose(got["p_holm_vs_ref"], [0.03, 0.06, 0.06])
+    assert got["shown_holm_vs_ref"].tolist() == [True, False, False] and not got["shown_holm_vs_off"].any()
+    assert got["p_holm_vs_off"].isna().all()
+
+
 def test_without_kept_scores_the_engine_is_the_headline_and_says_so(tmp_path):
     facts = run_facts(_study(tmp_path, kept=False))
     gains = run_gains(facts)
@@ -165,9 +222,10 @@ def test_the_headline_table_and_figure(tmp_path):
     gains = run_gains(facts)
     points = dose_response(facts, gains, KEPT)
     assert points["k3_mean"].tolist() == pytest.approx([2e-9, 1.0, 0.8])
-    text = headline_markdown(points, KEPT)
+    text, note, comparisons = headline_markdown(points, KEPT).split("\n\n")
     rows = text.splitlines()[2:]
     assert len(rows) == 3 and rows[0].startswith("| none | off | 3 | 2e-09 | +0.250 | [+0.126, +0.374]")
+    assert "**3 in the family**" in note and comparisons.splitlines()[0].count("|") == 13
     cells = [row.strip("| ").split(" | ") for row in rows]
     assert len(text.splitlines()[0].split(" | ")) == len(cells[0]) == 14
     assert cells[0][8] == "n/a"  # the reference has no difference from itself

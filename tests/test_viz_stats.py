@@ -1,4 +1,5 @@
-"""Intervals and the "shown" rule: hand-computed cases (float64 formulas written here) and properties."""
+"""Intervals, the "shown" rule, p-values, detectable effects and Holm's adjustment: hand-computed cases (float64
+closed forms written here: Student's t with 1 and 2 degrees of freedom has an elementary CDF) and properties."""
 
 from __future__ import annotations
 
@@ -9,7 +10,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openrlhf_tis.viz.stats import Interval, bootstrap_interval, shown, t_band, t_cdf, t_interval, t_quantile
+from openrlhf_tis.viz.stats import (
+    Interval,
+    bootstrap_interval,
+    detectable_effect,
+    holm,
+    shown,
+    t_band,
+    t_cdf,
+    t_interval,
+    t_quantile,
+    t_test_p,
+)
 
 finite = st.floats(-10, 10, allow_nan=False, allow_infinity=False)
 
@@ -98,3 +110,74 @@ def test_a_curve_band_is_the_t_interval_of_each_step(rows):
         expected = t_interval(row)
         for got, want in ((mean[i], expected.estimate), (low[i], expected.low), (high[i], expected.high)):
             assert (math.isnan(got) and math.isnan(want)) or got == pytest.approx(want, abs=1e-9)
+
+
+def _t2_quantile(p: float) -> float:
+    """Student's t quantile with 2 df in closed form: F(t) = 1/2 + t / (2 sqrt(2 + t²))."""
+    q = 2.0 * p - 1.0
+    return q * math.sqrt(2.0 / (1.0 - q * q))
+
+
+def test_paired_p_value_and_detectable_effect_of_three_pairs_by_hand():
+    # W5A8 seq_mis minus the reference, per seed, as in the core grid: mean -0.149, s = 0.0503, t = -5.13 on 2 df
+    d = np.array([-0.204, -0.106, -0.137])
+    mean, s = d.mean(), math.sqrt(((d - d.mean()) ** 2).sum() / 2.0)
+    t = mean / (s / math.sqrt(3.0))
+    two_sided = 1.0 - abs(t) / math.sqrt(2.0 + t * t)  # 2 (1 - F(|t|)) for df = 2
+    assert t_test_p(d) == pytest.approx(two_sided, rel=1e-9) and two_sided == pytest.approx(0.0357, abs=1e-4)
+    # (t(0.975, 2) + t(0.80, 2)) s / sqrt(3) = (4.3027 + 1.0607) s / sqrt(3)
+    mde = (_t2_quantile(0.975) + _t2_quantile(0.80)) * s / math.sqrt(3.0)
+    assert detectable_effect(s, 3) == pytest.approx(mde, rel=1e-9) and mde == pytest.approx(0.1551, abs=1e-4)
+    assert detectable_effect(0.09, 3) == pytest.approx(0.2787, abs=1e-4)  # issue 43's spread: near 0.29
+
+
+def test_two_pairs_by_hand_and_too_few_pairs_give_nan():
+    # df = 1 is the Cauchy: F(t) = 1/2 + atan(t) / pi; differences 0.1, 0.3: mean 0.2, s = sqrt(0.02), t = 2
+    assert t_test_p([0.1, 0.3]) == pytest.approx(1.0 - 2.0 * math.atan(2.0) / math.pi, rel=1e-9)
+    mde = (math.tan(0.475 * math.pi) + math.tan(0.3 * math.pi)) * 0.1  # s / sqrt(2) = 0.1
+    assert detectable_effect(math.sqrt(0.02), 2) == pytest.approx(mde, rel=1e-9)
+    assert math.isnan(t_test_p([0.4])) and math.isnan(t_test_p([0.4, float("nan")]))
+    assert math.isnan(detectable_effect(0.1, 1)) and math.isnan(detectable_effect(float("nan"), 3))
+    assert t_test_p([0.0, 0.0, 0.0]) == 1.0 and t_test_p([0.1, 0.1]) == 0.0  # no spread: the degenerate test
+
+
+def test_holm_by_hand():
+    # sorted 0.01, 0.03, 0.04 -> 3 * 0.01, 2 * 0.03, max(0.06, 1 * 0.04): back in the given order
+    np.testing.assert_allclose(holm([0.01, 0.04, 0.03]), [0.03, 0.06, 0.06], rtol=1e-12)
+    np.testing.assert_allclose(holm([0.5, 0.6]), [1.0, 1.0])  # capped at 1
+    got = holm([0.02, float("nan"), 0.04])  # no test: not in the family (m = 2)
+    assert math.isnan(got[1]) and got[[0, 2]] == pytest.approx([0.04, 0.04])
+    assert holm([]).shape == (0,)
+
+
+@given(p=st.lists(st.one_of(st.floats(0.0, 1.0), st.just(float("nan"))), min_size=1, max_size=15))
+@settings(max_examples=100, deadline=None)
+def test_holm_is_at_least_the_raw_p_at_most_1_and_keeps_the_order(p):
+    raw = np.array(p)
+    adjusted = holm(raw)
+    tested = np.isfinite(raw)
+    assert (np.isnan(adjusted) == ~tested).all()
+    raw, adjusted = raw[tested], adjusted[tested]
+    assert (adjusted >= raw - 1e-15).all() and (adjusted <= 1.0).all()
+    order = np.argsort(raw, kind="stable")
+    assert (np.diff(adjusted[order]) >= 0).all()  # monotone in the order of the raw p-values
+    assert (adjusted <= np.minimum(1.0, len(raw) * raw) + 1e-15).all()  # never stricter than Bonferroni
+
+
+@given(sd=st.floats(1e-3, 10.0), n=st.integers(2, 60))
+@settings(max_examples=80, deadline=None)
+def test_the_detectable_effect_shrinks_as_pairs_are_added_and_scales_with_the_spread(sd, n):
+    assert detectable_effect(sd, n + 1) < detectable_effect(sd, n)
+    assert detectable_effect(2.0 * sd, n) == pytest.approx(2.0 * detectable_effect(sd, n), rel=1e-9)
+    # more than the 95% interval's half-width: the test must clear it, and 80% of the time
+    assert detectable_effect(sd, n) > t_quantile(0.975, n - 1) * sd / math.sqrt(n)
+
+
+@given(values=st.lists(st.floats(-1, 1), min_size=2, max_size=8).filter(lambda v: np.std(v) > 1e-6))
+@settings(max_examples=80, deadline=None)
+def test_p_below_005_exactly_when_the_t_interval_excludes_0(values):
+    p = t_test_p(values)
+    assert 0.0 <= p <= 1.0
+    interval = t_interval(values)
+    if abs(p - 0.05) > 1e-6:  # away from the boundary, where rounding could split them
+        assert (p < 0.05) == interval.excludes(0.0)

@@ -5,7 +5,10 @@ Two sources, never mixed in one statistic: the kept policy (`heldout_kept.json`:
 the trainer's dtype, what a user deploys; first) and the rollout engine (`eval_start/*` → last `eval/*` in
 metrics.jsonl: the possibly quantized rollout policy; second, labelled). A setting's gain is the mean over
 its seeds with a t-interval over seeds and, where every run wrote per-question scores, a paired bootstrap
-over seeds × questions (viz/stats.py); `shown` applies the study's rule to both.
+over seeds × questions (viz/stats.py); `shown` applies the study's rule to both. Each comparison between settings
+also says what it could have seen (the difference detectable at 80% power from its own spread) and whether its
+"shown" survives Holm's adjustment over every comparison the table makes (issue 43: among 13 independent tests at
+α = 0.05 chance alone gives at least one "shown" half the time).
 """
 
 from __future__ import annotations
@@ -20,10 +23,20 @@ from openrlhf_tis.runs.heldout import read_kept_heldout
 from openrlhf_tis.runs.reader import load_metrics
 from openrlhf_tis.viz.compare import held_out_key
 from openrlhf_tis.viz.curves import held_out
-from openrlhf_tis.viz.stats import Interval, bootstrap_interval, shown, t_interval
+from openrlhf_tis.viz.stats import (
+    LEVEL,
+    Interval,
+    bootstrap_interval,
+    detectable_effect,
+    holm,
+    shown,
+    t_interval,
+    t_test_p,
+)
 
 KEPT, ENGINE = "kept policy", "rollout engine"
 SOURCES = (KEPT, ENGINE)
+AGAINST = {"ref": "reference", "off": "uncorrected (same dose)"}  # column suffix -> the baseline a setting is paired to
 
 
 def run_gains(facts: pd.DataFrame) -> pd.DataFrame:
@@ -75,7 +88,9 @@ def setting_gains(gains: pd.DataFrame, source: str) -> pd.DataFrame:
 def paired_differences(gains: pd.DataFrame, source: str, baseline_of: Mapping[str, str]) -> pd.DataFrame:
     """Each setting's gain minus its baseline setting's (`baseline_of[setting]`; settings without one are left out),
     paired by seed (only seeds both ran count): the mean difference with its t-interval and paired bootstrap (the
-    same seeds and questions on both sides), and `shown` when both exclude 0, i.e. the two gains differ."""
+    same seeds and questions on both sides), `shown` when both exclude 0, i.e. the two gains differ, the paired
+    t-test's p-value `p` and the `detectable` difference at 80% power from the pairs' own spread (NaN for both with
+    fewer than 2 pairs)."""
     mine = gains[(gains["source"] == source) & gains["seed"].notna()]
     by_setting = {setting: group.drop_duplicates("seed") for setting, group in mine.groupby("setting", sort=False)}
     rows = []
@@ -86,8 +101,10 @@ def paired_differences(gains: pd.DataFrame, source: str, baseline_of: Mapping[st
         paired = group.merge(base, left_on="seed", right_index=True, suffixes=("", "_base"))
         q_diffs = [a - b if isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and len(a) == len(b) else None
                    for a, b in zip(paired["q_gain"], paired["q_gain_base"], strict=True)]
-        rows.append({"setting": setting,
-                     **_intervals((paired["gain"] - paired["gain_base"]).to_numpy(), _question_matrix(q_diffs))})
+        differences = (paired["gain"] - paired["gain_base"]).to_numpy()
+        spread = float(np.std(differences, ddof=1)) if len(differences) >= 2 else float("nan")
+        rows.append({"setting": setting, **_intervals(differences, _question_matrix(q_diffs)),
+                     "p": t_test_p(differences), "detectable": detectable_effect(spread, len(differences))})
     table = pd.DataFrame(rows)
     return table.rename(columns={"gain": "difference"}).set_index("setting") if rows else table
 
@@ -121,7 +138,9 @@ def uncorrected_of(facts: pd.DataFrame) -> dict[str, str]:
 def dose_response(facts: pd.DataFrame, gains: pd.DataFrame, source: str) -> pd.DataFrame:
     """The headline's points, one per setting: dose, correction, mean k3 KL over its runs (each run's mean over
     its steps) and the gain with its intervals; the difference from the reference (`*_vs_ref`) and, for a
-    corrected setting, from the uncorrected one at its dose (`*_vs_off`)."""
+    corrected setting, from the uncorrected one at its dose (`*_vs_off`), each with its pairs, p-value, detectable
+    difference and, over the family of every such comparison with a p-value, the Holm-adjusted p (`p_holm_*`) and
+    whether a shown difference survives it (`shown_holm_*`)."""
     per_setting = facts.groupby("setting", sort=False).agg(
         dose=("dose", "first"), correction=("correction", "first"), k3_mean=("k3_mean", "mean"))
     table = per_setting.join(setting_gains(gains, source), how="inner")
@@ -131,8 +150,23 @@ def dose_response(facts: pd.DataFrame, gains: pd.DataFrame, source: str) -> pd.D
     for suffix, baseline_of in baselines.items():
         versus = paired_differences(gains, source, baseline_of) if len(table) else pd.DataFrame()
         if len(versus):
-            table = table.join(versus[["difference", "t_low", "t_high", "boot_low", "boot_high", "shown"]]
-                               .add_suffix(f"_vs_{suffix}"), how="left")
+            table = table.join(versus[["difference", "t_low", "t_high", "boot_low", "boot_high", "shown", "seeds", "p",
+                                       "detectable"]].rename(columns={"seeds": "pairs"}).add_suffix(f"_vs_{suffix}"),
+                               how="left")
+    return holm_family(table)
+
+
+def holm_family(table: pd.DataFrame) -> pd.DataFrame:
+    """Adds `p_holm_vs_*` (Holm-adjusted over one family: every comparison in the table with a p-value, against
+    either baseline) and `shown_holm_vs_*` (shown, and its adjusted p below 1 − LEVEL) to a dose_response table."""
+    family = [suffix for suffix in AGAINST if f"p_vs_{suffix}" in table]
+    if not family:
+        return table
+    p = table[[f"p_vs_{suffix}" for suffix in family]].to_numpy(dtype=np.float64)
+    adjusted = holm(p.ravel()).reshape(p.shape)
+    for column, suffix in enumerate(family):
+        table[f"p_holm_vs_{suffix}"] = adjusted[:, column]
+        table[f"shown_holm_vs_{suffix}"] = table[f"shown_vs_{suffix}"].eq(True) & (adjusted[:, column] < 1 - LEVEL)
     return table
 
 
@@ -152,8 +186,52 @@ def _versus(row: Mapping, suffix: str) -> list[str]:
             "n/a" if not defined else ("yes" if row.get(f"shown_vs_{suffix}") else "no")]
 
 
+def _p(value: float) -> str:
+    return "n/a" if not np.isfinite(value) else "<0.001" if value < 0.001 else f"{value:.3f}"
+
+
+def comparisons_markdown(table: pd.DataFrame) -> str:
+    """One row per comparison between settings (against the reference, then against the uncorrected setting at the
+    same dose): what it found, what it could have found (the difference detectable at 80% power), its p-value
+    raw and Holm-adjusted over the family, and whether a shown difference survives the adjustment. Empty when the
+    table makes no comparison."""
+    rows, untested = [], 0
+    ordered = table.sort_values(["correction", "k3_mean"]) if len(table) else table
+    for suffix, against in AGAINST.items():
+        for _, row in ordered.iterrows():
+            difference = row.get(f"difference_vs_{suffix}", np.nan)
+            if difference is None or not np.isfinite(difference):
+                continue
+            pairs = int(row[f"pairs_vs_{suffix}"])
+            tested = np.isfinite(row[f"p_vs_{suffix}"])
+            untested += not tested
+            why = "" if tested else f" ({pairs} pair)"
+            rows.append([str(row["dose"]), str(row["correction"]), against, str(pairs), _fmt(difference),
+                         _ci(row, f"t_low_vs_{suffix}", f"t_high_vs_{suffix}"),
+                         _ci(row, f"boot_low_vs_{suffix}", f"boot_high_vs_{suffix}"),
+                         "yes" if row[f"shown_vs_{suffix}"] else "no",
+                         _fmt(row[f"detectable_vs_{suffix}"], ".3f") + why, _p(row[f"p_vs_{suffix}"]) + why,
+                         _p(row[f"p_holm_vs_{suffix}"]) + why,
+                         "yes" if row[f"shown_holm_vs_{suffix}"] else "no"])
+    if not rows:
+        return ""
+    family = len(rows) - untested
+    note = (f"Comparisons, paired by seed: **{family} in the family**; p from the paired t-test (p < 0.05 exactly when "
+            f"its 95% t interval excludes 0), Holm-adjusted over the {family}; a shown difference survives when its "
+            "adjusted p < 0.05. Detectable: the true difference the test finds with 80% power at two-sided "
+            "α = 0.05 from the comparison's own spread s over n pairs, (t(0.975, n−1) + t(0.80, n−1)) · s / √n.")
+    if untested:
+        note += f" Fewer than 2 pairs in {untested} of them: no test there (n/a), and not in the family."
+    header = ["dose", "correction", "against", "pairs", "difference", "95% CI (t)",
+              "95% CI (bootstrap, seeds × questions)", "shown", "detectable (80% power)", "p (t)",
+              f"p (Holm, {family})", "shown after Holm"]
+    lines = [note, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in rows)])
+
+
 def headline_markdown(table: pd.DataFrame, source: str) -> str:
-    """The table the README takes: one row per setting, sorted by correction then k3."""
+    """The study's tables: the one the README takes, one row per setting sorted by correction then k3, and below it
+    the comparisons between settings with what each could detect and what survives Holm."""
     if table.empty:
         return "(no run with a held-out score before and after training)"
     header = ["dose", "correction", "seeds", "mean k3 KL(μ‖π_old)", f"held-out gain ({source})",
@@ -166,4 +244,5 @@ def headline_markdown(table: pd.DataFrame, source: str) -> str:
             str(row["dose"]), str(row["correction"]), str(int(row["seeds"])), _fmt(row["k3_mean"], ".2g"),
             _fmt(row["gain"]), _ci(row, "t_low", "t_high"), _ci(row, "boot_low", "boot_high"),
             "yes" if row["shown"] else "no", *_versus(row, "ref"), *_versus(row, "off")]) + " |")
-    return "\n".join(lines)
+    comparisons = comparisons_markdown(table)
+    return "\n".join(lines) + (f"\n\n{comparisons}" if comparisons else "")

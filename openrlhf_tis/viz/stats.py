@@ -11,6 +11,16 @@ sees) and between the questions it is scored on (a score over 64 questions is it
 A claim is `shown` only when every interval that could be computed excludes the null value (0 for a gain;
 0 for a difference of gains between a setting and the reference, paired by seed). Scipy is not a
 dependency: the t quantile comes from the regularized incomplete beta function below.
+
+What a comparison could have seen, and what survives the number of comparisons made (issue 43):
+- `t_test_p`: the two-sided p-value of the paired t-test whose interval `t_interval` draws (p < 0.05 exactly
+  when that 95% interval excludes 0).
+- `detectable_effect`: the smallest true difference δ the paired t-test finds with 80% power at two-sided
+  α = 0.05, from the comparison's own spread s over n pairs: the standard approximation takes the test statistic
+  as a central t shifted by δ√n/s, so power = P(T > t(1 − α/2) − δ√n/s) gives
+  δ = (t(1 − α/2, n − 1) + t(power, n − 1)) · s / √n (the far tail left out).
+- `holm`: Holm's step-down adjustment (Holm 1979, Scand. J. Statist. 6:65–70), which keeps the chance of any
+  false "shown" in a family of m comparisons at α without assuming them independent.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 LEVEL = 0.95
+POWER = 0.80
 
 
 @dataclass(frozen=True)
@@ -107,6 +118,43 @@ def t_interval(values: np.ndarray | list[float], level: float = LEVEL) -> Interv
         return Interval(mean, float("nan"), float("nan"), n)
     half = t_quantile(0.5 + level / 2.0, n - 1) * float(x.std(ddof=1)) / math.sqrt(n)
     return Interval(mean, mean - half, mean + half, n)
+
+
+def t_test_p(values: np.ndarray | list[float]) -> float:
+    """Two-sided p-value of the one-sample t-test of mean 0 over the finite `values` (paired differences); NaN with
+    fewer than 2 values. With no spread the test is degenerate: 0 when the mean is not 0, 1 when every value is 0."""
+    x = np.asarray(values, dtype=np.float64)
+    x = x[np.isfinite(x)]
+    if len(x) < 2:
+        return float("nan")
+    mean, sd = float(x.mean()), float(x.std(ddof=1))
+    if sd == 0.0:
+        return 1.0 if mean == 0.0 else 0.0
+    t = abs(mean) / (sd / math.sqrt(len(x)))
+    return min(1.0, 2.0 * (1.0 - t_cdf(t, len(x) - 1)))
+
+
+def detectable_effect(sd: float, n: int, level: float = LEVEL, power: float = POWER) -> float:
+    """The minimum detectable effect of a paired t-test over n pairs whose differences spread by `sd`: the true mean
+    difference it finds with probability `power` at two-sided 1 − `level`, (t(½ + level/2, n − 1) + t(power, n − 1))
+    · sd / √n (the approximation in the module's docstring). NaN with fewer than 2 pairs or no finite spread."""
+    if n < 2 or not np.isfinite(sd):
+        return float("nan")
+    df = n - 1
+    return (t_quantile(0.5 + level / 2.0, df) + t_quantile(power, df)) * sd / math.sqrt(n)
+
+
+def holm(p_values: np.ndarray | list[float]) -> np.ndarray:
+    """Holm-adjusted p-values of one family (Holm 1979): the i-th smallest of m is max over j <= i of
+    min(1, (m − j + 1) · p_(j)); a comparison survives at α when its adjusted p is below α. NaNs (no test) are left
+    out of the family and stay NaN."""
+    p = np.asarray(p_values, dtype=np.float64)
+    adjusted = np.full(p.shape, np.nan)
+    tested = np.flatnonzero(np.isfinite(p))
+    order = tested[np.argsort(p[tested], kind="stable")]
+    m = len(order)
+    adjusted[order] = np.minimum(1.0, np.maximum.accumulate((m - np.arange(m)) * p[order]))
+    return adjusted
 
 
 def bootstrap_interval(differences: np.ndarray, level: float = LEVEL, reps: int = 4000, seed: int = 0) -> Interval:
