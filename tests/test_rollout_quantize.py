@@ -470,7 +470,7 @@ def test_int8_sync_refuses_float_weights_without_a_plan(tmp_path):
 
     runner = SimpleNamespace(model_config=SimpleNamespace(model=str(tmp_path), quantization="compressed-tensors",
                                                           dtype=torch.bfloat16))
-    with pytest.raises(QuantizedSyncError, match="cast into int8"):
+    with pytest.raises(QuantizedSyncError, match="cast into its quantized parameters unscaled"):
         prepare_for_engine(runner, [("model.layers.0.mlp.up_proj.weight", torch.ones(2, 2, dtype=torch.bfloat16))])
     plain = SimpleNamespace(model_config=SimpleNamespace(model=str(tmp_path), quantization=None, dtype=torch.bfloat16))
     named = [("model.layers.0.mlp.up_proj.weight", torch.ones(2, 2))]

@@ -4,8 +4,9 @@ OpenRLHF's `create_vllm_engines` hard-codes the engine kwargs (dtype bf16, no qu
 reads `quantization_config` and `head_dtype` from the model's config.json. So the fork writes, before
 any engine starts, a directory that *is* the rollout variant of the actor's model:
 
-  config.json                 + quantization_config (int8) and/or head_dtype float32 (fp32 head)
-  model.safetensors           int8 W8A8 weights (int8), or links to the source weights (bf16)
+  config.json                 + quantization_config (int8, block fp8) and/or head_dtype float32 (fp32 head)
+  model.safetensors           int8 W8A8 weights (int8), e4m3 weights with 128x128 block scales (block fp8), or
+                              links to the source weights (bf16, fp32, online fp8)
   tokenizer files             copied
   openrlhf_tis_rollout.json   the plan: precision, scale mode, activation mode, source model, fingerprint
   calibration/calibration.safetensors
@@ -33,6 +34,7 @@ from openrlhf_tis.rollout.calibration_file import (
     load_calibration,
     split_calibration,
 )
+from openrlhf_tis.rollout.fp8_blocks import block_fp8_config, quantize_named_fp8, unblockable
 from openrlhf_tis.rollout.quantize import (
     ACTIVATION_MODES,
     Int8Plan,
@@ -100,7 +102,7 @@ def check_quantizable(model_dir: str | Path) -> int:
 def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "bf16", scale_mode: str = "recompute",
                         calibration: str | Path | None = None, fp32_head: bool = False,
                         engine_dtype: torch.dtype = torch.bfloat16, activations: str = "dynamic",
-                        weight_bits: int | None = None) -> Path:
+                        weight_bits: int | None = None, fp8_block: tuple[int, int] | None = None) -> Path:
     """Write the rollout model directory for `precision` (bf16, fp32, fp8 or int8); return its path.
 
     INT8 weights are quantized from the source cast to `engine_dtype` first: that is what the trainer
@@ -108,7 +110,9 @@ def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "b
     reproduces this checkpoint bit for bit. `activations="static"` takes the per-projection input
     scales from `calibration` (which must carry them) and writes vLLM's static per-tensor scheme.
     `weight_bits` None picks the grid this machine's int8 GEMM computes exactly (quantize.int8_weight_bits);
-    it is stored in the plan, so every sync quantizes onto the same grid.
+    it is stored in the plan, so every sync quantizes onto the same grid. `fp8_block` writes FP8 as a block-FP8
+    checkpoint (rollout/fp8_blocks.py, quantized from the engine-dtype weights as every sync will be) instead of
+    links that vLLM quantizes online; NotQuantizableError names the projections that are not whole blocks.
     """
     if activations not in ACTIVATION_MODES:
         raise ValueError(f"activations must be one of {ACTIVATION_MODES}, got {activations!r}")
@@ -157,14 +161,25 @@ def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "b
                         dynamic_projections=frozenset(dynamic), weight_bits=weight_bits)
         named = [(k, v.to(engine_dtype)) for k, v in load_state_dict(src).items()]
         out, stats = quantize_named_weights(named, plan, engine_dtype)
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in out}, str(dst / "model.safetensors"), metadata={"format": "pt"})
-        if stray := sorted(p.name for p in dst.glob("*.safetensors") if p.name != "model.safetensors"):
-            raise RuntimeError(f"{dst}: vLLM would load {stray} as weights too")
+        _save_weights(dst, out)
         config["quantization_config"] = compressed_tensors_config(static_activations=activations == "static",
                                                                   dynamic_targets=dynamic)
         plan_meta["initial_quant"] = stats.as_dict()
+    elif precision == "fp8" and fp8_block:
+        if calibration:
+            raise ValueError("a calibration file only applies to int8 rollouts")
+        named = [(k, v.to(engine_dtype)) for k, v in load_state_dict(src).items()]
+        shapes = {k: tuple(v.shape) for k, v in named if is_quantized_weight(k)}
+        if not shapes or (bad := unblockable(shapes, fp8_block)):
+            kinds = dict.fromkeys(entry.split(".")[-2] + entry[entry.index(" "):] for entry in bad)  # one per kind
+            raise NotQuantizableError(
+                f"{src}: block FP8 needs every projection in whole {fp8_block[0]}x{fp8_block[1]} blocks; "
+                + (f"not: {', '.join(kinds)} ({len(bad)} of {len(shapes)} projections)" if shapes
+                   else "it has no decoder projection"))
+        out, stats = quantize_named_fp8(named, is_quantized_weight, engine_dtype, fp8_block)
+        _save_weights(dst, out)
+        config["quantization_config"] = block_fp8_config(fp8_block)
+        plan_meta.update(fp8_block=list(fp8_block), initial_quant=stats)
     elif precision in ("bf16", "fp32", "fp8"):  # same weights; the engine reads its dtype from the plan
         if calibration:
             raise ValueError("a calibration file only applies to int8 rollouts")
@@ -180,6 +195,14 @@ def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "b
     with open(dst / PLAN_FILE, "w", encoding="utf-8") as f:
         json.dump(plan_meta, f, indent=2)
     return dst
+
+
+def _save_weights(dst: Path, named: list[tuple[str, torch.Tensor]]) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in named}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    if stray := sorted(p.name for p in dst.glob("*.safetensors") if p.name != "model.safetensors"):
+        raise RuntimeError(f"{dst}: vLLM would load {stray} as weights too")
 
 
 def read_plan(model_dir: str | Path) -> dict | None:

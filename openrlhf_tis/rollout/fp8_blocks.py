@@ -72,3 +72,47 @@ def max_relative_error(weight: torch.Tensor, quantized: Fp8Weight, block: tuple[
     w = weight.detach().to(torch.float32)
     err = (dequantize_blocks(quantized.q, quantized.scale, block) - w).abs().max()
     return float(err / w.abs().max()) if bool(w.abs().max() > 0) else 0.0
+
+
+def scale_inv_name(weight_name: str) -> str:
+    """`<...>.q_proj.weight` -> `<...>.q_proj.weight_scale_inv` (the name vLLM's block-FP8 loader takes)."""
+    return weight_name[: -len(".weight")] + ".weight_scale_inv"
+
+
+def unblockable(shapes: dict[str, tuple[int, int]], block: tuple[int, int] = DEFAULT_BLOCK) -> list[str]:
+    """The projections whose [out, in] shape is not whole blocks, each as `name [out, in]`.
+
+    vLLM loads a fused layer (qkv_proj, gate_up_proj) one shard at a time and cuts the fused scales at the shard's
+    offset in whole blocks: a shard that is not whole blocks (SmolLM2-135M's 576-row q_proj, 4.5 blocks of 128)
+    lands its scales on the wrong rows or fails the load, and the CPU kernel takes only whole 128-wide blocks along
+    the input. Whole blocks on both dimensions is the rule that holds for every layer at any tensor-parallel size
+    that divides them.
+    """
+    bn, bk = block
+    return [f"{name} [{n}, {k}]" for name, (n, k) in shapes.items() if n % bn or k % bk]
+
+
+def quantize_named_fp8(named: list[tuple[str, torch.Tensor]], is_projection, out_dtype: torch.dtype,
+                       block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[list[tuple[str, torch.Tensor]], dict]:
+    """Checkpoint-format weights -> block-FP8 checkpoint tensors: each projection (`is_projection(name)`) as its e4m3
+    `weight` followed by its `weight_scale_inv` (a layer-wise reload processes a layer once it has every tensor, so
+    both travel together), every other tensor in `out_dtype`; and the pass's statistics."""
+    out: list[tuple[str, torch.Tensor]] = []
+    stats = {"tensors": 0, "values": 0, "zero_blocks": 0, "max_rel_error": 0.0}
+    for name, tensor in named:
+        if not is_projection(name):
+            out.append((name, tensor.detach().to(out_dtype)))
+            continue
+        quantized = quantize_blocks(tensor, block)
+        stats["tensors"] += 1
+        stats["values"] += tensor.numel()
+        stats["zero_blocks"] += int((quantized.scale == torch.finfo(torch.float32).tiny).sum())
+        stats["max_rel_error"] = max(stats["max_rel_error"], max_relative_error(tensor, quantized, block))
+        out += [(name, quantized.q), (scale_inv_name(name), quantized.scale)]
+    return out, stats
+
+
+def block_fp8_config(block: tuple[int, int] = DEFAULT_BLOCK) -> dict:
+    """config.json's `quantization_config` of a block-FP8 checkpoint (vLLM's Fp8Config: serialized e4m3 weights,
+    dynamic activations; embeddings, norms and lm_head stay in the engine dtype)."""
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(block)}
