@@ -100,8 +100,9 @@ REWARD_NONFINITE, REWARD_DROPPED = "reward/nonfinite_samples", "reward/dropped_s
 QUEUE_WAIT = "timing/queue_wait"
 """Async: seconds the trainer blocked on the rollout queue (not summed into STEP_SECONDS)."""
 LOGPROB_COVERAGE = "rollout/logprob_coverage"
-INT8_SYNC_PREFIX = "rollout/int8_"
-"""+ a key of what INT8 engines return of a sync's re-quantization (saturated_fraction, max_rel_error, quantize_s)."""
+INT8_SYNC_PREFIX, FP8_SYNC_PREFIX = "rollout/int8_", "rollout/fp8_"
+"""+ a key of what INT8 (or block-FP8) engines return of a sync's re-quantization (saturated_fraction,
+max_rel_error, quantize_s)."""
 TOKEN_DUMP_SECONDS, TOKEN_DUMP_TOKENS = "run_store/token_dump_s", "run_store/token_dump_tokens"
 SYNC_CHECK_SECONDS, SYNC_WEIGHTS_SECONDS = "sync/check_s", "sync/weights_s"
 SYNC_BASELINE = "sync/baseline_mean_abs_logprob"

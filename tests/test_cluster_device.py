@@ -97,7 +97,6 @@ def test_a_gpu_choice_on_a_cpu_cluster_is_refused_naming_flag_and_resources(vali
 
 CUDA_REFUSED = [
     (["--vllm.rollout_precision", "int8"], "--vllm.rollout_precision", "int8 rollouts"),
-    (["--vllm.rollout_precision", "fp8"], "--vllm.rollout_precision", "fp8 rollouts"),
     (["--vllm.rollout_precision", "fp32"], "--vllm.rollout_precision", "fp32 rollouts"),
     (["--ds.param_dtype", "fp32"], "--ds.param_dtype", "fp32 training"),
     (["--ds.param_dtype", "fp16", "--vllm.num_engines", "1"], "--ds.param_dtype", "fp16 training"),
@@ -117,6 +116,24 @@ def test_cuda_refuses_what_its_weight_sync_cannot_serve_with_one_message(valid_a
     assert "casts the trainer's bf16 tensors straight into the engine's parameters" in line  # why
     assert "use bf16" in line and "--algo.correction.preset tis" in line  # what instead
     assert not (Path(valid_argv[valid_argv.index("--logger.run_dir") + 1]) / "rollout_model").exists()
+
+
+def test_cuda_fp8_refuses_a_model_not_in_whole_blocks_naming_its_projections(valid_argv, cluster_of, capsys):
+    """The tiny model's k/v projections are 64 rows: half a 128-row block (SmolLM2-135M's 576 is 4.5 blocks)."""
+    cluster_of(GPU_CLUSTER)
+    line = error_line(refused(valid_argv + ["--vllm.rollout_precision", "fp8"], capsys))
+    assert line.startswith("--vllm.rollout_precision: fp8 on CUDA quantizes every projection in blocks, and in ")
+    assert "projections are not whole 128x128 blocks (" in line and "k_proj [64, 128]" in line
+    assert line.endswith("; use bf16 rollouts")
+    assert not (Path(valid_argv[valid_argv.index("--logger.run_dir") + 1]) / "rollout_model").exists()
+
+
+def test_cuda_fp8_keeps_every_sync_checked(valid_argv, cluster_of, capsys):
+    cluster_of(GPU_CLUSTER)
+    line = error_line(refused(valid_argv + ["--vllm.rollout_precision", "fp8", "--vllm.sync_check_steps", "0"],
+                              capsys))
+    assert line.startswith(f"--vllm.sync_check_steps: 0 with FP8 rollouts on CUDA ({GPU_CLUSTER}): ")
+    assert "every sync is checked (1)" in line
 
 
 @pytest.mark.parametrize(("versions", "refusal"), [

@@ -24,6 +24,7 @@ patches.apply_platform_patches("cpu")  # openrlhf.models imports flash_attn at m
 from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
 
 from openrlhf_tis.metric_names import (  # noqa: E402
+    FP8_SYNC_PREFIX,
     INT8_SYNC_PREFIX,
     LOGPROB_COVERAGE,
     QUEUE_WAIT,
@@ -268,11 +269,16 @@ def test_sync_cost_reports_the_sync_and_the_worst_engines_int8_requantization():
                       INT8_SYNC_PREFIX + "max_rel_error": 0.5, INT8_SYNC_PREFIX + "quantize_s": 0.3}
 
 
-@pytest.mark.parametrize(("precision", "engines", "asked"), [
-    ("int8", ["e"], ["e"]), ("int8", None, []), ("int8", [], []), ("bf16", ["e"], [])])
-def test_sync_cost_asks_only_int8_engines_for_their_requantizations(precision, engines, asked):
+@pytest.mark.parametrize(("precision", "cuda", "engines", "asked", "prefix"), [
+    ("int8", False, ["e"], ["e"], INT8_SYNC_PREFIX), ("int8", False, None, [], INT8_SYNC_PREFIX),
+    ("int8", False, [], [], INT8_SYNC_PREFIX), ("bf16", False, ["e"], [], INT8_SYNC_PREFIX),
+    ("fp8", True, ["e"], ["e"], FP8_SYNC_PREFIX), ("fp8", False, ["e"], [], INT8_SYNC_PREFIX),
+    ("bf16", True, ["e"], [], INT8_SYNC_PREFIX)])
+def test_sync_cost_asks_only_re_quantizing_engines(precision, cuda, engines, asked, prefix):
+    """INT8 engines on either device and FP8 ones on CUDA re-quantize at a sync; CPU FP8 engines quantize online."""
     args = SimpleNamespace(vllm=SimpleNamespace(rollout_precision=precision))
-    assert list(SyncCostPart.from_args(args, engines).int8_engines) == asked
+    part = SyncCostPart.from_args(args, engines, cuda=cuda)
+    assert (list(part.quantized_engines), part.prefix) == (asked, prefix)
 
 
 @pytest.mark.parametrize(("loaded", "every", "due_at"), [

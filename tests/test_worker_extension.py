@@ -8,8 +8,10 @@ subclass instead on CPU. tests/test_weight_sync_vllm.py drives the same class in
 from __future__ import annotations
 
 import asyncio
+import json
 import types
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,8 +24,12 @@ from openrlhf_tis.rollout.engine_actor import (
     PrecisionRolloutRayActor,
     worker_extension_override,
 )
+from openrlhf_tis.rollout.engine_actor import (
+    CUDA_QUANTIZED_EXTENSION as CUDA_QUANTIZED,
+)
 from openrlhf_tis.rollout.weight_sync.group import GlooBroadcastGroup
 from openrlhf_tis.rollout.weight_sync.receive import CPUWorkerExtension
+from openrlhf_tis.rollout.weight_sync.receive_cuda import QuantizedCUDAWorkerExtension
 
 
 def test_the_extension_resolves_as_vllm_does_and_extends_upstreams_worker_wrap():
@@ -192,3 +198,84 @@ def test_trainer_and_extension_meet_in_one_gloo_group(monkeypatch, tmp_path):
         sent.result(timeout=60)
     (_, got_a), (_, got_b) = worker.model_runner.reloaded
     assert torch.equal(got_a, a) and torch.equal(got_b, b)
+
+
+# ── CUDA: the buffered, re-quantizing receive of a quantized engine ──
+
+def test_override_names_the_quantized_receive_on_cuda_only_for_quantized_engines():
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    assert worker_extension_override(UPSTREAM_WORKER_EXTENSION, cuda=True, quantized=True) == {
+        "worker_extension_cls": "openrlhf_tis.rollout.weight_sync.receive_cuda.QuantizedCUDAWorkerExtension"}
+    assert worker_extension_override(None, cuda=True, quantized=True) == {"worker_extension_cls": CUDA_QUANTIZED}
+    assert worker_extension_override(None, cuda=True, quantized=False) == {}
+    assert resolve_obj_by_qualname(CUDA_QUANTIZED) is QuantizedCUDAWorkerExtension
+    with pytest.raises(RuntimeError, match="worker_extension_cls='other.Ext'"):
+        worker_extension_override("other.Ext", cuda=True, quantized=True)
+
+
+@pytest.mark.parametrize(("plan", "quantized"), [
+    ({"precision": "int8"}, True), ({"precision": "fp8", "fp8_block": [128, 128]}, True),
+    ({"precision": "fp8", "fp8_block": None}, False), ({"precision": "bf16"}, False), (None, False)])
+def test_a_plan_is_quantized_when_a_sync_must_re_quantize_into_it(tmp_path, plan, quantized):
+    from openrlhf_tis.rollout.checkpoint import PLAN_FILE
+    from openrlhf_tis.rollout.engine_actor import is_quantized_plan
+
+    if plan is not None:
+        (tmp_path / PLAN_FILE).write_text(json.dumps(plan))
+    assert is_quantized_plan(str(tmp_path)) is quantized
+
+
+class _Model(torch.nn.Module):
+    def load_weights(self, weights):
+        raise AssertionError("a quantized engine's parameters must not be loaded tensor by tensor")
+
+
+class _Group:
+    """Upstream's sync group as its receive calls it (`broadcast(tensor, src, stream)`): fills the next tensor."""
+
+    def __init__(self, tensors):
+        self.tensors = iter(tensors)
+
+    def broadcast(self, tensor, src=0, stream=None):
+        tensor.copy_(next(self.tensors))
+
+
+def test_upstreams_cuda_receive_is_buffered_until_the_last_tensor_then_reloaded_once(monkeypatch):
+    """Upstream's own `WorkerWrap.update_weight` (NCCL path) runs here with its CUDA buffer on the CPU; the fork's
+    extension must load nothing until the sync's last tensor, then reload all of them once, through vLLM 0.29's
+    `reload_weights(weights_iterator=...)`, and return the re-quantization's statistics."""
+    from openrlhf_tis.rollout.weight_sync import receive_cuda
+
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: empty(*a, **k))  # "cuda" -> the CPU
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
+    reloads = []
+    monkeypatch.setattr(receive_cuda, "reload_into_engine",
+                        lambda runner, named: reloads.append([(n, t.clone()) for n, t in named]) or {"sync": 1})
+    sent = [("a.weight", torch.full((2, 3), 1.5, dtype=torch.bfloat16)),
+            ("b.weight", torch.full((4,), -2.0, dtype=torch.bfloat16))]
+    worker = QuantizedCUDAWorkerExtension()
+    worker.model_config = SimpleNamespace(dtype=torch.bfloat16)
+    worker.model_runner = SimpleNamespace(model=_Model())
+    worker._model_update_with_ray, worker._model_update_group = False, _Group([t for _, t in sent])
+    results = [worker.update_weight(name, t.dtype, tuple(t.shape), empty_cache=i == len(sent) - 1)
+               for i, (name, t) in enumerate(sent)]
+    assert results == [None, {"sync": 1}]
+    (reloaded,) = reloads
+    assert [n for n, _ in reloaded] == ["a.weight", "b.weight"]
+    assert all(torch.equal(got, want) for (_, got), (_, want) in zip(reloaded, sent, strict=True))
+    assert "load_weights" not in vars(worker.model_runner.model)  # the model's own method is back
+
+
+def test_the_models_load_weights_is_restored_when_a_receive_fails():
+    from openrlhf_tis.rollout.weight_sync.receive_cuda import loads_collected
+
+    model, kept = _Model(), []
+    with pytest.raises(RuntimeError, match="broadcast failed"), loads_collected(model, kept):
+        model.load_weights([("a", torch.ones(1))])
+        raise RuntimeError("broadcast failed")
+    assert len(kept) == 1 and "load_weights" not in vars(model)
+    with pytest.raises(AssertionError, match="tensor by tensor"):
+        model.load_weights([("a", torch.ones(1))])

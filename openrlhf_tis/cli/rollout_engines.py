@@ -10,6 +10,7 @@ from openrlhf_tis.cli.cluster_device import DEVICE_DEST
 from openrlhf_tis.rollout.precision import (
     ACTIVATIONS_FLAG,
     CALIBRATION_FLAG,
+    FP8_CUDA_BLOCK,
     FP32_HEAD_FLAG,
     PRECISION_FLAG,
     SCALES_FLAG,
@@ -35,14 +36,17 @@ def prepare_rollout_engines(args) -> str | None:
     from openrlhf_tis.rollout.quantize import int8_weight_bits
 
     dst = os.path.abspath(os.path.join(getattr(args, "logger.run_dir"), ROLLOUT_MODEL_DIR))
-    # the cluster's device, never the driver's (only CPU clusters get here: cuda refuses all but plain bf16)
+    # the cluster's device, never the driver's
     bits = int8_weight_bits(rollout_option(args, WEIGHT_BITS_FLAG), cuda=getattr(args, DEVICE_DEST) == "cuda")
     activations = rollout_option(args, ACTIVATIONS_FLAG)
+    # CUDA FP8 engines load a block-FP8 checkpoint the fork re-quantizes at every sync; CPU ones quantize online
+    fp8_block = FP8_CUDA_BLOCK if precision == "fp8" and getattr(args, DEVICE_DEST) == "cuda" else None
     write_rollout_model(getattr(args, "actor.model_name_or_path"), dst, precision=precision,
                         scale_mode=rollout_option(args, SCALES_FLAG),
                         calibration=rollout_option(args, CALIBRATION_FLAG), fp32_head=fp32_head,
-                        activations=activations, weight_bits=bits)
+                        activations=activations, weight_bits=bits, fp8_block=fp8_block)
     details = [*([f"{bits}-bit weights"] if precision == "int8" else []),
+               *([f"{fp8_block[0]}x{fp8_block[1]} blocks"] if fp8_block else []),
                *(["static activation scales"] if activations == "static" else []),
                *(["fp32 head"] if fp32_head else [])]
     print(f"[openrlhf_tis] rollout model ({', '.join([precision, *details])}) written to {dst}")

@@ -34,7 +34,7 @@ from openrlhf_tis.rollout.calibration_file import (
     load_calibration,
     split_calibration,
 )
-from openrlhf_tis.rollout.fp8_blocks import block_fp8_config, quantize_named_fp8, unblockable
+from openrlhf_tis.rollout.fp8_blocks import block_fp8_config, quantize_named_fp8, unblockable_summary
 from openrlhf_tis.rollout.quantize import (
     ACTIVATION_MODES,
     Int8Plan,
@@ -86,6 +86,17 @@ def weight_names(model_dir: str | Path) -> list[str]:
         with safe_open(str(f), framework="pt") as h:
             names.extend(h.keys())
     return names
+
+
+def projection_shapes(model_dir: str | Path) -> dict[str, tuple[int, int]]:
+    """[out, in] of every decoder projection weight of a safetensors checkpoint (headers only)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in _weight_files(Path(model_dir)):
+        with safe_open(str(f), framework="pt") as h:
+            shapes.update({k: tuple(h.get_slice(k).get_shape()) for k in h.keys() if is_quantized_weight(k)})
+    return shapes
 
 
 def check_quantizable(model_dir: str | Path) -> int:
@@ -170,12 +181,8 @@ def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "b
             raise ValueError("a calibration file only applies to int8 rollouts")
         named = [(k, v.to(engine_dtype)) for k, v in load_state_dict(src).items()]
         shapes = {k: tuple(v.shape) for k, v in named if is_quantized_weight(k)}
-        if not shapes or (bad := unblockable(shapes, fp8_block)):
-            kinds = dict.fromkeys(entry.split(".")[-2] + entry[entry.index(" "):] for entry in bad)  # one per kind
-            raise NotQuantizableError(
-                f"{src}: block FP8 needs every projection in whole {fp8_block[0]}x{fp8_block[1]} blocks; "
-                + (f"not: {', '.join(kinds)} ({len(bad)} of {len(shapes)} projections)" if shapes
-                   else "it has no decoder projection"))
+        if problem := unblockable_summary(shapes, fp8_block):
+            raise NotQuantizableError(f"{src}: block FP8 needs every projection in whole blocks; {problem}")
         out, stats = quantize_named_fp8(named, is_quantized_weight, engine_dtype, fp8_block)
         _save_weights(dst, out)
         config["quantization_config"] = block_fp8_config(fp8_block)

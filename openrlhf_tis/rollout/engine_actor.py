@@ -13,6 +13,8 @@ with the policy version it was generated with.
 
 from __future__ import annotations
 
+import os
+
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor as _UpstreamActorClass
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
@@ -22,6 +24,7 @@ from openrlhf_tis.rollout.precision import engine_kwargs
 from openrlhf_tis.rollout.reward_executor import limit_reward_calls, make_rewards_loud
 from openrlhf_tis.rollout.versions import VERSION_FIRST, VERSION_LAST
 from openrlhf_tis.rollout.weight_sync.receive import CPUWorkerExtension
+from openrlhf_tis.rollout.weight_sync.receive_cuda import QuantizedCUDAWorkerExtension
 from openrlhf_tis.run_device import is_cuda_run
 
 _UpstreamRolloutRayActor = ray_actor_class(_UpstreamActorClass)
@@ -34,6 +37,10 @@ def qualified_name(cls: type) -> str:
 
 UPSTREAM_WORKER_EXTENSION = qualified_name(WorkerWrap)
 CPU_WORKER_EXTENSION = qualified_name(CPUWorkerExtension)
+CUDA_QUANTIZED_EXTENSION = qualified_name(QuantizedCUDAWorkerExtension)
+DEEP_GEMM_E8M0 = "VLLM_USE_DEEP_GEMM_E8M0"
+"""vLLM's switch for DeepGEMM's power-of-two block scales: on by default on Hopper, where it re-rounds the scales the
+fork computed; off, the engine computes with exactly the weights the fork wrote (docs/gpu.md, FP8 on CUDA)."""
 
 
 def plan_engine_overrides(model_dir: str, cuda: bool) -> dict:
@@ -49,20 +56,28 @@ def plan_engine_overrides(model_dir: str, cuda: bool) -> dict:
     return kwargs
 
 
-def worker_extension_override(requested: str | None, cuda: bool) -> dict[str, str]:
-    """`worker_extension_cls` for the engine: the fork's CPU extension off CUDA; {} (upstream's stays) on CUDA.
+def worker_extension_override(requested: str | None, cuda: bool, quantized: bool = False) -> dict[str, str]:
+    """`worker_extension_cls` for the engine: the fork's CPU extension off CUDA; on CUDA the fork's buffered,
+    re-quantizing receive for a quantized engine, else {} (upstream's stays).
 
-    The fork's class extends upstream's WorkerWrap; an upstream that names another class would lose its
+    The fork's classes extend upstream's WorkerWrap; an upstream that names another class would lose its
     methods, so that is refused rather than silently replaced.
     """
-    if cuda:
+    if cuda and not quantized:
         return {}
+    ours = CUDA_QUANTIZED_EXTENSION if cuda else CPU_WORKER_EXTENSION
     if requested not in (None, UPSTREAM_WORKER_EXTENSION):
         raise RuntimeError(
-            f"upstream now starts vLLM with worker_extension_cls={requested!r}; the fork's {CPU_WORKER_EXTENSION} "
-            f"extends {UPSTREAM_WORKER_EXTENSION}: review openrlhf_tis/rollout/weight_sync/receive.py"
+            f"upstream now starts vLLM with worker_extension_cls={requested!r}; the fork's {ours} "
+            f"extends {UPSTREAM_WORKER_EXTENSION}: review openrlhf_tis/rollout/weight_sync/"
         )
-    return {"worker_extension_cls": CPU_WORKER_EXTENSION}
+    return {"worker_extension_cls": ours}
+
+
+def is_quantized_plan(model_dir: str) -> bool:
+    """Whether the engine of `model_dir` holds quantized weights a sync must re-quantize (INT8, block FP8)."""
+    plan = read_plan(model_dir) or {}
+    return plan.get("precision") == "int8" or bool(plan.get("fp8_block"))
 
 
 class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
@@ -71,7 +86,10 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         overrides = plan_engine_overrides(kwargs["model"], cuda=cuda)
         if overrides:
             print(f"[openrlhf_tis] rollout engine {kwargs['model']}: {overrides}")
-        overrides |= worker_extension_override(kwargs.get("worker_extension_cls"), cuda)
+        quantized = is_quantized_plan(kwargs["model"])
+        overrides |= worker_extension_override(kwargs.get("worker_extension_cls"), cuda, quantized)
+        if cuda and quantized:  # read by vLLM in this process and the engine core it starts
+            os.environ.setdefault(DEEP_GEMM_E8M0, "0")
         await super().__init__(*args, **{**kwargs, **overrides})
         make_rewards_loud(self.executor)
         self._policy_version = 0  # optimizer steps in the weights this engine holds (trainer/staleness.py)

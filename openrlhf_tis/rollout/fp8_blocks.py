@@ -92,6 +92,18 @@ def unblockable(shapes: dict[str, tuple[int, int]], block: tuple[int, int] = DEF
     return [f"{name} [{n}, {k}]" for name, (n, k) in shapes.items() if n % bn or k % bk]
 
 
+def unblockable_summary(shapes: dict[str, tuple[int, int]], block: tuple[int, int] = DEFAULT_BLOCK) -> str | None:
+    """None when every projection of `shapes` is whole blocks; else one line saying how many are not, with one
+    example shape per kind (`q_proj [576, 576]`), for a refusal to quote."""
+    if not shapes:
+        return "there is no decoder projection to quantize"
+    bad = unblockable(shapes, block)
+    if not bad:
+        return None
+    kinds = dict.fromkeys(entry.split(".")[-2] + entry[entry.index(" "):] for entry in bad)
+    return f"{len(bad)} of {len(shapes)} projections are not whole {block[0]}x{block[1]} blocks ({', '.join(kinds)})"
+
+
 def quantize_named_fp8(named: list[tuple[str, torch.Tensor]], is_projection, out_dtype: torch.dtype,
                        block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[list[tuple[str, torch.Tensor]], dict]:
     """Checkpoint-format weights -> block-FP8 checkpoint tensors: each projection (`is_projection(name)`) as its e4m3

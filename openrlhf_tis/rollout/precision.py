@@ -1,11 +1,12 @@
 """Rollout precision: the flag's choices, what each asks of vLLM, and the checks that run first.
 
-| precision | engine                                                        | weight sync on CPU              |
-|-----------|---------------------------------------------------------------|---------------------------------|
-| bf16      | dtype bfloat16 (upstream's hard-coded default)                | reload (cpu_weight_sync)        |
-| fp32      | dtype float32                                                 | reload                          |
-| int8      | compressed-tensors W8A8 checkpoint written by the fork, bf16  | quantize with the stored plan, reload |
-| fp8       | online FP8: `fp8_per_channel` on CPU (design.md §5), `fp8` on CUDA | reload; vLLM re-quantizes online |
+| precision | engine                                                        | weight sync                          |
+|-----------|---------------------------------------------------------------|--------------------------------------|
+| bf16      | dtype bfloat16 (upstream's hard-coded default)                | CPU: reload; CUDA: upstream's        |
+| fp32      | dtype float32 (CPU only)                                      | reload                               |
+| int8      | compressed-tensors W8A8 checkpoint written by the fork (CPU)  | quantize with the stored plan, reload |
+| fp8       | CPU: online `fp8_per_channel` (design.md §5)                  | reload; vLLM re-quantizes online     |
+|           | CUDA: block-FP8 checkpoint written by the fork (128x128)      | quantize in blocks, reload           |
 
 int8 activations are quantized per token (dynamic) or with static per-tensor scales calibrated once
 (`--vllm.int8_activations static`); static scales travel with every sync, unchanged.
@@ -53,14 +54,12 @@ def fp8_quantization(cuda: bool) -> str:
 
 
 def check_fp8_available(cuda: bool) -> None:
-    """Raise UsageError when no FP8 kernel can run on this machine."""
+    """Raise UsageError when no FP8 kernel can run on this machine.
 
+    On CUDA nothing is asked here: the driver may run on a CPU head and never sees the workers' GPUs (only their
+    engines do, and vLLM refuses FP8 there on a GPU without FP8 kernels).
+    """
     if cuda:
-        import torch
-
-        major, minor = torch.cuda.get_device_capability()
-        if (major, minor) < (8, 0):
-            raise UsageError(PRECISION_FLAG, f"fp8 needs compute capability >= 8.0, found {major}.{minor}")
         return
     try:
         from vllm.config.quantization import ONLINE_QUANT_SHORTHAND_NAMES
@@ -187,24 +186,27 @@ def check_calibration_file(calibration: str, model_dir: str, activations: str) -
                          "`python -m openrlhf_tis.rollout.calibration ... --static_activations`")
 
 
-# The one rule for CUDA (docs/gpu.md, "Refused on CUDA"): there the trainer's weights reach the engines through
+# The rules for CUDA (docs/gpu.md, "Refused on CUDA"): there the trainer's weights reach bf16 engines through
 # upstream's own weight update (openrlhf WorkerWrap.update_weight), which asserts that the trainer sends the engine's
 # dtype (bf16, hard-coded by upstream's engine factory: an fp16 trainer fails it at the first sync) and loads each
-# tensor straight into the engine's parameters, cast but never re-quantized: bf16 values land unscaled in int8 / fp8
-# parameters (docs/design.md §5, trap 5). The fork's sync that re-quantizes, re-casts and refreshes an fp32 head
-# (rollout/weight_sync/, rollout/fp32_head.py) is built for the CPU path only.
-CUDA_SYNC_WHY = ("on CUDA the trainer's weights reach the engines through upstream's weight update, which casts "
-                 "the trainer's bf16 tensors straight into the engine's parameters (unscaled into int8/fp8 ones; "
-                 "an engine or trainer not in bf16 fails its dtype assertion); the fork's re-quantizing sync, and "
-                 "its fp32 head, are built for the CPU path only")
+# tensor straight into the engine's parameters, cast but never re-quantized. FP8 engines get the fork's receive
+# instead (rollout/weight_sync/receive_cuda.py): upstream's transport, one re-quantizing reload of block-FP8 weights.
+# INT8 W8A8 on CUDA (vLLM's CUTLASS kernels), the fp32 engine and the fp32 head have no CUDA sync written for them.
+CUDA_SYNC_WHY = ("on CUDA the trainer's weights reach bf16 engines through upstream's weight update, which casts "
+                 "the trainer's bf16 tensors straight into the engine's parameters (an engine or trainer not in bf16 "
+                 "fails its dtype assertion), and only FP8 engines have the fork's re-quantizing receive there; "
+                 "INT8 and the fp32 head are built for the CPU path only")
 CUDA_INSTEAD = "and a correction preset (--algo.correction.preset tis, ...) for the mismatch that remains"
+CUDA_PRECISIONS = ("bf16", "fp8")
+FP8_CUDA_BLOCK = (128, 128)
+"""The block of CUDA FP8 rollouts: vLLM's block-FP8 kernels (DeepGEMM, CUTLASS) and verl's rollout.quantization=fp8."""
 
 
 def cuda_refusal(args) -> tuple[str, str, str] | None:
     """(flag, what it asks for, what to use instead) for the first choice the CUDA weight sync cannot serve."""
     precision = rollout_option(args, PRECISION_FLAG)
-    if precision != "bf16":
-        return PRECISION_FLAG, f"{precision} rollouts", f"bf16 rollouts ({PRECISION_FLAG} bf16)"
+    if precision not in CUDA_PRECISIONS:
+        return PRECISION_FLAG, f"{precision} rollouts", f"bf16 or fp8 rollouts ({PRECISION_FLAG} bf16|fp8)"
     train_dtype = getattr(args, "ds.param_dtype")
     if train_dtype == "fp32" or (train_dtype == "fp16" and getattr(args, "vllm.num_engines")):
         return "--ds.param_dtype", f"{train_dtype} training", "bf16 training (--ds.param_dtype bf16)"
@@ -219,6 +221,10 @@ def check_cuda_weight_sync(args, cluster: str) -> None:
     if refusal:
         flag, asked, instead = refusal
         raise UsageError(flag, f"no {asked} on CUDA ({cluster}): {CUDA_SYNC_WHY}; use {instead}, {CUDA_INSTEAD}")
+    if rollout_option(args, PRECISION_FLAG) == "fp8" and getattr(args, "vllm.sync_check_steps", 1) != 1:
+        raise UsageError("--vllm.sync_check_steps", f"{getattr(args, 'vllm.sync_check_steps')} with FP8 rollouts on "
+                         f"CUDA ({cluster}): their re-quantizing sync has not yet run on a GPU, so every sync is "
+                         "checked (1); the run stops at the first sync the engines did not take")
 
 
 def check_cli_precision(args, *, cuda: bool, cluster: str) -> None:
@@ -240,3 +246,16 @@ def check_cli_precision_files(args, *, cuda: bool) -> None:
     check_precision_files(rollout_option(args, PRECISION_FLAG), getattr(args, "actor.model_name_or_path"),
                           cuda=cuda, calibration=rollout_option(args, CALIBRATION_FLAG),
                           activations=rollout_option(args, ACTIVATIONS_FLAG))
+    if cuda and rollout_option(args, PRECISION_FLAG) == "fp8":
+        check_fp8_blocks(getattr(args, "actor.model_name_or_path"))
+
+
+def check_fp8_blocks(model_dir: str) -> None:
+    """Refuse FP8 rollouts on CUDA for a model whose projections are not whole FP8_CUDA_BLOCK blocks (safetensors
+    headers only), naming the flag and the projections."""
+    from openrlhf_tis.rollout.checkpoint import projection_shapes
+    from openrlhf_tis.rollout.fp8_blocks import unblockable_summary
+
+    if problem := unblockable_summary(projection_shapes(model_dir), FP8_CUDA_BLOCK):
+        raise UsageError(PRECISION_FLAG, f"fp8 on CUDA quantizes every projection in blocks, and in {model_dir} "
+                         f"{problem}; use bf16 rollouts")

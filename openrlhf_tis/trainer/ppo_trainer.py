@@ -45,6 +45,7 @@ from openrlhf.trainer.ppo_trainer_async import TrainingActor as _UpstreamTrainin
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
 from openrlhf_tis.ray_classes import ray_actor_class
+from openrlhf_tis.run_device import is_cuda_run
 from openrlhf_tis.runs.store import RunWriter
 from openrlhf_tis.trainer.bypass import install_bypass_experience_maker
 from openrlhf_tis.trainer.eval_samples import whole_set_eval
@@ -130,7 +131,7 @@ class ForkController:
             SyncCadencePart(args.vllm.sync_every) if getattr(args.vllm, "sync_every", 1) > 1 else None,
             MetricsLinePart(RunWriter(run_dir), schedule) if run_dir else None,
             SyncCheckPart(checker, args.vllm.sync_check_steps) if checker is not None else None,
-            SyncCostPart.from_args(args, self.vllm_engines),
+            SyncCostPart.from_args(args, self.vllm_engines, cuda=is_cuda_run()),
             StartEvalPart(self._evaluate_now) if schedule.configured else None,
         ]
         return [part for part in parts if part is not None]

@@ -35,6 +35,7 @@ import torch
 from openrlhf_tis.metric_names import (
     EVAL_PREFIX,
     EVAL_START_PREFIX,
+    FP8_SYNC_PREFIX,
     INT8_SYNC_PREFIX,
     LOGPROB_COVERAGE,
     QUEUE_WAIT,
@@ -294,26 +295,32 @@ class SyncCheckPart(PendingMetrics):
 
 
 class SyncCostPart(PendingMetrics):
-    """`sync/weights_s` (upstream's sync alone; its `timing/broadcast` covers the check too), and what INT8 engines
-    return of each re-quantization (`rollout/int8_*`: the worst engine's, rollout/weight_sync/requantize.py)."""
+    """`sync/weights_s` (upstream's sync alone; its `timing/broadcast` covers the check too), and what quantized engines
+    return of each re-quantization (`rollout/int8_*`, `rollout/fp8_*`: the worst engine's,
+    rollout/weight_sync/requantize.py)."""
 
     STATS = ("saturated_fraction", "max_rel_error", "quantize_s")
 
-    def __init__(self, int8_engines: Sequence = ()):
+    def __init__(self, quantized_engines: Sequence = (), prefix: str = INT8_SYNC_PREFIX):
         super().__init__()
-        self.int8_engines = int8_engines
+        self.quantized_engines, self.prefix = quantized_engines, prefix
 
     @classmethod
-    def from_args(cls, args, engines: Sequence | None) -> SyncCostPart:
-        int8 = getattr(args.vllm, "rollout_precision", "bf16") == "int8"
-        return cls(engines if int8 and engines else ())
+    def from_args(cls, args, engines: Sequence | None, cuda: bool = False) -> SyncCostPart:
+        """INT8 engines re-quantize on either device; FP8 ones only on CUDA (CPU FP8 engines quantize online)."""
+        precision = getattr(args.vllm, "rollout_precision", "bf16")
+        cuda_fp8 = precision == "fp8" and cuda
+        if not engines or not (precision == "int8" or cuda_fp8):
+            return cls()
+        return cls(engines, INT8_SYNC_PREFIX if precision == "int8" else FP8_SYNC_PREFIX)
 
     def after_sync(self, seconds: float) -> None:
         self.pending[SYNC_WEIGHTS_SECONDS] = seconds
-        if not self.int8_engines:
+        if not self.quantized_engines:
             return
-        records = [r for stats in ray.get([e.last_sync_stats.remote() for e in self.int8_engines]) for r in stats]
-        self.pending.update({INT8_SYNC_PREFIX + key: max(float(r[key]) for r in records if key in r)
+        records = [r for stats in ray.get([e.last_sync_stats.remote() for e in self.quantized_engines])
+                   for r in stats]
+        self.pending.update({self.prefix + key: max(float(r[key]) for r in records if key in r)
                              for key in self.STATS if any(key in r for r in records)})
 
 
