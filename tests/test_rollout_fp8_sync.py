@@ -68,6 +68,9 @@ def test_a_block_fp8_checkpoint_holds_e4m3_weights_block_scales_and_its_config(t
                                              "weight_block_size": [128, 128]}
     plan = read_plan(dst)
     assert plan["fp8_block"] == [128, 128] and plan["initial_quant"]["tensors"] == 14
+    assert plan["unquantized"] == ["model.embed_tokens.weight", "model.layers.*.input_layernorm.weight",
+                                   "model.layers.*.post_attention_layernorm.weight", "model.norm.weight",
+                                   "lm_head (tied to the embeddings)"]
 
 
 def test_a_model_not_in_whole_blocks_is_refused_naming_its_projections(tiny_model_dir, tmp_path):
@@ -101,3 +104,39 @@ def test_block_fp8_engine_sync_matches_a_fresh_engine_bitwise(tiny_model_dir, tm
     shutil.copy2(src / "config.json", new_src / "config.json")
     fresh = start_engine(write_rollout_model(new_src, tmp_path / "fp8_new", precision="fp8", fp8_block=BLOCK))
     assert torch.equal(engine_prompt_logprobs(fresh), synced)
+
+
+class _Runner029:
+    """A model runner with vLLM 0.29's `GPUModelRunner.reload_weights` signature (v1/worker/gpu_model_runner.py):
+    what a CUDA engine's reload receives, recorded instead of loaded."""
+
+    def __init__(self, model_dir: Path):
+        from types import SimpleNamespace
+
+        self.model_config = SimpleNamespace(model=str(model_dir), dtype=torch.bfloat16, quantization="fp8")
+        self.model = torch.nn.Module()
+        self.model.config = SimpleNamespace(tie_word_embeddings=False)
+        self.loaded: list[tuple[str, torch.Tensor]] = []
+
+    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True) -> None:
+        assert weights_path is None and is_checkpoint_format  # checkpoint-format tensors, through the layer-wise path
+        self.loaded = list(weights_iterator)
+
+
+def test_a_sync_feeds_every_fp8_layer_its_weight_and_scales_together(tiny_model_dir, tmp_path):
+    """vLLM 0.29 processes a layer once all its tensors arrived, and a layer missing its `weight_scale_inv` is
+    processed late from uninitialised scale memory: every projection's pair travels in every sync, scales right
+    after their weight; a plain tensor in the engine's bf16."""
+    src = tiny_llama(tiny_model_dir, tmp_path / "llama")
+    runner = _Runner029(write_rollout_model(src, tmp_path / "fp8", precision="fp8", fp8_block=BLOCK))
+    named = take_training_step(trainer_model(src), scale=0.05)
+    stats = reload_into_engine(runner, named)
+    names = [n for n, _ in runner.loaded]
+    projections = [n for n, _ in named if n.endswith("_proj.weight")]
+    assert len(projections) == 14 and stats["tensors"] == 14
+    for name in projections:
+        i = names.index(name)
+        assert names[i + 1] == name.removesuffix(".weight") + ".weight_scale_inv"
+        assert runner.loaded[i][1].dtype == FP8_DTYPE and runner.loaded[i + 1][1].dtype == torch.float32
+    plain = [t for n, t in runner.loaded if not n.endswith(("_proj.weight", "weight_scale_inv"))]
+    assert plain and all(t.dtype == torch.bfloat16 for t in plain)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -186,7 +187,7 @@ def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "b
         out, stats = quantize_named_fp8(named, is_quantized_weight, engine_dtype, fp8_block)
         _save_weights(dst, out)
         config["quantization_config"] = block_fp8_config(fp8_block)
-        plan_meta.update(fp8_block=list(fp8_block), initial_quant=stats)
+        plan_meta.update(fp8_block=list(fp8_block), initial_quant=stats, unquantized=unquantized_kinds(named))
     elif precision in ("bf16", "fp32", "fp8"):  # same weights; the engine reads its dtype from the plan
         if calibration:
             raise ValueError("a calibration file only applies to int8 rollouts")
@@ -202,6 +203,15 @@ def write_rollout_model(src: str | Path, dst: str | Path, *, precision: str = "b
     with open(dst / PLAN_FILE, "w", encoding="utf-8") as f:
         json.dump(plan_meta, f, indent=2)
     return dst
+
+
+def unquantized_kinds(named: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """The tensors a quantized rollout model keeps in the engine dtype, one entry per kind (`model.layers.*.
+    input_layernorm.weight`), and the lm_head when it is tied to the embeddings (it has no tensor of its own)."""
+    kinds = dict.fromkeys(re.sub(r"\.layers\.\d+\.", ".layers.*.", n) for n, _ in named if not is_quantized_weight(n))
+    if not any(k.startswith("lm_head.") for k in kinds):
+        kinds["lm_head (tied to the embeddings)"] = None
+    return list(kinds)
 
 
 def _save_weights(dst: Path, named: list[tuple[str, torch.Tensor]]) -> None:
