@@ -245,14 +245,14 @@ def test_upstreams_cuda_receive_is_buffered_until_the_last_tensor_then_reloaded_
     """Upstream's own `WorkerWrap.update_weight` (NCCL path) runs here with its CUDA buffer on the CPU; the fork's
     extension must load nothing until the sync's last tensor, then reload all of them once, through vLLM 0.29's
     `reload_weights(weights_iterator=...)`, and return the re-quantization's statistics."""
-    from openrlhf_tis.rollout.weight_sync import receive_cuda
+    from openrlhf_tis.rollout.weight_sync import reload
 
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: empty(*a, **k))  # "cuda" -> the CPU
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
     reloads = []
-    monkeypatch.setattr(receive_cuda, "reload_into_engine",
+    monkeypatch.setattr(reload, "reload_into_engine",
                         lambda runner, named: reloads.append([(n, t.clone()) for n, t in named]) or {"sync": 1})
     sent = [("a.weight", torch.full((2, 3), 1.5, dtype=torch.bfloat16)),
             ("b.weight", torch.full((4,), -2.0, dtype=torch.bfloat16))]

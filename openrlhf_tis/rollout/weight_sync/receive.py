@@ -21,11 +21,7 @@ import torch.distributed as dist
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
 from openrlhf_tis.rollout.weight_sync.group import GlooBroadcastGroup
-from openrlhf_tis.rollout.weight_sync.reload import reload_into_engine
-
-# Tensors received in this sync and not yet reloaded, on the worker instance (not a class attribute:
-# vLLM refuses an extension whose names clash with its worker class).
-_PENDING = "_openrlhf_tis_pending_weights"
+from openrlhf_tis.rollout.weight_sync.reload import pending_weights, reload_if_last
 
 
 class CPUWorkerExtension(WorkerWrap):
@@ -73,12 +69,7 @@ class CPUWorkerExtension(WorkerWrap):
         numels = [math.prod(shape) for _, shape in names_shapes]
         flat = torch.empty(sum(numels), dtype=dtype)  # the broadcast receives exactly what the trainer sends
         self._model_update_group.broadcast(flat, src=0)
-        pending = self.__dict__.setdefault(_PENDING, [])
+        pending = pending_weights(self)
         for (name, shape), part in zip(names_shapes, flat.split(numels), strict=True):
             pending.append((name, part.view(tuple(shape)).to(engine_dtype)))
-        if not last:
-            return None
-        try:
-            return reload_into_engine(self.model_runner, pending)
-        finally:
-            pending.clear()
+        return reload_if_last(self, last)

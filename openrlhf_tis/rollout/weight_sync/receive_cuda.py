@@ -18,9 +18,7 @@ from contextlib import contextmanager
 import torch
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
-from openrlhf_tis.rollout.weight_sync.reload import reload_into_engine
-
-_PENDING = "_openrlhf_tis_pending_weights"  # on the worker instance, as receive.py's (vLLM refuses clashing names)
+from openrlhf_tis.rollout.weight_sync.reload import pending_weights, reload_if_last
 
 
 @contextmanager
@@ -50,12 +48,6 @@ class QuantizedCUDAWorkerExtension(WorkerWrap):
     def _received(self, receive: Callable, args: tuple, last: bool) -> dict | None:
         """Run upstream's receive with its load collected; after the last tensor, reload them all and return the
         re-quantization's statistics (requantize.py)."""
-        pending = self.__dict__.setdefault(_PENDING, [])
-        with loads_collected(self.model_runner.model, pending):
+        with loads_collected(self.model_runner.model, pending_weights(self)):
             receive(*args)
-        if not last:
-            return None
-        try:
-            return reload_into_engine(self.model_runner, pending)
-        finally:
-            pending.clear()
+        return reload_if_last(self, last)

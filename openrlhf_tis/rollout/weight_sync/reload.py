@@ -12,6 +12,27 @@ import torch
 from openrlhf_tis.rollout.fp32_head import forget_fp32_heads
 from openrlhf_tis.rollout.weight_sync.requantize import prepare_for_engine
 
+# A sync's tensors received and not yet reloaded, on the worker instance (not a class attribute: vLLM refuses an
+# extension whose names clash with its worker class).
+_PENDING = "_openrlhf_tis_pending_weights"
+
+
+def pending_weights(worker) -> list[tuple[str, torch.Tensor]]:
+    """The worker's buffer of this sync's received tensors (receive.py, receive_cuda.py)."""
+    return worker.__dict__.setdefault(_PENDING, [])
+
+
+def reload_if_last(worker, last: bool) -> dict | None:
+    """After the sync's last tensor, reload the worker's buffer into its engine and empty it; return the
+    re-quantization's statistics (None before the last tensor and for a float engine)."""
+    if not last:
+        return None
+    pending = pending_weights(worker)
+    try:
+        return reload_into_engine(worker.model_runner, pending)
+    finally:
+        pending.clear()
+
 
 def reload_into_engine(model_runner, named_tensors: list[tuple[str, torch.Tensor]]) -> dict | None:
     """Load checkpoint-format trainer weights into the engine of `model_runner`; return the re-quantization's
