@@ -14,8 +14,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
 
 from openrlhf_tis import patches
+from openrlhf_tis.cli.actor_watch import ActorDeath, ActorWatch
 from openrlhf_tis.cli.checks import (
     adapt_to_cpu,
     check_flags,
@@ -49,6 +51,7 @@ from openrlhf_tis.run_device import DEVICE_ENV
 from openrlhf_tis.runs.reader import last_logged_step
 
 INTERRUPTED_EXIT = 130  # a shell's code for a command ended by SIGINT
+ACTOR_DIED_EXIT = 3  # an actor of the run died of an error (cli/actor_watch.py)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,23 +173,40 @@ def main(argv: list[str] | None = None) -> None:
     except (UsageError, UnsupportedUpstreamError) as err:
         print(f"openrlhf_tis.cli.train_ppo_ray: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    watch = ActorWatch().start()  # upstream waits on its actors without a time limit, even on dead ones
     try:
         run_upstream_main(args)
     except KeyboardInterrupt:
+        watch.stop()
+        if watch.woke_main:
+            stop_after_actor_death(args, watch.death)
         stop_after_interrupt(args)
+    finally:
+        watch.stop()
     check_steps_logged(getattr(args, "logger.run_dir"))
 
 
-def stop_after_interrupt(args: argparse.Namespace) -> None:
-    """Ctrl-C during training: Ray shut down (its actors end, so nothing more is logged), then one line saying what
-    was kept and how to go on, and the shell's code for SIGINT; a second Ctrl-C does not cut the shutdown short."""
+def stop_after_interrupt(args: argparse.Namespace) -> NoReturn:
+    """Ctrl-C during training: the run ended (end_run) with the shell's code for SIGINT."""
+    end_run(args, "interrupted: ", INTERRUPTED_EXIT)
+
+
+def stop_after_actor_death(args: argparse.Namespace, death: ActorDeath) -> NoReturn:
+    """An actor of the run died of an error (cli/actor_watch.py): the run ended (end_run) naming it, instead of
+    upstream waiting for it for ever."""
+    end_run(args, f"error: {death}; ", ACTOR_DIED_EXIT)
+
+
+def end_run(args: argparse.Namespace, why: str, code: int) -> NoReturn:
+    """Ray shut down (its actors end, so nothing more is logged), then one line: `why`, then what was kept and how to
+    go on; exit `code`. A Ctrl-C does not cut the shutdown short."""
     import ray
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ray.shutdown()
     account = interrupted_account(Path(getattr(args, "logger.run_dir")), getattr(args, "ckpt.path"))
-    print(f"openrlhf_tis.cli.train_ppo_ray: interrupted: {account}", file=sys.stderr)
-    raise SystemExit(INTERRUPTED_EXIT)
+    print(f"openrlhf_tis.cli.train_ppo_ray: {why}{account}", file=sys.stderr)
+    raise SystemExit(code)
 
 
 def enter_run(device: str) -> list[str]:
