@@ -1,4 +1,5 @@
-"""The fork's whole delta against upstream behaviour (see README.md in this folder).
+"""The fork's runtime patches. README.md in this folder holds the table of every substitution of upstream behaviour,
+these patches and the few that live in the fork's own classes: that table is the whole delta.
 
 Nothing here runs on import. Call `apply_platform_patches(device)` explicitly with the run's device, which the
 driver decides once (cli/cluster_device.py): the CLI does so in the driver and hands the same call to every Ray

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from types import ModuleType
 
+from ._guard import PatchTargetMissingError
+
 _after: dict[str, list[Callable[[ModuleType], None]]] = {}
 _around: dict[str, list[Callable[[], AbstractContextManager]]] = {}
 
@@ -36,8 +38,9 @@ class _PatchFinder(importlib.abc.MetaPathFinder):
                 break
         else:
             return None
-        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):  # no hook would fire: say so
+            raise PatchTargetMissingError(f"a patch waits on the import of {fullname}, whose loader "
+                                          f"({type(spec.loader).__name__}) cannot be hooked; review patches/")
         real_exec = spec.loader.exec_module
 
         def exec_module(module, _real=real_exec, _name=fullname):

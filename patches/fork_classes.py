@@ -26,8 +26,9 @@ def apply() -> bool:
     require_version("openrlhf", "==0.11.2", patch=NAME)
     import openrlhf.trainer.ppo_trainer as upstream
 
-    from openrlhf_tis.trainer.ppo_trainer import TisPPOTrainer
+    from openrlhf_tis.trainer.ppo_trainer import TisPPOTrainer, check_sync_hooks_reached
 
+    check_sync_hooks_reached()  # the controllers' class-order trick (InsideSyncHooks), before any is used
     replace(upstream, "PPOTrainer", TisPPOTrainer, patch=NAME)
 
     # Async training (--train.async_enable): `train()` imports PPOTrainerAsync from its module inside the

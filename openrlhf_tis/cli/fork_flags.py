@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 
 from openrlhf_tis.cli.cluster_device import DEVICE_FLAG, DEVICES
+from openrlhf_tis.patches._guard import PatchTargetMissingError, require_version
 from openrlhf_tis.rollout.precision import (
     ACTIVATIONS_FLAG,
     CALIBRATION_FLAG,
@@ -24,8 +25,16 @@ from openrlhf_tis.trainer.sync_cadence import SYNC_EVERY_FLAG
 
 def allow_fp32_training(parser: argparse.ArgumentParser) -> None:
     """Add fp32 to upstream's `--ds.param_dtype` choices (bf16, fp16): CPUs without native bf16 emulate it,
-    and a bf16 backward there is 5-25x slower than fp32 (patches/fp32_training.py)."""
-    action = next(a for a in parser._actions if a.dest == "ds.param_dtype")
+    and a bf16 backward there is 5-25x slower than fp32 (patches/fp32_training.py). Idempotent; an upstream parser
+    without that flag or its choices is refused, naming this file (patches/README.md)."""
+    where = "openrlhf_tis/cli/fork_flags.py"
+    require_version("openrlhf", "==0.11.2", patch=where)
+    action = next((a for a in parser._actions if a.dest == "ds.param_dtype"), None)
+    if action is None or not action.choices:
+        raise PatchTargetMissingError(f"patch {where!r}: openrlhf.cli.train_ppo_ray no longer has --ds.param_dtype "
+                                      "with choices; review the patch")
+    if "fp32" in action.choices:
+        return
     action.choices = [*action.choices, "fp32"]
     action.help = f"{action.help} (the fork adds fp32: on CPUs without native bf16 it trains several times faster)"
 

@@ -145,5 +145,6 @@ def make_rewards_loud(executor) -> bool:
     """
     if type(executor) is not SingleTurnAgentExecutor and not isinstance(executor, LoudRewardExecutor):
         return False
-    reclass(executor, LoudRewardExecutor, supported="==0.11.2", patch="rollout_engine")
+    reclass(executor, LoudRewardExecutor, supported="==0.11.2", patch="openrlhf_tis/rollout/reward_executor.py",
+            overrides=("execute", "_fetch_rewards_via_func", "_fetch_rewards_via_http"))
     return True

@@ -59,5 +59,6 @@ def install_bypass_experience_maker(controller) -> bool:
     """
     if not correction_config_from_args(controller.args).bypass:
         return False
-    reclass(controller.experience_maker, RolloutAsOldExperienceMaker, supported="==0.11.2", patch="fork_classes")
+    reclass(controller.experience_maker, RolloutAsOldExperienceMaker, supported="==0.11.2",
+            patch="openrlhf_tis/trainer/bypass.py", overrides=("make_experience", "_dispatch_forward"))
     return True

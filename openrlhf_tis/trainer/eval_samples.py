@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
+from openrlhf_tis.patches._guard import require_version
+
 
 class WholeSetEvalSamplesGenerator(SamplesGenerator):
     """Upstream's sample generator whose evaluation sends every held-out prompt in one dispatch."""
@@ -27,7 +29,9 @@ class WholeSetEvalSamplesGenerator(SamplesGenerator):
 
 
 def whole_set_eval(generator: SamplesGenerator) -> WholeSetEvalSamplesGenerator:
-    """A generator sharing `generator`'s datasets, tokenizer and engines, evaluating in one dispatch."""
+    """A generator sharing `generator`'s datasets, tokenizer and engines, evaluating in one dispatch (it stands in for
+    the controller's; refused for another openrlhf than the one whose loop reads `rollout.batch_size`)."""
+    require_version("openrlhf", "==0.11.2", patch="openrlhf_tis/trainer/eval_samples.py")
     return WholeSetEvalSamplesGenerator(strategy=generator.strategy, prompts_dataloader=generator.prompts_dataloader,
                                         eval_dataloader=generator.eval_dataloader, tokenizer=generator.tokenizer,
                                         vllm_engines=generator.vllm_engines)

@@ -35,7 +35,7 @@ from openrlhf.utils.loss_utils import _get_dp_group
 
 from openrlhf_tis.correction import CorrectionConfig, compute_correction, kept_weight_totals, policy_loss
 from openrlhf_tis.metric_names import K1_KL, MASKED_FRAC, TOKEN_DUMP_SECONDS, TOKEN_DUMP_TOKENS
-from openrlhf_tis.patches._guard import reclass
+from openrlhf_tis.patches._guard import PatchTargetMissingError, reclass
 from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.run_device import is_cuda_run
 from openrlhf_tis.runs.identity import write_checkpoint_identity
@@ -51,6 +51,7 @@ from openrlhf_tis.trainer.token_dumps import (
 )
 
 _UpstreamPolicyModelActor = ray_actor_class(_UpstreamActorClass)
+_THIS_FILE = "openrlhf_tis/trainer/ppo_actor.py"  # named by the guards' errors: the file to review
 
 
 def dp_allreduce(strategy) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -133,7 +134,14 @@ class CorrectionActorPPOTrainer(ActorPPOTrainer):
         self._setup_correction()
 
     def _setup_correction(self) -> None:
-        """Replace the policy loss, PPO's or GSPO's: the mismatch is measured and dumped whatever the loss."""
+        """Replace the policy loss, PPO's or GSPO's: the mismatch is measured and dumped whatever the loss.
+
+        Upstream's `training_step` calls `self.actor_loss_fn`, which its `__init__` set: an upstream that no longer
+        does either is refused, since the fork's loss would silently not be the one trained with."""
+        if "actor_loss_fn" not in vars(self) or "actor_loss_fn" not in ActorPPOTrainer.training_step.__code__.co_names:
+            raise PatchTargetMissingError(
+                f"patch {_THIS_FILE!r}: openrlhf.trainer.ray.ppo_actor.ActorPPOTrainer no longer trains with "
+                "self.actor_loss_fn; review the patch")
         self.correction = correction_config_from_args(self.args)
         self.token_dump_plan: TokenDumpPlan | None = None  # set by the controller before a dumped step's fit
         self._token_dump: TokenDumpCollector | None = None  # live only inside ppo_train of a dumped step
@@ -267,7 +275,8 @@ class _CorrectionPolicyModelActor(_UpstreamPolicyModelActor):
         super().init_model_from_pretrained(strategy, pretrain, max_steps=max_steps, vllm_engines=vllm_engines)
         # Upstream constructed a plain ActorPPOTrainer (its vLLM sync group is already up); the fork's
         # subclass only adds methods, so re-classing the instance finishes the job without a second init.
-        reclass(self.trainer, CorrectionActorPPOTrainer, supported="==0.11.2", patch="fork_classes")
+        reclass(self.trainer, CorrectionActorPPOTrainer, supported="==0.11.2", patch=_THIS_FILE,
+                overrides=("ppo_train", "training_step"))
         self.trainer._setup_correction()
 
     def append(self, experience) -> None:

@@ -14,7 +14,9 @@ Class layout (method resolution order, outermost first):
     TisTrainingActor  = ForkController, TrainerSideEval, upstream TrainingActor, InsideSyncHooks, BasePPOTrainer
 `InsideSyncHooks` sits *below* upstream's classes so that the parts' `synced` hook runs inside async
 training's critical section (the vLLM lock, or paused generation with partial rollouts): each engine learns
-the new policy version before it may generate again (PolicyVersionPart, trainer/staleness.py).
+the new policy version before it may generate again (PolicyVersionPart, trainer/staleness.py). It is reached
+only because upstream's `TrainingActor.broadcast_to_vllm` calls `super()`: `check_sync_hooks_reached` (run by
+patches/fork_classes.py before `train()`) refuses an upstream whose override stops doing so.
 
 Step numbering: upstream's `train_step(samples, global_step)` trains with `ppo_train(global_step)` and
 returns `global_step + 1`, the number `save_logs_and_checkpoints` writes as the metrics line's `step`
@@ -44,6 +46,7 @@ from openrlhf.trainer.ppo_trainer_async import PPOTrainerAsync as _UpstreamAsync
 from openrlhf.trainer.ppo_trainer_async import TrainingActor as _UpstreamTrainingClass
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
+from openrlhf_tis.patches._guard import require_super_chain
 from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.run_device import is_cuda_run
 from openrlhf_tis.runs.store import RunWriter
@@ -261,6 +264,14 @@ class _TisPPOTrainerAsync(_UpstreamPPOTrainerAsync):
         async_actors.apply(TisTrainingActor, TisGenerateSamplesActor)
         super().__init__(*args, **generate_kwargs)
         ray.get(self.trainer_actor.set_generate_kwargs.remote(generate_kwargs))
+
+
+def check_sync_hooks_reached() -> None:
+    """Refuse an upstream in which a sync no longer reaches `InsideSyncHooks` (every class above it in the fork's
+    controllers must call `super().broadcast_to_vllm()`; otherwise the parts' `synced` hook silently never runs)."""
+    for controller in (_TisPPOTrainer, _TisTrainingActor):
+        require_super_chain(controller, "broadcast_to_vllm", InsideSyncHooks,
+                            patch="openrlhf_tis/trainer/ppo_trainer.py")
 
 
 TisPPOTrainer = ray.remote(_TisPPOTrainer)

@@ -10,6 +10,7 @@ without a plan take none of these paths and compute nothing extra.
 
 from __future__ import annotations
 
+import inspect
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from openrlhf.utils.loss_utils import _get_dp_group
 
 from openrlhf_tis.correction import CorrectionConfig, compute_correction
+from openrlhf_tis.patches._guard import PatchTargetMissingError, require_version, swapped
 from openrlhf_tis.runs.schema import mask_reason_codes
 from openrlhf_tis.runs.tokens import flatten_response_tokens
 from openrlhf_tis.trainer.staleness import LAG
@@ -105,16 +107,32 @@ def response_entropy(output: Any, sequences_shape: Sequence[int], width: int, ro
     return result
 
 
+_THIS_FILE = "openrlhf_tis/trainer/token_dumps.py"  # named by the guards' errors: the file to review
+_UPSTREAM_CALL = ("sequences", "action_mask")  # upstream's training_step: self.actor(sequences, action_mask, ...)
+
+
+def _check_actor_forward(actor: torch.nn.Module) -> None:
+    """Refuse an upstream whose actor `capture_response_entropy` would wrap wrongly: another openrlhf than the one
+    read (0.11.2's `Actor.forward(sequences, action_mask, ..., return_output)`), or a forward of another shape."""
+    require_version("openrlhf", "==0.11.2", patch=_THIS_FILE)
+    forward = getattr(type(actor), "forward", None)
+    params = list(inspect.signature(forward).parameters) if callable(forward) else []
+    if tuple(params[1:3]) != _UPSTREAM_CALL or "return_output" not in params:
+        raise PatchTargetMissingError(
+            f"patch {_THIS_FILE!r}: {type(actor).__module__}.{type(actor).__qualname__}.forward{tuple(params[1:])} "
+            f"is not openrlhf 0.11.2's Actor.forward(sequences, action_mask, ..., return_output); review the patch")
+
+
 @contextmanager
 def capture_response_entropy(actor: torch.nn.Module, rows: Sequence[int]) -> Iterator[dict]:
     """Within the block, the first `actor(...)` call also leaves its response entropy in the yielded dict.
 
     Upstream's `training_step` calls the actor with no seam for extras; an instance-level `forward`
-    wraps the class's for the one micro-batch being dumped and is removed afterwards.
+    wraps the class's for the one micro-batch being dumped and is removed afterwards, even on error
+    (`_guard.swapped`; a forward of another shape, or another openrlhf, is refused first).
     """
+    _check_actor_forward(actor)
     found: dict[str, Any] = {}
-    own = actor.__dict__.get("forward")
-    forward = actor.forward
 
     def capturing(sequences, action_mask=None, *args, **kwargs):
         result = forward(sequences, action_mask, *args, **kwargs)
@@ -124,14 +142,8 @@ def capture_response_entropy(actor: torch.nn.Module, rows: Sequence[int]) -> Ite
             found["seconds"] = time.perf_counter() - started
         return result
 
-    actor.forward = capturing
-    try:
+    with swapped(actor, "forward", capturing, patch=_THIS_FILE) as forward:
         yield found
-    finally:
-        if own is None:
-            del actor.forward
-        else:
-            actor.forward = own
 
 
 def correction_token_details(config: CorrectionConfig, captured: dict) -> dict[str, torch.Tensor]:

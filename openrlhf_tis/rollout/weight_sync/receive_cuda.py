@@ -18,21 +18,22 @@ from contextlib import contextmanager
 import torch
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
+from openrlhf_tis.patches._guard import PatchTargetMissingError, require_version, swapped
 from openrlhf_tis.rollout.weight_sync.reload import pending_weights, reload_if_last
+
+_THIS_FILE = "openrlhf_tis/rollout/weight_sync/receive_cuda.py"  # named by the guards' errors: the file to review
 
 
 @contextmanager
 def loads_collected(model: torch.nn.Module, into: list[tuple[str, torch.Tensor]]) -> Iterator[None]:
     """Inside the block, `model.load_weights(weights)` keeps a copy of each (name, tensor) in `into` instead of
-    loading it; the model's own method is back on exit (an instance attribute shadows the class's, then is gone)."""
+    loading it; the model's own method is back on exit, even on error (`_guard.swapped`: an instance attribute
+    shadows the class's, then is gone). A model without `load_weights` is refused, naming this file."""
     def collect(weights) -> None:
         into.extend((name, tensor.detach().clone()) for name, tensor in weights)
 
-    model.load_weights = collect
-    try:
+    with swapped(model, "load_weights", collect, patch=_THIS_FILE):
         yield
-    finally:
-        del model.load_weights
 
 
 class QuantizedCUDAWorkerExtension(WorkerWrap):
@@ -48,6 +49,14 @@ class QuantizedCUDAWorkerExtension(WorkerWrap):
     def _received(self, receive: Callable, args: tuple, last: bool) -> dict | None:
         """Run upstream's receive with its load collected; after the last tensor, reload them all and return the
         re-quantization's statistics (requantize.py)."""
-        with loads_collected(self.model_runner.model, pending_weights(self)):
+        pending = pending_weights(self)
+        if not pending:  # a sync's first tensor: the upstream whose receive this intercepts, checked once a sync
+            require_version("openrlhf", "==0.11.2", patch=_THIS_FILE)
+        before = len(pending)
+        with loads_collected(self.model_runner.model, pending):
             receive(*args)
+        if len(pending) == before:  # upstream loaded it some other way: the reload would miss it
+            raise PatchTargetMissingError(
+                f"patch {_THIS_FILE!r}: openrlhf's WorkerWrap.{receive.__name__} received a tensor without loading it "
+                "through model.load_weights; review the patch")
         return reload_if_last(self, last)

@@ -1,0 +1,478 @@
+"""patches/README.md's table is the list of every substitution of upstream behaviour, wherever it lives (issue 41).
+
+The package and patches/ are scanned for the ways the fork substitutes upstream code (below, `scan_substitutions`);
+each place found must be named in the table's `where` column, and every place the table names must exist. The
+guard helpers themselves (patches/_guard.py) are the mechanism, not a substitution: their call sites are scanned.
+The guards the table names refuse an upstream they were not written for, naming the fork file to review.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import re
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from openrlhf_tis.patches._guard import PatchTargetMissingError, UnsupportedUpstreamError, reclass, require_super_chain
+
+REPO = Path(__file__).resolve().parent.parent
+TABLE = REPO / "patches" / "README.md"
+SCANNED = (REPO / "openrlhf_tis", REPO / "patches")
+GUARD_HELPERS = REPO / "patches" / "_guard.py"
+
+UPSTREAM_PACKAGES = {"openrlhf", "vllm", "torch", "deepspeed", "transformers", "ray", "flash_attn"}
+"""Top-level packages whose attributes the fork must not assign outside the table."""
+SUBSTITUTING_HELPERS = {"replace", "add", "swapped", "reclass", "after_import", "around_import"}
+"""Helpers of patches/_guard.py and patches/_import_hooks.py that change upstream objects or imports."""
+HELPER_MODULES = ("_guard", "_import_hooks")
+CODE_RUNNERS = {("runpy", "run_module"), ("runpy", "run_path"), ("importlib", "reload")}
+CLASS_SURGERY = {"__class__", "__bases__"}
+
+
+# ── the scan ─────────────────────────────────────────────────────────────────────────────────────────────
+
+
+def _root(node: ast.AST) -> str | None:
+    """The name an attribute chain starts from (`torch` for torch.cuda.x), None when it starts elsewhere."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _dotted(node: ast.AST) -> str:
+    return f"{_dotted(node.value)}.{node.attr}" if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+
+def _defined_in(node: ast.AST) -> set[str]:
+    """Names of the functions defined directly in `node`'s body (a module's, or a function's nested ones)."""
+    return {n.name for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n is not node
+            and (not isinstance(node, ast.Module) or n in node.body)}
+
+
+class _Scanner(ast.NodeVisitor):
+    """Collects (file, place) for each substitution in one module; a place is `function`, `Class.method` or
+    `Class` (nested functions count as the function they are defined in)."""
+
+    def __init__(self, tree: ast.Module):
+        self.hits: set[str] = set()
+        self.scope: list[tuple[str, str]] = []  # ("class" | "def", name), outermost first
+        self.upstream_names: set[str] = set()  # names bound to an upstream package, a module of it or a member
+        self.helper_names: set[str] = set()  # SUBSTITUTING_HELPERS as imported here
+        self.helper_modules: set[str] = set()  # `_guard` / `_import_hooks` imported as modules
+        self.local_functions: list[set[str]] = [_defined_in(tree)]  # the functions each scope defines
+        self.fork_classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] in UPSTREAM_PACKAGES:
+                        self.upstream_names.add(alias.asname or alias.name.split(".")[0])
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                for alias in node.names:
+                    bound = alias.asname or alias.name
+                    if module.split(".")[0] in UPSTREAM_PACKAGES and node.level == 0:
+                        self.upstream_names.add(bound)
+                    elif module.split(".")[-1] in HELPER_MODULES and alias.name in SUBSTITUTING_HELPERS:
+                        self.helper_names.add(bound)
+                    elif alias.name in HELPER_MODULES:
+                        self.helper_modules.add(bound)
+                    elif module.split(".")[0] == "openrlhf_tis" or node.level:
+                        self.fork_classes.add(bound)
+        # module-level names derived from upstream ones (`_Upstream = ray_actor_class(UpstreamClass)`)
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and any(
+                    _root(arg) in self.upstream_names for arg in node.value.args):
+                self.upstream_names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+                self.fork_classes.difference_update(t.id for t in node.targets if isinstance(t, ast.Name))
+
+    def _place(self) -> str:
+        """The scope's first function, with its class when it is a method; a class statement: the class."""
+        names = []
+        for kind, name in self.scope:
+            names.append(name)
+            if kind == "def":
+                break
+        return ".".join(names) or "<module>"
+
+    def _hit(self) -> None:
+        self.hits.add(self._place())
+
+    def _scoped(self, node, kind: str, name: str) -> None:
+        self.scope.append((kind, name))
+        self.generic_visit(node)
+        self.scope.pop()
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        # A fork class placed after an upstream one among the bases runs *below* upstream in the MRO: it works only
+        # while upstream's override calls super() (the class-order trick).
+        bases = [_root(b) for b in node.bases]
+        first_upstream = next((i for i, b in enumerate(bases) if b in self.upstream_names), None)
+        self.scope.append(("class", node.name))
+        if first_upstream is not None and any(b in self.fork_classes for b in bases[first_upstream + 1:]):
+            self._hit()
+        self.generic_visit(node)
+        self.scope.pop()
+
+    def visit_FunctionDef(self, node) -> None:
+        self.local_functions.append(_defined_in(node))
+        self._scoped(node, "def", node.name)
+        self.local_functions.pop()
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def _substitutes(self, target: ast.AST, value: ast.AST | None) -> bool:
+        if isinstance(target, ast.Attribute):
+            if target.attr in CLASS_SURGERY:
+                return True  # obj.__class__ = ..., cls.__bases__ = ...
+            if _root(target) in self.upstream_names:
+                return True  # upstream_module.attr = ..., torch.cuda.x = ...
+            if isinstance(value, ast.Lambda) or (isinstance(value, ast.Name) and value.id in self.local_functions[-1]):
+                return True  # obj.method = a function of ours: an instance's or a module's method replaced
+        if isinstance(target, ast.Subscript) and _dotted(target.value) == "sys.modules":
+            return True
+        return False
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        if any(self._substitutes(t, node.value) for t in node.targets):
+            self._hit()
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        func = node.func
+        name = _dotted(func)
+        if isinstance(func, ast.Name) and func.id in self.helper_names:
+            self._hit()
+        elif isinstance(func, ast.Attribute) and _root(func) in self.helper_modules and (
+                func.attr in SUBSTITUTING_HELPERS):
+            self._hit()
+        elif tuple(name.rsplit(".", 1)) in CODE_RUNNERS:
+            self._hit()
+        elif name in ("sys.modules.update", "sys.modules.setdefault"):
+            self._hit()
+        elif name == "setattr" and len(node.args) == 3:
+            target = ast.Attribute(value=node.args[0], attr="?", ctx=ast.Store())
+            if self._substitutes(target, node.args[2]):
+                self._hit()
+        self.generic_visit(node)
+
+
+def _python_files() -> list[Path]:
+    return sorted(p for root in SCANNED for p in root.rglob("*.py") if p != GUARD_HELPERS)
+
+
+def scan_source(source: str) -> set[str]:
+    """The places in one module's source where the scan finds a substitution."""
+    tree = ast.parse(source)
+    scanner = _Scanner(tree)
+    scanner.visit(tree)
+    return scanner.hits
+
+
+def scan_substitutions() -> set[tuple[str, str]]:
+    """(file relative to the repository, place) of every substitution the scan recognises."""
+    return {(str(path.relative_to(REPO)), place)
+            for path in _python_files() for place in scan_source(path.read_text(encoding="utf-8"))}
+
+
+# ── the table ────────────────────────────────────────────────────────────────────────────────────────────
+
+PLACE = re.compile(r"(?P<file>[\w/]+\.py):(?P<places>[\w.]+(?:, [\w.]+)*)")
+
+
+def table_rows() -> list[list[str]]:
+    """The substitution table's rows, as cells."""
+    lines = TABLE.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| where |"))
+    header = [cell.strip() for cell in lines[start].strip("|").split("|")]
+    assert header == ["where", "upstream target (version read)", "what and why", "scope", "guard", "upstreamable?"]
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        assert len(cells) == len(header), f"a row of patches/README.md's table has {len(cells)} cells: {line[:80]}"
+        rows.append(cells)
+    return rows
+
+
+def table_places() -> set[tuple[str, str]]:
+    """(file, place) for every place the `where` column names (`path.py:function, Class.method, ...`)."""
+    places = set()
+    for cells in table_rows():
+        spans = re.findall(r"`([^`]+)`", cells[0])
+        assert spans, f"a row names no place: {cells[0]!r}"
+        for span in spans:
+            match = PLACE.fullmatch(span)
+            assert match, f"`where` entry {span!r} is not `file.py:function[, Class.method ...]`"
+            places.update((match["file"], place) for place in match["places"].split(", "))
+    return places
+
+
+def _defines(path: Path, place: str) -> bool:
+    """Whether `path` defines `place`: a top-level function or class, or `Class.method`."""
+    body = ast.parse(path.read_text(encoding="utf-8")).body
+    *owner, name = place.split(".")
+    if owner:
+        classes = [n for n in body if isinstance(n, ast.ClassDef) and n.name == owner[0]]
+        body = classes[0].body if len(owner) == 1 and classes else []
+    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name for n in body)
+
+
+def test_every_place_the_table_names_exists():
+    missing = [f"{file}:{place}" for file, place in sorted(table_places())
+               if not (REPO / file).is_file() or not _defines(REPO / file, place)]
+    assert not missing, f"patches/README.md names places that do not exist: {missing}"
+
+
+def test_every_substitution_found_is_in_the_table():
+    unlisted = sorted(scan_substitutions() - table_places())
+    assert not unlisted, ("substitutions of upstream behaviour missing from patches/README.md's table (add a row, "
+                          f"guarded: see patches/_guard.py): {[f'{file}:{place}' for file, place in unlisted]}")
+
+
+def test_every_patch_module_has_a_row():
+    named = {file for file, _ in table_places()}
+    modules = {f"patches/{p.name}" for p in (REPO / "patches").glob("*.py")
+               if "\nNAME = " in p.read_text(encoding="utf-8")}
+    assert modules and modules <= named, sorted(modules - named)
+
+
+# ── the scan itself ──────────────────────────────────────────────────────────────────────────────────────
+
+SAMPLE = textwrap.dedent("""
+    import runpy
+    import sys
+
+    import openrlhf.trainer.ppo_trainer as upstream
+    from openrlhf.models import Actor
+
+    from openrlhf_tis.patches._guard import reclass
+    from openrlhf_tis.trainer.mixins import Mixin
+
+
+    def module_attribute():
+        upstream.PPOTrainer = object
+
+
+    def instance_method(actor):
+        def wrapper(*args):
+            return args
+        actor.forward = wrapper
+
+
+    def by_setattr(model):
+        setattr(model, "load_weights", lambda weights: None)
+
+
+    def helper(obj):
+        reclass(obj, Mixin, supported="==0.11.2", patch="sample")
+
+
+    def class_surgery(obj):
+        obj.__class__ = Mixin
+
+
+    def runs_upstream_main():
+        runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__")
+
+
+    def stands_in_for_a_module():
+        sys.modules["flash_attn"] = object()
+
+
+    class Below(Actor, Mixin):
+        pass
+
+
+    class Above(Mixin, Actor):
+        def plain(self, args, value):
+            args.x = value
+            self.y = len
+            return Above
+""")
+
+
+def test_the_scan_finds_each_kind_of_substitution_and_nothing_else():
+    assert scan_source(SAMPLE) == {
+        "module_attribute", "instance_method", "by_setattr", "helper", "class_surgery", "runs_upstream_main",
+        "stands_in_for_a_module", "Below"}
+
+
+# ── the guards refuse an upstream they were not written for, naming the fork file ─────────────────────────
+
+
+@pytest.fixture()
+def openrlhf_moved(monkeypatch):
+    """An installed openrlhf other than 0.11.2, the release every substitution was read in."""
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.12.0" if name == "openrlhf" else real(name))
+
+
+class _Policy(torch.nn.Module):
+    def forward(self, sequences, action_mask=None, attention_mask=None, return_output=False):
+        return sequences
+
+
+def test_entropy_capture_refuses_another_openrlhf_and_touches_nothing(openrlhf_moved):
+    from openrlhf_tis.trainer.token_dumps import capture_response_entropy
+
+    policy = _Policy()
+    with pytest.raises(UnsupportedUpstreamError, match=r"trainer/token_dumps\.py.*openrlhf==0\.11\.2.*0\.12\.0"):
+        with capture_response_entropy(policy, [0]):
+            pass
+    assert "forward" not in vars(policy)
+
+
+def test_entropy_capture_refuses_a_forward_of_another_shape():
+    from openrlhf_tis.trainer.token_dumps import capture_response_entropy
+
+    class Renamed(torch.nn.Module):
+        def forward(self, input_ids, mask=None):
+            return input_ids
+
+    with pytest.raises(PatchTargetMissingError, match=r"trainer/token_dumps\.py.*Renamed\.forward"):
+        with capture_response_entropy(Renamed(), [0]):
+            pass
+    with pytest.raises(PatchTargetMissingError, match=r"token_dumps\.py.*forward no longer exists"):
+        from openrlhf_tis.patches._guard import swapped
+
+        with swapped(SimpleNamespace(), "forward", None, patch="openrlhf_tis/trainer/token_dumps.py"):
+            pass
+
+
+def test_entropy_capture_restores_the_forward_on_error():
+    from openrlhf_tis.trainer.token_dumps import capture_response_entropy
+
+    policy = _Policy()
+    with pytest.raises(KeyError), capture_response_entropy(policy, [0]):
+        assert "forward" in vars(policy)
+        raise KeyError
+    assert "forward" not in vars(policy)
+
+
+class _Model(torch.nn.Module):
+    def load_weights(self, weights):
+        raise AssertionError("collected, not loaded")
+
+
+def test_the_cuda_receive_refuses_a_model_without_load_weights_and_a_receive_that_bypasses_it(openrlhf_moved,
+                                                                                            monkeypatch):
+    from openrlhf_tis.rollout.weight_sync.receive_cuda import QuantizedCUDAWorkerExtension, loads_collected
+
+    with pytest.raises(PatchTargetMissingError, match=r"weight_sync/receive_cuda\.py.*load_weights no longer"):
+        with loads_collected(torch.nn.Linear(1, 1), []):
+            pass
+    worker = QuantizedCUDAWorkerExtension()
+    worker.model_runner = SimpleNamespace(model=_Model())
+
+    def update_weight(*_args):  # upstream's receive, which now loads some other way
+        pass
+
+    with pytest.raises(UnsupportedUpstreamError, match=r"weight_sync/receive_cuda\.py.*openrlhf==0\.11\.2"):
+        worker._received(update_weight, (), last=False)
+    monkeypatch.undo()
+    with pytest.raises(PatchTargetMissingError, match=r"receive_cuda\.py.*WorkerWrap\.update_weight.*load_weights"):
+        worker._received(update_weight, (), last=False)
+    assert "load_weights" not in vars(worker.model_runner.model)
+
+
+def test_the_sync_hooks_are_refused_when_upstream_stops_calling_super(monkeypatch):
+    from openrlhf.trainer.ppo_trainer_async import TrainingActor
+
+    from openrlhf_tis.ray_classes import ray_actor_class
+    from openrlhf_tis.trainer.ppo_trainer import check_sync_hooks_reached
+
+    check_sync_hooks_reached()  # upstream 0.11.2 as installed
+    monkeypatch.setattr(ray_actor_class(TrainingActor), "broadcast_to_vllm", lambda self: None)
+    with pytest.raises(PatchTargetMissingError,
+                       match=r"trainer/ppo_trainer\.py.*TrainingActor\.broadcast_to_vllm no longer calls super"):
+        check_sync_hooks_reached()
+
+
+def test_require_super_chain_reads_the_overrides_above_the_fork_class():
+    class Base:
+        def hook(self):
+            return "base"
+
+    class Inner(Base):
+        def hook(self):
+            return super().hook()
+
+    class Upstream(Base):
+        def hook(self):
+            return super().hook()
+
+    class Fork(Upstream, Inner):
+        pass
+
+    require_super_chain(Fork, "hook", Inner, patch="fork.py")
+    Upstream.hook = lambda self: "upstream"
+    with pytest.raises(PatchTargetMissingError, match=r"'fork\.py'.*Upstream\.hook no longer calls super"):
+        require_super_chain(Fork, "hook", Inner, patch="fork.py")
+
+
+def test_reclass_refuses_an_upstream_that_renamed_an_overridden_method(monkeypatch):
+    from openrlhf.utils.agent import SingleTurnAgentExecutor
+
+    from openrlhf_tis.rollout.reward_executor import LoudRewardExecutor, make_rewards_loud
+
+    executor = object.__new__(SingleTurnAgentExecutor)
+    monkeypatch.delattr(SingleTurnAgentExecutor, "_fetch_rewards_via_func")
+    with pytest.raises(PatchTargetMissingError,
+                       match=r"rollout/reward_executor\.py.*SingleTurnAgentExecutor no longer has "
+                             r"_fetch_rewards_via_func, which LoudRewardExecutor overrides"):
+        make_rewards_loud(executor)
+    assert type(executor) is SingleTurnAgentExecutor
+    monkeypatch.undo()
+    assert make_rewards_loud(executor) and type(executor) is LoudRewardExecutor
+    reclass(executor, LoudRewardExecutor, supported="==0.11.2", patch="x", overrides=("gone",))  # idempotent
+
+
+def test_the_actor_trainer_refuses_an_upstream_without_its_loss_attribute():
+    from openrlhf_tis.trainer.ppo_actor import CorrectionActorPPOTrainer
+
+    with pytest.raises(PatchTargetMissingError, match=r"trainer/ppo_actor\.py.*ActorPPOTrainer.*actor_loss_fn"):
+        object.__new__(CorrectionActorPPOTrainer)._setup_correction()
+
+
+def test_fp32_choices_are_added_once_and_refused_without_the_flag():
+    import argparse
+
+    from openrlhf_tis.cli.fork_flags import allow_fp32_training
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ds.param_dtype", choices=["bf16", "fp16"], default="bf16")
+    allow_fp32_training(parser)
+    allow_fp32_training(parser)
+    assert parser._option_string_actions["--ds.param_dtype"].choices == ["bf16", "fp16", "fp32"]
+    with pytest.raises(PatchTargetMissingError, match=r"cli/fork_flags\.py.*--ds\.param_dtype"):
+        allow_fp32_training(argparse.ArgumentParser())
+
+
+def test_whole_set_eval_refuses_another_openrlhf(openrlhf_moved):
+    from openrlhf_tis.trainer.eval_samples import whole_set_eval
+
+    with pytest.raises(UnsupportedUpstreamError, match=r"trainer/eval_samples\.py.*openrlhf==0\.11\.2"):
+        whole_set_eval(SimpleNamespace())
+
+
+def test_a_hook_on_a_module_that_cannot_be_hooked_is_refused(monkeypatch):
+    import importlib.machinery
+
+    from openrlhf_tis.patches import _import_hooks
+
+    class NoLoader:
+        def find_spec(self, fullname, path, target=None):
+            return importlib.machinery.ModuleSpec(fullname, None) if fullname == "openrlhf_tis_unhookable" else None
+
+    monkeypatch.setattr(sys, "meta_path", [*sys.meta_path, NoLoader()])
+    monkeypatch.setattr(_import_hooks, "_after", {})
+    _import_hooks.after_import("openrlhf_tis_unhookable", lambda module: None)
+    with pytest.raises(PatchTargetMissingError, match="openrlhf_tis_unhookable.*cannot be hooked"):
+        importlib.import_module("openrlhf_tis_unhookable")
