@@ -525,6 +525,35 @@ def test_int8_engines_report_each_requantization_on_its_step(world_of):
             INT8_SYNC_PREFIX + "quantize_s": 4.0}
 
 
+@pytest.mark.parametrize("run", [run_sync, run_async])
+def test_cuda_fp8_engines_take_one_checked_sync_before_the_first_step(world_of, monkeypatch, run):
+    monkeypatch.setattr(ppo_trainer, "is_cuda_run", lambda: True)
+    world = world_of(precision="fp8", sync_check_steps=1)
+    world.batches = on_policy(1) if run is run_sync else [rollout([0] * (GROUP * PROMPTS))]
+    run(world)
+    assert world.events.index("broadcast") < world.events.index("fit")  # the untrained weights' sync, first
+    assert world.events.count("broadcast") == 2  # and the step's own
+
+
+@pytest.mark.parametrize(("precision", "cuda"), [("fp8", False), ("bf16", True), ("int8", False)])
+def test_other_engines_start_training_without_an_extra_sync(world_of, monkeypatch, precision, cuda):
+    monkeypatch.setattr(ppo_trainer, "is_cuda_run", lambda: cuda)
+    world = world_of(precision=precision, sync_check_steps=1)
+    world.batches = on_policy(1)
+    run_sync(world)
+    assert world.events.index("fit") < world.events.index("broadcast") and world.events.count("broadcast") == 1
+
+
+def test_a_cuda_fp8_sync_that_breaks_the_engine_stops_the_run_before_step_1(world_of, monkeypatch):
+    monkeypatch.setattr(ppo_trainer, "is_cuda_run", lambda: True)
+    world = world_of(precision="fp8", sync_check_steps=1)
+    world.engines[1].update_weight = Remote(lambda version: setattr(world.engines[1], "version", version + 50))
+    world.batches = on_policy(1)
+    with pytest.raises(WeightSyncError, match="engine 1 and the trainer disagree"):
+        run_sync(world)
+    assert "fit" not in world.events and world.lines() == {}
+
+
 def test_a_frozen_actor_announces_no_dump(world_of):
     world = world_of()
     world.args.critic.freezing_steps = 1  # the actor trains from upstream's global_steps 2 (logged step 3) on

@@ -148,7 +148,15 @@ class ForkController:
         states = super().init_checkpoint_states()
         for part in self.parts:
             part.on_start(int(states["global_step"]))
+        if int(states["global_step"]) == 0 and self._sync_before_training():
+            self.broadcast_to_vllm()  # checked like every sync: a broken re-quantizing path stops the run here
         return states
+
+    def _sync_before_training(self) -> bool:
+        """FP8 engines on CUDA re-quantize every sync through code that has not yet run on a GPU (docs/gpu.md): one
+        sync of the untrained weights, checked, proves the path before any step is spent on it."""
+        return (bool(self.vllm_engines) and is_cuda_run()
+                and getattr(self.args.vllm, "rollout_precision", "bf16") == "fp8")
 
     def evaluate(self, global_step, **generate_kwargs):
         t0 = time.perf_counter()
