@@ -96,7 +96,6 @@ def test_a_gpu_choice_on_a_cpu_cluster_is_refused_naming_flag_and_resources(vali
 
 
 CUDA_REFUSED = [
-    (["--vllm.rollout_precision", "int8"], "--vllm.rollout_precision", "int8 rollouts"),
     (["--vllm.rollout_precision", "fp32"], "--vllm.rollout_precision", "fp32 rollouts"),
     (["--ds.param_dtype", "fp32"], "--ds.param_dtype", "fp32 training"),
     (["--ds.param_dtype", "fp16", "--vllm.num_engines", "1"], "--ds.param_dtype", "fp16 training"),
@@ -128,11 +127,12 @@ def test_cuda_fp8_refuses_a_model_not_in_whole_blocks_naming_its_projections(val
     assert not (Path(valid_argv[valid_argv.index("--logger.run_dir") + 1]) / "rollout_model").exists()
 
 
-def test_cuda_fp8_keeps_every_sync_checked(valid_argv, cluster_of, capsys):
+@pytest.mark.parametrize("precision", ["fp8", "int8"])
+def test_cuda_quantized_rollouts_keep_every_sync_checked(valid_argv, cluster_of, capsys, precision):
     cluster_of(GPU_CLUSTER)
-    line = error_line(refused(valid_argv + ["--vllm.rollout_precision", "fp8", "--vllm.sync_check_steps", "0"],
+    line = error_line(refused(valid_argv + ["--vllm.rollout_precision", precision, "--vllm.sync_check_steps", "0"],
                               capsys))
-    assert line.startswith(f"--vllm.sync_check_steps: 0 with FP8 rollouts on CUDA ({GPU_CLUSTER}): ")
+    assert line.startswith(f"--vllm.sync_check_steps: 0 with {precision} rollouts on CUDA ({GPU_CLUSTER}): ")
     assert "every sync is checked (1)" in line
 
 
@@ -159,6 +159,8 @@ def test_the_cuda_rule_names_the_first_offending_choice_and_passes_plain_bf16(va
     both = parser.parse_args(valid_argv + ["--ds.param_dtype", "fp32", "--vllm.fp32_lm_head"])
     assert cuda_refusal(both)[0] == "--ds.param_dtype"
     assert cuda_refusal(parser.parse_args(valid_argv + ["--ds.param_dtype", "fp16"])) is None  # no engine: no sync
+    for quantized in ("fp8", "int8"):  # the fork's re-quantizing CUDA receive serves both
+        assert cuda_refusal(parser.parse_args(valid_argv + ["--vllm.rollout_precision", quantized])) is None
 
 
 def test_the_cpu_choices_cuda_refuses_run_on_a_cpu_cluster(valid_argv):

@@ -525,10 +525,10 @@ def test_int8_engines_report_each_requantization_on_its_step(world_of):
             INT8_SYNC_PREFIX + "quantize_s": 4.0}
 
 
-@pytest.mark.parametrize("run", [run_sync, run_async])
-def test_cuda_fp8_engines_take_one_checked_sync_before_the_first_step(world_of, monkeypatch, run):
+@pytest.mark.parametrize(("run", "precision"), [(run_sync, "fp8"), (run_async, "fp8"), (run_sync, "int8")])
+def test_cuda_quantized_engines_take_one_checked_sync_before_the_first_step(world_of, monkeypatch, run, precision):
     monkeypatch.setattr(ppo_trainer, "is_cuda_run", lambda: True)
-    world = world_of(precision="fp8", sync_check_steps=1)
+    world = world_of(precision=precision, sync_check_steps=1)
     world.batches = on_policy(1) if run is run_sync else [rollout([0] * (GROUP * PROMPTS))]
     run(world)
     assert world.events.index("broadcast") < world.events.index("fit")  # the untrained weights' sync, first

@@ -4,7 +4,7 @@
 |-----------|---------------------------------------------------------------|--------------------------------------|
 | bf16      | dtype bfloat16 (upstream's hard-coded default)                | CPU: reload; CUDA: upstream's        |
 | fp32      | dtype float32 (CPU only)                                      | reload                               |
-| int8      | compressed-tensors W8A8 checkpoint written by the fork (CPU)  | quantize with the stored plan, reload |
+| int8      | compressed-tensors W8A8 checkpoint written by the fork        | quantize with the stored plan, reload |
 | fp8       | CPU: online `fp8_per_channel` (design.md §5)                  | reload; vLLM re-quantizes online     |
 |           | CUDA: block-FP8 checkpoint written by the fork (128x128)      | quantize in blocks, reload           |
 
@@ -189,15 +189,17 @@ def check_calibration_file(calibration: str, model_dir: str, activations: str) -
 # The rules for CUDA (docs/gpu.md, "Refused on CUDA"): there the trainer's weights reach bf16 engines through
 # upstream's own weight update (openrlhf WorkerWrap.update_weight), which asserts that the trainer sends the engine's
 # dtype (bf16, hard-coded by upstream's engine factory: an fp16 trainer fails it at the first sync) and loads each
-# tensor straight into the engine's parameters, cast but never re-quantized. FP8 engines get the fork's receive
-# instead (rollout/weight_sync/receive_cuda.py): upstream's transport, one re-quantizing reload of block-FP8 weights.
-# INT8 W8A8 on CUDA (vLLM's CUTLASS kernels), the fp32 engine and the fp32 head have no CUDA sync written for them.
+# tensor straight into the engine's parameters, cast but never re-quantized. Quantized engines get the fork's receive
+# instead (rollout/weight_sync/receive_cuda.py): upstream's transport, one re-quantizing reload, of block-FP8 weights
+# or of INT8 W8A8 ones (vLLM 0.29's compressed-tensors W8A8 scheme takes the CPU path's layout: int8 [N, K], fp32
+# per-channel scales [N, 1], CUTLASS on compute capability 7.5+). The fp32 engine and the fp32 head have no CUDA sync.
 CUDA_SYNC_WHY = ("on CUDA the trainer's weights reach bf16 engines through upstream's weight update, which casts "
                  "the trainer's bf16 tensors straight into the engine's parameters (an engine or trainer not in bf16 "
-                 "fails its dtype assertion), and only FP8 engines have the fork's re-quantizing receive there; "
-                 "INT8 and the fp32 head are built for the CPU path only")
+                 "fails its dtype assertion), and only quantized engines (fp8, int8) have the fork's re-quantizing "
+                 "receive there; the fp32 engine and the fp32 head are built for the CPU path only")
 CUDA_INSTEAD = "and a correction preset (--algo.correction.preset tis, ...) for the mismatch that remains"
-CUDA_PRECISIONS = ("bf16", "fp8")
+CUDA_PRECISIONS = ("bf16", "fp8", "int8")
+CUDA_QUANTIZED = ("fp8", "int8")
 FP8_CUDA_BLOCK = (128, 128)
 """The block of CUDA FP8 rollouts: vLLM's block-FP8 kernels (DeepGEMM, CUTLASS) and verl's rollout.quantization=fp8."""
 
@@ -206,7 +208,7 @@ def cuda_refusal(args) -> tuple[str, str, str] | None:
     """(flag, what it asks for, what to use instead) for the first choice the CUDA weight sync cannot serve."""
     precision = rollout_option(args, PRECISION_FLAG)
     if precision not in CUDA_PRECISIONS:
-        return PRECISION_FLAG, f"{precision} rollouts", f"bf16 or fp8 rollouts ({PRECISION_FLAG} bf16|fp8)"
+        return PRECISION_FLAG, f"{precision} rollouts", f"bf16, fp8 or int8 rollouts ({PRECISION_FLAG} bf16|fp8|int8)"
     train_dtype = getattr(args, "ds.param_dtype")
     if train_dtype == "fp32" or (train_dtype == "fp16" and getattr(args, "vllm.num_engines")):
         return "--ds.param_dtype", f"{train_dtype} training", "bf16 training (--ds.param_dtype bf16)"
@@ -221,10 +223,11 @@ def check_cuda_weight_sync(args, cluster: str) -> None:
     if refusal:
         flag, asked, instead = refusal
         raise UsageError(flag, f"no {asked} on CUDA ({cluster}): {CUDA_SYNC_WHY}; use {instead}, {CUDA_INSTEAD}")
-    if rollout_option(args, PRECISION_FLAG) == "fp8" and getattr(args, "vllm.sync_check_steps", 1) != 1:
-        raise UsageError("--vllm.sync_check_steps", f"{getattr(args, 'vllm.sync_check_steps')} with FP8 rollouts on "
-                         f"CUDA ({cluster}): their re-quantizing sync has not yet run on a GPU, so every sync is "
-                         "checked (1); the run stops at the first sync the engines did not take")
+    precision = rollout_option(args, PRECISION_FLAG)
+    if precision in CUDA_QUANTIZED and getattr(args, "vllm.sync_check_steps", 1) != 1:
+        raise UsageError("--vllm.sync_check_steps", f"{getattr(args, 'vllm.sync_check_steps')} with {precision} "
+                         f"rollouts on CUDA ({cluster}): their re-quantizing sync has not yet run on a GPU, so every "
+                         "sync is checked (1); the run stops at the first sync the engines did not take")
 
 
 def check_cli_precision(args, *, cuda: bool, cluster: str) -> None:

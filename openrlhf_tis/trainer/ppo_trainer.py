@@ -48,6 +48,7 @@ from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
 from openrlhf_tis.patches._guard import require_super_chain
 from openrlhf_tis.ray_classes import ray_actor_class
+from openrlhf_tis.rollout.precision import CUDA_QUANTIZED
 from openrlhf_tis.run_device import is_cuda_run
 from openrlhf_tis.runs.store import RunWriter
 from openrlhf_tis.trainer.bypass import install_bypass_experience_maker
@@ -153,10 +154,10 @@ class ForkController:
         return states
 
     def _sync_before_training(self) -> bool:
-        """FP8 engines on CUDA re-quantize every sync through code that has not yet run on a GPU (docs/gpu.md): one
-        sync of the untrained weights, checked, proves the path before any step is spent on it."""
+        """Quantized engines on CUDA re-quantize every sync through code that has not yet run on a GPU (docs/gpu.md):
+        one sync of the untrained weights, checked, proves the path before any step is spent on it."""
         return (bool(self.vllm_engines) and is_cuda_run()
-                and getattr(self.args.vllm, "rollout_precision", "bf16") == "fp8")
+                and getattr(self.args.vllm, "rollout_precision", "bf16") in CUDA_QUANTIZED)
 
     def evaluate(self, global_step, **generate_kwargs):
         t0 = time.perf_counter()
