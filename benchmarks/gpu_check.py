@@ -23,7 +23,8 @@ Checks (`--checks` picks some):
               projections on the device: scales against float64 on the CPU, the round-trip bound, an all-zero
               block, and the time to re-quantize every projection once (one sync's quantization)
     cli       where vLLM, DeepSpeed and Ray are installed and a GPU is present: a 1-GPU run of the training CLI
-              on the tiny model (bf16 rollouts + TIS) whose metrics.jsonl, sync check and token dumps are read
+              on the tiny model (TIS) for each of `--cli-precisions` (bf16 and fp8 rollouts by default) whose
+              metrics.jsonl, sync check, token dumps and (quantized rollouts) re-quantization error are read
 
 Each row says ok, MISMATCH (a result disagrees with its reference), ERROR (a check raised), goal met / over
 goal (a cost against the issue's goal), info or skipped (with the reason). The exit status is 1 when any row
@@ -99,6 +100,9 @@ UPSTREAM_SCHEMES = {"off": {},
 """The presets upstream's PolicyLoss computes too, and the PolicyLoss arguments that make it do so (with its
 default band [0.5, 5], which config.from_upstream maps too)."""
 GOALS = {"time": 2.0, "kernels": 2.0, "memory": 1.25, "step": 1.02}
+REQUANTIZED = {"fp8": ("rollout/fp8_max_rel_error", 1 / 16), "int8": ("rollout/int8_max_rel_error", 0.5 / 127)}
+"""The metric of each quantized rollout's re-quantization and its bound: e4m3's half step (2^-4, relative), the 8-bit
+grid's half step of the row's largest weight (0.5/127)."""
 """Issue 28's goals for the eager loss + metrics against upstream's PolicyLoss, and for a training step."""
 
 
@@ -463,28 +467,34 @@ def check_cli(args, sizes: Sizes) -> Iterator[Row]:
     if reasons:
         yield Row("cli", "1-GPU training run", "", "", f"skipped: {'; '.join(reasons)}")
         return
+    for precision in args.cli_precisions:
+        yield from _cli_run(args, precision)
+
+
+def _cli_run(args, precision: str) -> Iterator[Row]:
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         work = Path(tmp)
-        argv = cli_argv(work)
+        argv = cli_argv(work, precision)
         path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)  # this checkout's fork
         proc = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=args.cli_timeout,
                               env={**os.environ, "RAY_DEDUP_LOGS": "0", "PYTHONPATH": path})
         if proc.returncode != 0:
-            log = Path(args.cli_log)
+            log = Path(args.cli_log).with_suffix(f".{precision}.log")
             log.write_text(proc.stdout + proc.stderr)
-            yield Row("cli", "1-GPU training run", f"exit status {proc.returncode}; log: {log}",
+            yield Row("cli", f"1-GPU training run, {precision} rollouts", f"exit status {proc.returncode}; log: {log}",
                       "exit 0", "MISMATCH")
             return
-        yield from check_run_dir(work / "run", steps=2)
+        yield from check_run_dir(work / "run", steps=2, precision=precision)
 
 
-def cli_argv(work: Path) -> list[str]:
-    """The training command of the cli check: the tiny model, two GRPO steps of 4 prompts × 2 samples, bf16
-    rollouts + TIS, actor and engine colocated on one GPU, a token dump every step."""
+def cli_argv(work: Path, precision: str = "bf16") -> list[str]:
+    """The training command of the cli check: the tiny model, two GRPO steps of 4 prompts × 2 samples, `precision`
+    rollouts + TIS, actor and engine colocated on one GPU, a token dump every step. The tiny model has 2 KV heads of
+    64, so every projection is whole 128×128 blocks (FP8 rollouts need it)."""
     from openrlhf_tis.demo.task import write_prompts
     from openrlhf_tis.demo.tiny_model import build_tiny_model
 
-    model = build_tiny_model(work / "model")
+    model = build_tiny_model(work / "model", heads=2, kv_heads=2)
     prompts = write_prompts(work / "prompts.jsonl", 8)
     attention = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
     return [
@@ -493,7 +503,7 @@ def cli_argv(work: Path) -> list[str]:
         "--data.prompt_dataset", str(prompts), "--data.input_key", "input", "--data.label_key", "label",
         "--data.apply_chat_template", "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "1",
         "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1", "--train.colocate_all",
-        "--vllm.gpu_memory_utilization", "0.3", "--vllm.enforce_eager", "--vllm.rollout_precision", "bf16",
+        "--vllm.gpu_memory_utilization", "0.3", "--vllm.enforce_eager", "--vllm.rollout_precision", precision,
         "--algo.correction.preset", "tis", "--ds.attn_implementation", attention,
         "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
         "--rollout.n_samples_per_prompt", "2", "--rollout.batch_size", "4", "--rollout.micro_batch_size", "8",
@@ -505,9 +515,10 @@ def cli_argv(work: Path) -> list[str]:
     ]
 
 
-def check_run_dir(run: Path, steps: int) -> Iterator[Row]:
+def check_run_dir(run: Path, steps: int, precision: str = "bf16") -> Iterator[Row]:
     """What a finished run must hold: `steps` lines of finite mismatch metrics, the sync check's gap after every
-    sync, and readable token dumps with finite rollout and trainer log-probs for every step."""
+    sync, readable token dumps with finite rollout and trainer log-probs for every step, and for quantized rollouts
+    each sync's re-quantization error within its grid's half step."""
     from openrlhf_tis.runs.query import query_tokens
     from openrlhf_tis.runs.reader import read_metrics_records
 
@@ -525,6 +536,12 @@ def check_run_dir(run: Path, steps: int) -> Iterator[Row]:
     gaps = ", ".join(f"{line[names.SYNC_GAP_MEAN]:.2e}" for line in checked)
     yield Row("cli", "sync check (every step)", f"{len(checked)} checked syncs, |log μ − log π| {gaps}",
               f"{steps} checked syncs", "ok" if len(checked) == steps else "MISMATCH")
+    if precision in REQUANTIZED:
+        key, bound = REQUANTIZED[precision]
+        errors = [line[key] for line in lines if finite(line, key)]
+        within = len(errors) == steps and max(errors) <= bound
+        yield Row("cli", f"{precision} re-quantization at each sync", f"{key}: {', '.join(f'{e:.3f}' for e in errors)}",
+                  f"{steps} syncs, ≤ {bound:.3f}", "ok" if within else "MISMATCH")
     try:
         tokens = query_tokens(run, columns=["step", "rollout_logprob", "old_logprob", "train_logprob"])
     except (FileNotFoundError, ValueError, OSError) as exc:
@@ -620,9 +637,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="self-test: shift the float64 reference's log π_old by 1e-3, which the core rows must catch")
     ap.add_argument("--cli-timeout", type=int, default=420, help="seconds the cli check's training run may take")
     ap.add_argument("--cli-log", default="gpu_check_cli.log", help="where a failed cli run's output is written")
+    ap.add_argument("--cli-precisions", default="bf16,fp8",
+                    help="the rollout precisions the cli check trains with, one run each (bf16, fp8, int8)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     args.checks = [c.strip() for c in args.checks.split(",") if c.strip()]
+    args.cli_precisions = [p.strip() for p in args.cli_precisions.split(",") if p.strip()]
+    if bad := [p for p in args.cli_precisions if p not in ("bf16", "fp8", "int8")]:
+        ap.error(f"--cli-precisions: unknown {bad}; choose from bf16,fp8,int8")
     unknown = [c for c in args.checks if c not in CHECKS]
     if unknown:
         ap.error(f"--checks: unknown {unknown}; choose from {','.join(CHECKS)}")

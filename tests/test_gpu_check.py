@@ -144,6 +144,21 @@ def test_the_cli_run_is_the_documented_one(tmp_path, gpu_check):
     assert value["--logger.token_dump_steps"] == "1"
     parsed = train_ppo_ray.build_parser().parse_args(flags)
     assert getattr(parsed, "vllm.num_engines") == 1
+    fp8 = gpu_check.cli_argv(tmp_path / "fp8", "fp8")
+    assert fp8[fp8.index("--vllm.rollout_precision") + 1] == "fp8"
+    from openrlhf_tis.rollout.checkpoint import projection_shapes
+    from openrlhf_tis.rollout.fp8_blocks import unblockable_summary
+
+    assert unblockable_summary(projection_shapes(fp8[fp8.index("--actor.model_name_or_path") + 1])) is None
+
+
+def test_a_quantized_run_is_read_for_its_re_quantization_error(tmp_path, gpu_check):
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [{"step": s, "rollout/fp8_max_rel_error": e} for s, e in ((1, 0.03), (2, 0.2))]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    row = next(r for r in gpu_check.check_run_dir(run, steps=2, precision="fp8") if "re-quantization" in r.case)
+    assert row.status == "MISMATCH" and "0.030, 0.200" in row.result  # 0.2 is past e4m3's half step
 
 
 # ── a machine with only torch: a plain clone, and the prepared folder ──
