@@ -30,8 +30,10 @@ pytestmark = pytest.mark.e2e
 # cell fails inside the notebook.
 FAILING = ["--eval.dataset", "no_such_eval.jsonl"]
 TITLE = "two cells"
-# A tiny-model step takes ~0.7 s: enough steps that the Ctrl-C, sent once step 1 is logged, lands before the last one.
-STEPS = 8
+# A tiny-model step takes ~0.7 s on an idle machine: enough steps that the Ctrl-C, sent once step 1 is logged, lands
+# before the last one even when the test's own polling is starved by a loaded machine (8 steps were not: seen once,
+# the cell finished before the signal under a load of 16 on 2 cores).
+STEPS = 20
 
 
 def _ctrl_c_in_first_cell(grid, out) -> dict:
