@@ -120,6 +120,14 @@ def kill_and_resume(argv: list[str], work: Path, total_steps: int, env: dict[str
     return log, read_steps(work / "run")
 
 
+def sigint_as_in_a_shell() -> None:
+    """A Popen `preexec_fn`: the command starts with SIGINT's default disposition, as from an interactive shell,
+    whatever this test process inherited or was left with (an ignored SIGINT is inherited across exec)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def wait_for(predicate, proc, timeout: float = 600, poll: float = 0.2) -> bool:
     """Poll `predicate()` until it holds, `proc` exits or `timeout` seconds pass; returns the predicate's value."""
     import time

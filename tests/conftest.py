@@ -34,6 +34,19 @@ def run_device_kept():
     os.environ["OPENRLHF_TIS_RUN_DEVICE"] = before
 
 
+@pytest.fixture(autouse=True)
+def ctrl_c_kept():
+    """The training CLI's stop ignores SIGINT on its way out, and a SIG_IGN disposition left in this process is
+    inherited by every command a later test starts, which then cannot be stopped by Ctrl-C (seen in the full suite:
+    the Ctrl-C tests timed out). Each test leaves SIGINT as it found it."""
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    if signal.getsignal(signal.SIGINT) is not before and before is not None:
+        signal.signal(signal.SIGINT, before)
+
+
 @pytest.fixture()
 def without_amx(monkeypatch):
     """This CPU as one without AMX tiles, where vLLM-CPU's oneDNN int8 kernel applies static activation scales; on an

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from _support import wait_for
+from _support import sigint_as_in_a_shell, wait_for
 
 from openrlhf_tis.cli.lifetime import stop_process_tree
 from openrlhf_tis.cli.run_dir import lock_owner
@@ -111,7 +111,8 @@ def test_ctrl_c_stops_the_training_and_says_in_one_line_what_was_kept(command, t
     # the stand-ins, and this checkout (the command runs in tmp_path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-c", COMMAND, command, *argv], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=sigint_as_in_a_shell)
     try:
         assert wait_for(lambda: _steps(run_dir) >= 2, proc, timeout=120), proc.communicate()
         pids = {role: int((run_dir.parent / "pids" / role).read_text()) for role in ("kernel", "training", "worker")}

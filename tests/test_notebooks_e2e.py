@@ -18,7 +18,7 @@ import time
 
 import nbformat
 import pytest
-from _support import processes_naming, read_steps, wait_for
+from _support import processes_naming, read_steps, sigint_as_in_a_shell, wait_for
 
 from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.pipeline.execute import execute
@@ -44,7 +44,7 @@ def _ctrl_c_in_first_cell(grid, out) -> dict:
     log_path = out.parent / "interrupted.log"
     with open(log_path, "w") as log:
         sweep = subprocess.Popen(command, cwd=out.parent, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+                                 start_new_session=True, preexec_fn=sigint_as_in_a_shell)
         assert wait_for(lambda: len(read_steps(cell_dir / "run")) >= 1, sweep), log_path.read_text()[-6000:]
         os.killpg(sweep.pid, signal.SIGINT)
         start = time.monotonic()
