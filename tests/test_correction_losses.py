@@ -181,3 +181,26 @@ def test_aggregate_loss_without_global_counts():
     assert aggregate_loss(loss, mask).item() == pytest.approx(7 / 3)
     assert aggregate_loss(loss, mask, token_level=False).item() == pytest.approx((1.5 + 4) / 2)
     assert aggregate_loss(loss, torch.zeros_like(mask)).item() == 0.0
+
+
+@pytest.mark.parametrize("name", ["tis", "icepop", "mis_full", "bypass_ppo", "bypass_reinforce", "off"])
+def test_details_leave_the_loss_unchanged_and_explain_its_mask(name):
+    """What a token dump reads is the loss's own computation: with details the loss, gradient, weights and mask are
+    bitwise those of the plain call, and every dropped action token has a reason (a kept one has none)."""
+    lp, old, roll, adv, am = _batch(7)
+    roll = roll.clone()
+    roll[1, 2] = math.nan
+    cfg = preset(name, batch_normalize=True) if name in ("tis", "icepop") else preset(name)
+    plain = policy_loss(lp, old, adv, am, roll, cfg)
+    told = policy_loss(lp, old, adv, am, roll, cfg, details=True)
+    assert plain.correction.raw_weights is None and not plain.correction.reasons
+    assert torch.equal(plain.loss, told.loss)
+    assert torch.equal(torch.autograd.grad(plain.loss, lp)[0], torch.autograd.grad(told.loss, lp)[0])
+    assert torch.equal(plain.correction.weights, told.correction.weights)
+    assert torch.equal(plain.correction.mask, told.correction.mask)
+    action = am.bool()
+    any_reason = torch.stack([r.bool() for r in told.correction.reasons.values()]).any(0) & action
+    if cfg.enabled:
+        assert torch.equal(any_reason, action & ~told.correction.mask.bool())
+    nan = told.correction.reasons["nan"].bool()
+    assert nan[1, 2] and not nan[[0, 2, 3]].any()  # the non-finite token (its sequence too, by `nonfinite`)

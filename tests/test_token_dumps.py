@@ -16,7 +16,7 @@ import torch
 from openrlhf.trainer.ppo_utils import NaiveReplayBuffer
 from test_actor_wiring import B, TinyPolicy, make_args, make_experience, make_trainer
 
-from openrlhf_tis.correction import CorrectionConfig, preset
+from openrlhf_tis.correction import CorrectionConfig, losses, preset
 from openrlhf_tis.runs import MASK_REASON_CODES, query_tokens, token_steps
 from openrlhf_tis.runs.tokens import select_samples
 from openrlhf_tis.trainer import ppo_actor, step_part, token_dumps
@@ -200,18 +200,21 @@ def test_only_planned_samples_at_their_first_update(tmp_path):
     pd.testing.assert_frame_equal(two, one)
 
 
-def test_a_step_without_plan_computes_nothing_extra(tmp_path, monkeypatch):
-    calls = []
-    real = ppo_actor.compute_correction
-    for module in (ppo_actor, token_dumps):  # the actor's normalizer and the dump's details pass
-        monkeypatch.setattr(module, "compute_correction", lambda *a, **k: calls.append(1) or real(*a, **k))
+def test_the_dump_reads_the_loss_own_details_and_plain_steps_compute_none(tmp_path, monkeypatch):
+    calls = []  # every correction the actor computes: the normalizer's, and one per loss call
+    real = losses.compute_correction
+    for module in (ppo_actor, losses):
+        monkeypatch.setattr(module, "compute_correction",
+                            lambda *a, **k: calls.append(k.get("details", False)) or real(*a, **k))
     trainer = _trainer(preset("tis"))
     status = _fit(trainer, _experience())
-    assert not calls and "run_store/token_dump_s" not in status and trainer.actor_loss_fn.capture is None
+    assert calls == [False] and "run_store/token_dump_s" not in status and trainer.actor_loss_fn.call is None
+    calls.clear()
     _train(trainer, _experience(), tmp_path)
-    assert len(calls) == 1  # one details pass per dumped micro-batch
+    assert calls == [True]  # the loss's own call carried the details: no second pass for the dump
+    calls.clear()
     _fit(trainer, _experience())  # the plan was consumed by the dumped step: not applied again
-    assert len(calls) == 1 and token_steps(tmp_path) == [1]
+    assert calls == [False] and token_steps(tmp_path) == [1]
 
 
 def test_a_failed_write_stops_training(tmp_path):

@@ -121,12 +121,15 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     with_metrics: bool = True,
     sequence_ratio: bool = False,
+    details: bool = False,
 ) -> PolicyLossOutput:
     """The corrected policy loss for one micro-batch (see the module docstring for the formulas).
 
     `old_log_probs` is ignored by the bypass losses (π_old := μ) and may then be None. Without rollout
     log-probs only an inactive correction (`config.enabled` False) is possible. `sequence_ratio`: GSPO's
     ratio, one per sequence (upstream aggregates GSPO per sequence: pass token_level_loss=False for its loss).
+    `details`: the correction also returns its raw weights and why each token was dropped (`CorrectionOutput`), so a
+    per-token dump reads what this loss computed rather than a second computation.
     """
     cfg = config.validate()
     if sequence_ratio:
@@ -138,7 +141,7 @@ def policy_loss(
         rollout_log_probs = old_log_probs  # metrics then describe a perfect match; nothing is corrected
     lp_detached = log_probs.detach()
     kwargs = dict(log_probs=log_probs, advantages=advantages, entropy=entropy, allreduce=allreduce,
-                  normalizer=normalizer, with_metrics=with_metrics)
+                  normalizer=normalizer, with_metrics=with_metrics, details=details)
 
     if cfg.loss == "decoupled":
         corr = compute_correction(old_log_probs, rollout_log_probs, am, cfg, **kwargs)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,10 +22,11 @@ import torch
 import torch.distributed as dist
 from openrlhf.utils.loss_utils import _get_dp_group
 
-from openrlhf_tis.correction import CorrectionConfig, compute_correction
+from openrlhf_tis.correction import CorrectionConfig, PolicyLossOutput
 from openrlhf_tis.patches._guard import PatchTargetMissingError, require_version, swapped
 from openrlhf_tis.runs.schema import mask_reason_codes
 from openrlhf_tis.runs.tokens import flatten_response_tokens
+from openrlhf_tis.trainer.policy_loss import LossCall
 from openrlhf_tis.trainer.staleness import LAG
 
 
@@ -146,44 +146,26 @@ def capture_response_entropy(actor: torch.nn.Module, rows: Sequence[int]) -> Ite
         yield found
 
 
-def correction_token_details(config: CorrectionConfig, captured: dict) -> dict[str, torch.Tensor]:
+def correction_token_details(config: CorrectionConfig, output: PolicyLossOutput,
+                             action_mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-token weights and masks of one micro-batch's loss, as the dump stores them ((B, A) tensors).
 
-    `captured` holds the loss's own inputs and output (CorrectionPolicyLoss.capture). The final weight
-    and the kept mask are the loss's; the raw weight and the reasons come from one eager re-run of
-    `compute_correction(details=True)` on the same inputs (only on dumped micro-batches; `policy_loss`
-    has no details switch). It runs without self-normalization, which changes neither raw weights nor
-    masks, and so needs no all-reduce. Its mask must equal the loss's: a difference raises, except with
-    --algo.correction.compile, whose fused kernels may round a token at a bound the other way (warned).
+    Read off the loss's own output, computed with details (`policy_loss(details=True)`): the raw weight, the reasons,
+    the final weight and the kept mask are exactly what the loss trained with, compiled or not.
 
     is_weight is the factor the loss multiplied the token's term by, 0 where masked; 1 under bypass_ppo
     (its IS ratio π_θ/μ sits inside the clip) and when the correction is off (the loss is plain PPO,
     nothing is masked there, so every reason is 'kept').
     """
-    lp = captured["log_probs"]
-    old = captured["old_log_probs"]
-    roll = captured["rollout_log_probs"]
-    action = captured["action_mask"].bool()
-    out = captured["output"].correction
-    roll_used = roll if roll is not None else old  # as policy_loss: without μ only an inactive correction
-    base = old if config.loss == "decoupled" else lp
-    det = compute_correction(base, roll_used, captured["action_mask"],
-                             config.replace(batch_normalize=False, compile=False), log_probs=lp,
-                             advantages=captured["advantages"], with_metrics=False, details=True)
-    reasons = {name: mask.bool() & action for name, mask in det.reasons.items()}
-    raw = torch.where(reasons["nan"], float("nan"), det.raw_weights.float())
+    out = output.correction
+    if out.raw_weights is None:
+        raise RuntimeError("token dump: the policy loss ran without details on a dumped micro-batch")
+    action = action_mask.bool()
+    reasons = {name: mask.bool() & action for name, mask in out.reasons.items()}
+    raw = torch.where(reasons["nan"], float("nan"), out.raw_weights.float())
     if not config.enabled:
         return {"is_weight_raw": raw, "is_weight": action.float(), "keep": action, "reasons": {}}
     keep = out.mask.bool() & action
-    detail_keep = det.mask.bool() & action
-    if not torch.equal(keep, detail_keep):
-        differ = int((keep != detail_keep).sum())
-        message = (f"token dump: the re-computed correction masks {differ} token(s) differently from the loss")
-        if not config.compile:
-            raise RuntimeError(message + " (a bug: both ran the same eager code on the same inputs)")
-        warnings.warn(message + " (compiled loss kernels round at a bound); the dump keeps the re-computed mask",
-                      stacklevel=2)
-        keep = detail_keep
     weight = keep.float() if config.loss == "bypass_ppo" else torch.where(keep, out.weights.float(), 0.0)
     return {"is_weight_raw": raw, "is_weight": weight, "keep": keep, "reasons": reasons}
 
@@ -221,18 +203,19 @@ class TokenDumpCollector:
             return []
         return [row for row, sample_id in enumerate(ids) if sample_id in self.wanted and sample_id not in self.done]
 
-    def add(self, experience, rows: list[int], captured: dict, entropy: torch.Tensor | None) -> None:
+    def add(self, experience, rows: list[int], call: LossCall, entropy: torch.Tensor | None) -> None:
         """Flatten the rows' response tokens into dump columns (see schema.COLUMNS).
 
         old_logprob is NaN under the bypass losses: π_old is never computed there, and μ, which stands in
         for it, is the rollout_logprob column already. entropy is NaN where the forward's output has no
         (B, T) layout (packed samples without --actor.entropy_coef).
         """
-        if "output" not in captured:
+        if call.output is None:
             raise RuntimeError("token dump: the policy loss did not run on a dumped micro-batch")
+        captured = call.inputs
         action_mask = captured["action_mask"]
         batch, width = action_mask.shape
-        details = correction_token_details(self.config, captured)
+        details = correction_token_details(self.config, call.output, action_mask)
         nan = torch.full((batch, width), float("nan"))
         roll = captured["rollout_log_probs"]
         per_token = {
