@@ -26,10 +26,12 @@ from openrlhf_tis import metric_names as names  # noqa: E402
 from openrlhf_tis.correction import (  # noqa: E402
     CorrectionConfig,
     CorrectionConfigError,
+    from_upstream,
     policy_loss,
     preset,
 )
-from openrlhf_tis.trainer import bypass, correction_args, ppo_actor  # noqa: E402
+from openrlhf_tis.spec import ClusterPlan, RunSpec  # noqa: E402
+from openrlhf_tis.trainer import bypass, ppo_actor  # noqa: E402
 from openrlhf_tis.trainer.policy_loss import CorrectionPolicyLoss  # noqa: E402
 
 VOCAB, B, T = 11, 4, 9
@@ -81,15 +83,16 @@ class Strategy:
         pass
 
 
-def make_args(resolved: CorrectionConfig | None, **upstream):
+def make_args(correction: CorrectionConfig, **upstream):
+    """The hierarchized arguments an actor receives, its run spec resolving to `correction`."""
     adv = dict(is_correction_level="off", is_correction_mode="mask", is_correction_gating="ratio",
                is_correction_threshold=[0.5, 5.0])
     adv.update(upstream)
     return SimpleNamespace(
+        fork=SimpleNamespace(spec=RunSpec(ClusterPlan("cpu", "a test"), correction)),
         actor=SimpleNamespace(eps_clip_low_high=(0.2, 0.2), dual_clip=None, loss_agg_mode="token-mean",
                               policy_loss_type="ppo", entropy_coef=None, aux_loss_coef=0.0),
-        algo=SimpleNamespace(kl=SimpleNamespace(use_loss=False, init_coef=0.0), advantage=SimpleNamespace(**adv),
-                             correction=SimpleNamespace(resolved=resolved.to_json() if resolved else None)),
+        algo=SimpleNamespace(kl=SimpleNamespace(use_loss=False, init_coef=0.0), advantage=SimpleNamespace(**adv)),
         train=SimpleNamespace(dynamic_batch_enable=False, max_epochs=1),
         ds=SimpleNamespace(packing_samples=False, tensor_parallel_size=1, ring_attn_size=1),
     )
@@ -147,11 +150,13 @@ def test_fork_classes_substitutes_the_policy_actor():
     assert namespace["PolicyModelActor"] is ppo_actor.PolicyModelActor
 
 
-def test_config_from_args_prefers_the_resolved_config():
-    assert correction_args.correction_config_from_args(make_args(preset("tis"))) == preset("tis")
-    up = make_args(None, is_correction_level="token", is_correction_mode="clip")
-    assert correction_args.correction_config_from_args(up) == preset("upstream_tis")
-    assert not correction_args.correction_config_from_args(make_args(None)).enabled
+def test_the_actor_reads_the_run_spec_and_refuses_arguments_without_one():
+    args = make_args(preset("tis"), is_correction_level="token", is_correction_mode="clip")
+    trainer = make_trainer(ppo_actor.CorrectionActorPPOTrainer, args)
+    assert trainer.correction == preset("tis")  # the spec's, not a re-mapping of upstream's flags
+    del args.fork  # arguments from upstream's own CLI: the fork's actor does not guess the run from them
+    with pytest.raises(RuntimeError, match="no run spec in the arguments.*openrlhf_tis.cli.train_ppo_ray"):
+        make_trainer(ppo_actor.CorrectionActorPPOTrainer, args)
 
 
 @pytest.mark.parametrize("name", ["tis", "mis_full", "bypass_ppo", "bypass_reinforce", "geo_rs"])
@@ -177,7 +182,7 @@ def test_training_step_uses_the_core_and_returns_metrics(name):
 def test_correction_off_step_matches_upstream_actor():
     exp = make_experience(seed=3)
     ours = make_trainer(ppo_actor.CorrectionActorPPOTrainer, make_args(preset("off")))
-    theirs = make_trainer(upstream_actor.ActorPPOTrainer, make_args(None))
+    theirs = make_trainer(upstream_actor.ActorPPOTrainer, make_args(preset("off")))
     s_ours = ours.training_step(make_experience(seed=3), kl_ctl=0.0, step=0)
     s_theirs = theirs.training_step(exp, kl_ctl=0.0, step=0)
     assert s_ours["metrics"]["policy_loss"].item() == pytest.approx(s_theirs["metrics"]["policy_loss"].item(),
@@ -188,8 +193,9 @@ def test_correction_off_step_matches_upstream_actor():
 
 def test_upstream_flags_step_matches_upstream_actor():
     flags = dict(is_correction_level="seq", is_correction_mode="mask", is_correction_threshold=[0.8, 1.25])
-    ours = make_trainer(ppo_actor.CorrectionActorPPOTrainer, make_args(None, **flags))
-    theirs = make_trainer(upstream_actor.ActorPPOTrainer, make_args(None, **flags))
+    resolved = from_upstream("seq", "mask", "ratio", [0.8, 1.25])  # as the driver resolves these flags
+    ours = make_trainer(ppo_actor.CorrectionActorPPOTrainer, make_args(resolved, **flags))
+    theirs = make_trainer(upstream_actor.ActorPPOTrainer, make_args(resolved, **flags))
     s_ours = ours.training_step(make_experience(seed=4), kl_ctl=0.0, step=0)
     s_theirs = theirs.training_step(make_experience(seed=4), kl_ctl=0.0, step=0)
     assert s_ours["metrics"]["policy_loss"].item() == pytest.approx(s_theirs["metrics"]["policy_loss"].item(),
@@ -251,7 +257,7 @@ def test_gspo_step_measures_the_mismatch_as_ppo_does(name):
                        token_level_loss=False, sequence_ratio=True)
     assert metrics["gspo"]["policy_loss"].item() == pytest.approx(want.loss.item(), rel=1e-5, abs=1e-7)
     if name == "off":  # upstream's own GSPO step, for comparison
-        args = make_args(None)
+        args = make_args(preset("off"))
         args.actor.policy_loss_type = "gspo"
         theirs = make_trainer(upstream_actor.ActorPPOTrainer, args)
         theirs.actor_loss_fn = PolicyLoss(policy_loss_type="gspo")

@@ -96,15 +96,17 @@ def test_unsupported_upstream_version_is_refused(valid_argv, monkeypatch, capsys
 
 
 def test_cpu_defaults_replace_unset_gpu_defaults(parsers):
-    from openrlhf_tis.cli.checks import adapt_to_cpu
+    from openrlhf_tis.cli.checks import cpu_replacements
 
     _, fork = parsers
     args = fork.parse_args(["--ds.attn_implementation", "eager"])
-    adapt_to_cpu(args, explicit_dests(fork, ["--ds.attn_implementation", "eager"]))
-    assert getattr(args, "ds.attn_implementation") == "eager"  # the user's choice stays
+    before = vars(args).copy()
+    replaced = cpu_replacements(args, explicit_dests(fork, ["--ds.attn_implementation", "eager"]))
+    assert vars(args) == before  # a check: what it decides is the run spec's to apply
+    assert "ds.attn_implementation" not in replaced  # the user's choice stays
     for dest, value in CPU_DEFAULTS.items():
         if dest != "ds.attn_implementation":
-            assert getattr(args, dest) == value
+            assert replaced.get(dest, before[dest]) == value
 
 
 def test_console_entry_point_refuses_in_a_fresh_process(tmp_path):

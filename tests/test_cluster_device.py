@@ -27,6 +27,7 @@ from openrlhf_tis.cli.cluster_device import (
 from openrlhf_tis.cli.ray_cluster import CPU_ENV, worker_env
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.rollout.precision import cuda_refusal
+from openrlhf_tis.spec import ClusterPlan, run_spec
 
 H100_NODES = {"CPU": 208.0, "GPU": 16.0, "accelerator_type:H100": 2.0, "memory": 2e12, "node:10.0.0.1": 1.0}
 CPU_HEAD = {"CPU": 8.0, "memory": 3e10, "node:10.0.0.2": 1.0}
@@ -78,7 +79,7 @@ def test_a_driver_without_cuda_facing_a_gpu_cluster_runs_a_cuda_run(valid_argv, 
         monkeypatch.delenv(key, raising=False)
     gpu_flags = ["--vllm.enable_sleep", "--vllm.sync_backend", "nccl", "--ds.attn_implementation", "flash_attention_2"]
     args = train_ppo_ray.parse(valid_argv + gpu_flags, cluster=GPU_CLUSTER)
-    assert getattr(args, "cluster.device") == "cuda" and getattr(args, "cluster.resources") == str(GPU_CLUSTER)
+    assert run_spec(args).cluster == ClusterPlan("cuda", str(GPU_CLUSTER))  # upstream's GPU defaults kept
     assert getattr(args, "vllm.enable_sleep") and getattr(args, "vllm.sync_backend") == "nccl"
     defaults = train_ppo_ray.parse(valid_argv + ["--logger.run_dir_overwrite"], cluster=GPU_CLUSTER)
     assert getattr(defaults, "vllm.enforce_eager") is False  # upstream's GPU defaults stay (a CPU run replaces it)
@@ -165,7 +166,7 @@ def test_the_cuda_rule_names_the_first_offending_choice_and_passes_plain_bf16(va
 
 def test_the_cpu_choices_cuda_refuses_run_on_a_cpu_cluster(valid_argv):
     args = train_ppo_ray.parse(valid_argv + ["--ds.param_dtype", "fp32", "--vllm.fp32_lm_head"], cluster=CPU_CLUSTER)
-    assert getattr(args, "cluster.device") == "cpu" and getattr(args, "vllm.fp32_lm_head")
+    assert run_spec(args).cluster.device == "cpu" and getattr(args, "vllm.fp32_lm_head")
 
 
 def test_without_a_ray_address_this_machine_decides(monkeypatch):
@@ -215,7 +216,7 @@ def test_the_main_job_runs_what_its_cluster_accepts(cluster, precision, tiny_mod
     argv = params.argv(tiny_model_dir, Path(params.prompts), tmp_path / "run")
     assert argv[1:3] == ["-m", "openrlhf_tis.cli.train_ppo_ray"]
     args = train_ppo_ray.parse(argv[3:], cluster=cluster)
-    assert getattr(args, "cluster.device") == ("cuda" if cluster is GPU_CLUSTER else "cpu")
+    assert run_spec(args).cluster.device == ("cuda" if cluster is GPU_CLUSTER else "cpu")
     if cluster is GPU_CLUSTER:  # one GPU on any CUDA machine: the actor and the engine share it
         assert getattr(args, "actor.num_gpus_per_node") == 1 and getattr(args, "train.colocate_all")
 

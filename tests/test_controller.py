@@ -54,6 +54,7 @@ from openrlhf_tis.metric_names import (  # noqa: E402
 )
 from openrlhf_tis.rollout.versions import VERSION_FIRST, VERSION_LAST  # noqa: E402
 from openrlhf_tis.runs.tokens import select_samples  # noqa: E402
+from openrlhf_tis.spec import ClusterPlan, DumpPlan, RolloutPlan, RunSpec, SyncPlan  # noqa: E402
 from openrlhf_tis.trainer import ppo_trainer, sync_check  # noqa: E402
 from openrlhf_tis.trainer.rewards import DROP_FLAG, NonFiniteRewardError  # noqa: E402
 from openrlhf_tis.trainer.staleness import LAG, MAX_LAG_FLAG, StalenessError  # noqa: E402
@@ -248,7 +249,7 @@ class World:
         self.engines = [Engine(self), Engine(self, loses_syncs=lost_sync)]
         self.actors = ActorGroup(self)
         self.args = make_args(self.run_dir, tmp_path / "ckpt", **flags)
-        self.int8_stats = self.args.vllm.rollout_precision == "int8"
+        self.int8_stats = self.args.fork.spec.rollout.precision == "int8"
         self.prompts, self.eval_loader = PromptLoader(), SimpleNamespace(dataset=list(range(5)))
         self.tracker, self.maker = Tracker(), ExperienceMaker()
         self.scored: list[dict] = []  # what each evaluation was asked for, and the version it scored
@@ -292,23 +293,24 @@ class World:
 
 
 def make_args(run_dir, ckpt, *, eval_steps=2, sync_check_steps=2, dump_every=2, nonfinite="fail", max_lag=None,
-              partial=False, precision="bf16", load=False, logged=True):
+              partial=False, precision="bf16", cuda=False, load=False, logged=True):
     ns = SimpleNamespace
+    spec = RunSpec(ClusterPlan("cuda" if cuda else "cpu", "a test"), CorrectionConfig(), RolloutPlan(precision),
+                   SyncPlan(check_steps=sync_check_steps), DumpPlan(steps=dump_every, samples=DUMP_SAMPLES))
     return ns(
-        logger=ns(run_dir=str(run_dir) if logged else None, token_dump_steps=dump_every,
-                  token_dump_samples=DUMP_SAMPLES, logging_steps=1, wandb=ns(key=None), tensorboard_dir=None),
+        fork=ns(spec=spec),
+        logger=ns(run_dir=str(run_dir) if logged else None, logging_steps=1, wandb=ns(key=None), tensorboard_dir=None),
         rollout=ns(n_samples_per_prompt=GROUP, micro_batch_size=1, temperature=1.0, batch_size=PROMPTS,
                    vllm_generate_batch_size=None),
         train=ns(seed=SEED, async_max_lag=max_lag, partial_rollout_enable=partial, micro_batch_size=1,
                  dynamic_batch_enable=False, num_episodes=1),
         critic=ns(freezing_steps=-1),
         ds=ns(enable_sleep=False, ring_attn_size=1, tensor_parallel_size=1),
-        vllm=ns(sync_check_steps=sync_check_steps, sync_check_tolerance=0.5, enable_sleep=False,
-                rollout_precision=precision),
+        vllm=ns(enable_sleep=False),
         eval=ns(steps=eval_steps, temperature=0.6, n_samples_per_prompt=1),
         ckpt=ns(path=str(ckpt), load_enable=load, save_steps=1, best_metric_key=""),
         algo=ns(kl=ns(init_coef=0.0, target=None, horizon=1), dynamic_filtering_enable=False,
-                advantage=ns(estimator="group_norm"), correction=ns(resolved=CorrectionConfig().to_json())),
+                advantage=ns(estimator="group_norm")),
         actor=ns(num_nodes=1, num_gpus_per_node=1),
         reward=ns(remote_url=["reward.py"], nonfinite=nonfinite, timeout_s=7.5),
     )
@@ -526,9 +528,8 @@ def test_int8_engines_report_each_requantization_on_its_step(world_of):
 
 
 @pytest.mark.parametrize(("run", "precision"), [(run_sync, "fp8"), (run_async, "fp8"), (run_sync, "int8")])
-def test_cuda_quantized_engines_take_one_checked_sync_before_the_first_step(world_of, monkeypatch, run, precision):
-    monkeypatch.setattr(ppo_trainer, "is_cuda_run", lambda: True)
-    world = world_of(precision=precision, sync_check_steps=1)
+def test_cuda_quantized_engines_take_one_checked_sync_before_the_first_step(world_of, run, precision):
+    world = world_of(precision=precision, sync_check_steps=1, cuda=True)
     world.batches = on_policy(1) if run is run_sync else [rollout([0] * (GROUP * PROMPTS))]
     run(world)
     assert world.events.index("broadcast") < world.events.index("fit")  # the untrained weights' sync, first
@@ -536,17 +537,15 @@ def test_cuda_quantized_engines_take_one_checked_sync_before_the_first_step(worl
 
 
 @pytest.mark.parametrize(("precision", "cuda"), [("fp8", False), ("bf16", True), ("int8", False)])
-def test_other_engines_start_training_without_an_extra_sync(world_of, monkeypatch, precision, cuda):
-    monkeypatch.setattr(ppo_trainer, "is_cuda_run", lambda: cuda)
-    world = world_of(precision=precision, sync_check_steps=1)
+def test_other_engines_start_training_without_an_extra_sync(world_of, precision, cuda):
+    world = world_of(precision=precision, sync_check_steps=1, cuda=cuda)
     world.batches = on_policy(1)
     run_sync(world)
     assert world.events.index("fit") < world.events.index("broadcast") and world.events.count("broadcast") == 1
 
 
-def test_a_cuda_fp8_sync_that_breaks_the_engine_stops_the_run_before_step_1(world_of, monkeypatch):
-    monkeypatch.setattr(ppo_trainer, "is_cuda_run", lambda: True)
-    world = world_of(precision="fp8", sync_check_steps=1)
+def test_a_cuda_fp8_sync_that_breaks_the_engine_stops_the_run_before_step_1(world_of):
+    world = world_of(precision="fp8", sync_check_steps=1, cuda=True)
     world.engines[1].update_weight = Remote(lambda version: setattr(world.engines[1], "version", version + 50))
     world.batches = on_policy(1)
     with pytest.raises(WeightSyncError, match="engine 1 and the trainer disagree"):

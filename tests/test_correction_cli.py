@@ -7,6 +7,7 @@ from _support import error_line, refused
 
 from openrlhf_tis.cli import train_ppo_ray
 from openrlhf_tis.correction import CorrectionConfig, from_upstream, preset
+from openrlhf_tis.spec import run_spec
 
 
 @pytest.fixture()
@@ -24,7 +25,7 @@ def _parse(argv):
 
 
 def _resolved(args) -> CorrectionConfig:
-    return CorrectionConfig.from_json(getattr(args, "algo.correction.resolved"))
+    return run_spec(args).correction
 
 
 def test_default_is_off_but_rollout_log_probs_are_collected(argv):

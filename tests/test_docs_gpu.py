@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from openrlhf_tis.cli import train_ppo_ray
-from openrlhf_tis.cli.checks import UPSTREAM_0110_FLAGS, check_correction, refuse_upstream_0110_flags
+from openrlhf_tis.cli.checks import UPSTREAM_0110_FLAGS, refuse_upstream_0110_flags, resolve_correction
 from openrlhf_tis.errors import UsageError
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "gpu.md").read_text(encoding="utf-8")
@@ -58,7 +58,7 @@ def _resolve(parser, span: str):
     """The CorrectionConfig a span of flags resolves to (an engine added: a correction needs rollout log-probs)."""
     base = [] if any(source in span for source in SOURCES) else ["--algo.correction.preset", "tis"] + (
         ["--algo.correction.batch_normalize"] if "normalize_scope" in span else [])
-    return check_correction(parser.parse_args([*base, *span.split(), "--vllm.num_engines", "1"]))
+    return resolve_correction(parser.parse_args([*base, *span.split(), "--vllm.num_engines", "1"]))
 
 
 def test_the_page_runs_its_recipes_from_files_that_exist():

@@ -8,6 +8,7 @@ from _support import refused, write_calibration
 from openrlhf_tis.cli import train_ppo_ray
 from openrlhf_tis.rollout.calibration_file import Calibration, save_calibration
 from openrlhf_tis.rollout.checkpoint import read_config, read_plan
+from openrlhf_tis.spec import run_spec
 
 
 def test_bad_precision_requests_are_one_message_before_ray(valid_argv, tiny_model_dir, tmp_path, capsys):
@@ -60,7 +61,7 @@ def test_int8_run_writes_the_rollout_model_and_points_the_engines_at_it(valid_ar
     calls = engine_calls
     args = train_ppo_ray.parse(valid_argv + ["--vllm.rollout_precision", "int8", "--vllm.int8_scales", "frozen",
                                              "--vllm.fp32_lm_head", "--vllm.int8_weight_bits", "7"], cpu=True)
-    dst = train_ppo_ray.prepare_rollout_engines(args)
+    dst = train_ppo_ray.prepare_rollout_engines(args, run_spec(args).rollout)
     assert dst == str((tmp_path / "run" / "rollout_model").resolve())
     assert read_plan(dst)["scale_mode"] == "frozen" and read_plan(dst)["weight_bits"] == 7
     cfg = read_config(dst)
@@ -73,7 +74,7 @@ def test_int8_run_writes_the_rollout_model_and_points_the_engines_at_it(valid_ar
 def test_default_precision_changes_nothing(valid_argv):
     args = train_ppo_ray.parse(valid_argv, cpu=True)
     assert getattr(args, "vllm.rollout_precision") == "bf16"
-    assert train_ppo_ray.prepare_rollout_engines(args) is None
+    assert train_ppo_ray.prepare_rollout_engines(args, run_spec(args).rollout) is None
 
 
 @pytest.mark.parametrize(
@@ -85,7 +86,7 @@ def test_engines_take_dtype_and_quantization_from_the_rollout_dir(valid_argv, pr
     from openrlhf_tis.rollout.engine_actor import plan_engine_overrides
 
     args = train_ppo_ray.parse(valid_argv + ["--vllm.rollout_precision", precision], cpu=True)
-    rollout_dir = train_ppo_ray.prepare_rollout_engines(args)
+    rollout_dir = train_ppo_ray.prepare_rollout_engines(args, run_spec(args).rollout)
     assert read_plan(rollout_dir)["precision"] == precision
     assert plan_engine_overrides(rollout_dir, cuda=False) == expected
     assert plan_engine_overrides(getattr(args, "actor.model_name_or_path"), cuda=False) == {}  # plain model
@@ -98,7 +99,7 @@ def test_static_int8_run_writes_scales_into_the_rollout_model(valid_argv, tiny_m
     cal = write_calibration(tiny_model_dir, tmp_path / "cal.safetensors", static=True)
     args = train_ppo_ray.parse(valid_argv + ["--vllm.rollout_precision", "int8", "--vllm.int8_activations", "static",
                                              "--vllm.int8_calibration", str(cal)], cpu=True)
-    dst = train_ppo_ray.prepare_rollout_engines(args)
+    dst = train_ppo_ray.prepare_rollout_engines(args, run_spec(args).rollout)
     plan = read_plan(dst)
     assert plan["activations"] == "static" and plan["input_scales"]["count"] == 14
     acts = read_config(dst)["quantization_config"]["config_groups"]["group_0"]["input_activations"]

@@ -126,7 +126,7 @@ DRIVER = """
     def start_ray(args, device):  # Ray's start is where this test stops: everything before it has run
         import os
         from openrlhf_tis.cli.ray_cluster import worker_env
-        checked.append({"device": device, "decided": getattr(args, "cluster.device"),
+        checked.append({"device": device, "decided": getattr(args, "fork.spec").cluster.device,
                         "env": os.environ.get("OPENRLHF_TIS_RUN_DEVICE"), "workers": worker_env(device)})
         raise SystemExit(0)
 

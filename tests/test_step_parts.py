@@ -23,6 +23,7 @@ from openrlhf_tis import patches
 patches.apply_platform_patches("cpu")  # openrlhf.models imports flash_attn at module level
 from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
 
+from openrlhf_tis.correction import preset  # noqa: E402
 from openrlhf_tis.metric_names import (  # noqa: E402
     FP8_SYNC_PREFIX,
     INT8_SYNC_PREFIX,
@@ -43,6 +44,7 @@ from openrlhf_tis.metric_names import (  # noqa: E402
 from openrlhf_tis.rollout.versions import VERSION_FIRST, VERSION_LAST  # noqa: E402
 from openrlhf_tis.runs.store import RunWriter  # noqa: E402
 from openrlhf_tis.runs.tokens import select_samples  # noqa: E402
+from openrlhf_tis.spec import ClusterPlan, DumpPlan, RolloutPlan, RunSpec  # noqa: E402
 from openrlhf_tis.trainer import step_part  # noqa: E402
 from openrlhf_tis.trainer.rewards import NonFiniteRewardError, RewardPolicy  # noqa: E402
 from openrlhf_tis.trainer.staleness import LAG, StalenessError  # noqa: E402
@@ -183,10 +185,10 @@ class ActorGroup:
 
 
 def test_token_dumps_are_announced_for_dumped_steps_whose_actor_trains():
-    args = SimpleNamespace(logger=SimpleNamespace(run_dir="run", token_dump_steps=2, token_dump_samples=2),
-                           rollout=SimpleNamespace(n_samples_per_prompt=2), train=SimpleNamespace(seed=3))
+    args = SimpleNamespace(logger=SimpleNamespace(run_dir="run"), rollout=SimpleNamespace(n_samples_per_prompt=2),
+                           train=SimpleNamespace(seed=3))
     group = ActorGroup()
-    part = TokenDumpPart(args, group)
+    part = TokenDumpPart(args, DumpPlan(steps=2, samples=2), group)
     for step in range(1, 6):
         part.before_step(list(range(8 - step)), step)  # the samples left after screening
         part.before_fit(step, trains_actor=step != 4)
@@ -276,8 +278,8 @@ def test_sync_cost_reports_the_sync_and_the_worst_engines_int8_requantization():
     ("bf16", True, ["e"], [], INT8_SYNC_PREFIX)])
 def test_sync_cost_asks_only_re_quantizing_engines(precision, cuda, engines, asked, prefix):
     """INT8 engines on either device and FP8 ones on CUDA re-quantize at a sync; CPU FP8 engines quantize online."""
-    args = SimpleNamespace(vllm=SimpleNamespace(rollout_precision=precision))
-    part = SyncCostPart.from_args(args, engines, cuda=cuda)
+    spec = RunSpec(ClusterPlan("cuda" if cuda else "cpu", "a test"), preset("off"), RolloutPlan(precision))
+    part = SyncCostPart.of(spec, engines)
     assert (list(part.quantized_engines), part.prefix) == (asked, prefix)
 
 

@@ -21,7 +21,9 @@ from openrlhf.trainer.ppo_trainer import BasePPOTrainer  # noqa: E402
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator  # noqa: E402
 from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call  # noqa: E402
 
+from openrlhf_tis.correction import preset  # noqa: E402
 from openrlhf_tis.metric_names import SYNC_GAP_MEAN, SYNC_VLLM_LOGPROB_CHANGE, SYNC_VLLM_PROBE_CHANGE  # noqa: E402
+from openrlhf_tis.spec import ClusterPlan, RunSpec, SyncPlan  # noqa: E402
 from openrlhf_tis.trainer import sync_check  # noqa: E402
 from openrlhf_tis.trainer.ppo_trainer import ForkController  # noqa: E402
 from openrlhf_tis.trainer.step_part import SyncCheckPart  # noqa: E402
@@ -34,7 +36,7 @@ class Controller(ForkController, BasePPOTrainer):
     def __init__(self, args, engines, actor_group):
         self.args, self.vllm_engines, self.actor_model_group = args, engines, actor_group
         self.checker = make_sync_checker(args, probe_tokenizer, engines, actor_group)
-        self.parts = [SyncCheckPart(self.checker, args.vllm.sync_check_steps)] if self.checker else []
+        self.parts = [SyncCheckPart(self.checker, args.fork.spec.sync.check_steps)] if self.checker else []
 
     def step_metrics(self) -> dict[str, float]:
         """What the parts add to a step's status (the sync check's metrics since the last step)."""
@@ -46,8 +48,9 @@ class Controller(ForkController, BasePPOTrainer):
 
 def make_args(enable_sleep: bool, steps: int = 1):
     return SimpleNamespace(
-        vllm=SimpleNamespace(enable_sleep=enable_sleep, sync_check_steps=steps, sync_check_tolerance=0.5,
-                             rollout_precision="bf16"),
+        fork=SimpleNamespace(spec=RunSpec(ClusterPlan("cpu", "a test"), preset("off"),
+                                          sync=SyncPlan(check_steps=steps))),
+        vllm=SimpleNamespace(enable_sleep=enable_sleep),
         rollout=SimpleNamespace(temperature=1.0, batch_size=1, n_samples_per_prompt=1, vllm_generate_batch_size=None),
         algo=SimpleNamespace(dynamic_filtering_enable=False), logger=SimpleNamespace(run_dir=None))
 

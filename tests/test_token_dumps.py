@@ -19,6 +19,7 @@ from test_actor_wiring import B, TinyPolicy, make_args, make_experience, make_tr
 from openrlhf_tis.correction import CorrectionConfig, losses, preset
 from openrlhf_tis.runs import MASK_REASON_CODES, query_tokens, token_steps
 from openrlhf_tis.runs.tokens import select_samples
+from openrlhf_tis.spec import DumpPlan
 from openrlhf_tis.trainer import ppo_actor, step_part, token_dumps
 from openrlhf_tis.trainer.token_dumps import TokenDumpPlan
 
@@ -242,24 +243,22 @@ def test_append_keeps_sample_ids_and_numbers_unindexed_batches():
 
 # ── controller side ──
 
-def _controller_args(every: int = 10, k: int = 8, run_dir: str | None = "run"):
-    return SimpleNamespace(
-        logger=SimpleNamespace(run_dir=run_dir, token_dump_steps=every, token_dump_samples=k),
-        rollout=SimpleNamespace(n_samples_per_prompt=GROUP), train=SimpleNamespace(seed=42),
-    )
+def _controller_args(run_dir: str | None = "run"):
+    return SimpleNamespace(logger=SimpleNamespace(run_dir=run_dir), rollout=SimpleNamespace(n_samples_per_prompt=GROUP),
+                           train=SimpleNamespace(seed=42))
 
 
 def test_plan_names_dumped_steps_and_whole_groups():
-    args = _controller_args(every=3, k=3)
-    assert [s for s in range(1, 10) if step_part.token_dump_plan(args, s, 16)] == [1, 3, 6, 9]
-    plan = step_part.token_dump_plan(args, 6, 16)
+    args, dumps = _controller_args(), DumpPlan(steps=3, samples=3)
+    assert [s for s in range(1, 10) if step_part.token_dump_plan(args, dumps, s, 16)] == [1, 3, 6, 9]
+    plan = step_part.token_dump_plan(args, dumps, 6, 16)
     assert plan.run_dir == args.logger.run_dir and plan.group_size == GROUP
     assert len(plan.sample_ids) == 4 and all(plan.sample_ids[i] // GROUP == plan.sample_ids[i + 1] // GROUP
                                              for i in (0, 2))
     assert plan.sample_ids == tuple(select_samples(16, 3, 6, seed=42, group_size=GROUP))
-    assert step_part.token_dump_plan(_controller_args(every=0), 1, 16) is None
-    assert step_part.token_dump_plan(_controller_args(run_dir=None), 1, 16) is None
-    assert step_part.token_dump_plan(_controller_args(k=0), 1, 16) is None
+    assert step_part.token_dump_plan(args, DumpPlan(steps=0, samples=8), 1, 16) is None
+    assert step_part.token_dump_plan(_controller_args(run_dir=None), DumpPlan(10, 8), 1, 16) is None
+    assert step_part.token_dump_plan(args, DumpPlan(steps=10, samples=0), 1, 16) is None
 
 
 def test_entropy_from_logits_matches_a_direct_computation():

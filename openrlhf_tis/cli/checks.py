@@ -1,8 +1,9 @@
-"""Argument checks that must end a run before Ray starts, each naming the flag at fault.
+"""Argument checks that must end a run before Ray starts, each naming the flag at fault; they only check.
 
 On a CPU cluster (cli/cluster_device.py), upstream's GPU *defaults* are replaced by choices that run there
-(docs/design.md §5) unless the user set the flag; a GPU-only choice the user did make is refused. On a CUDA
-cluster, the CPU-only choices are refused (rollout/precision.py check_cuda_weight_sync).
+(docs/design.md §5) unless the user set the flag (`cpu_replacements` names them; the run spec carries them); a
+GPU-only choice the user did make is refused. On a CUDA cluster, the CPU-only choices are refused
+(rollout/precision.py check_cuda_weight_sync).
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from openrlhf_tis.cli.cluster_device import DEVICE_DEST, RESOURCES_DEST
+from openrlhf_tis.correction.config import CorrectionConfig
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.model_files import check_model_path
 from openrlhf_tis.prompt_files import PromptFileError, item_sources, prompt_problem, read_records, token_counts
 from openrlhf_tis.rollout.reward_calls import TIMEOUT_FLAG, check_timeout
+from openrlhf_tis.spec import RunSpec
 
 _UNSET = object()
 
@@ -71,9 +73,10 @@ GPU_ONLY = (
 )
 
 
-def adapt_to_cpu(args: argparse.Namespace, explicit: set[str], cluster: str = "a CPU cluster") -> list[str]:
-    """Replace unset GPU defaults, refuse explicit GPU-only choices (naming `cluster`, the run's resources).
-    Returns what was replaced."""
+def cpu_replacements(args: argparse.Namespace, explicit: set[str], cluster: str = "a CPU cluster") -> dict[str, Any]:
+    """Upstream's GPU defaults a CPU run replaces, {dest: CPU value} for those not already so; explicit GPU-only
+    choices refused (naming `cluster`, the run's resources). Changes nothing: the run spec carries the replacements
+    (cli/resolve.py)."""
     for rule in GPU_ONLY:
         value = getattr(args, rule.dest)
         if rule.refused(value):
@@ -83,12 +86,8 @@ def adapt_to_cpu(args: argparse.Namespace, explicit: set[str], cluster: str = "a
             if rule.dest not in CPU_DEFAULTS:
                 raise UsageError(f"--{rule.dest}", f"default {value!r} needs CUDA, and this is a CPU run on "
                                  f"{cluster}: {rule.why}")
-    replaced = []
-    for dest, cpu_value in CPU_DEFAULTS.items():
-        if dest not in explicit and getattr(args, dest) != cpu_value:
-            replaced.append(f"--{dest} {getattr(args, dest)!r} -> {cpu_value!r}")
-            setattr(args, dest, cpu_value)
-    return replaced
+    return {dest: cpu_value for dest, cpu_value in CPU_DEFAULTS.items()
+            if dest not in explicit and getattr(args, dest) != cpu_value}
 
 
 def check_reward_script(flag: str, url: str | None) -> None:
@@ -283,8 +282,8 @@ def check_outputs(args: argparse.Namespace) -> None:
     check_output_dir("--logger.tensorboard_dir", getattr(args, "logger.tensorboard_dir"))
 
 
-def check_inputs(args: argparse.Namespace) -> int | None:
-    """Paths, files and the reward script, checked before anything expensive starts (after `check_flags`).
+def check_inputs(args: argparse.Namespace, spec: RunSpec) -> int | None:
+    """Paths, files and the reward script, checked before anything expensive starts (after the run is resolved).
 
     Returns the number of steps the run will train when the prompt files tell (`planned_steps`)."""
     check_model_path("--actor.model_name_or_path", getattr(args, "actor.model_name_or_path"), required=True)
@@ -303,17 +302,16 @@ def check_inputs(args: argparse.Namespace) -> int | None:
     from openrlhf_tis.cli.reward_probe import probe_reward_script
     from openrlhf_tis.rollout.precision import check_cli_precision_files
 
-    check_cli_precision_files(args, cuda=getattr(args, DEVICE_DEST) == "cuda")
+    check_cli_precision_files(args, cuda=spec.cluster.device == "cuda")
     check_prompt_lengths(args, train.prompts + evaluated.prompts)
     if train.first is not None:
         probe_reward_script("--reward.remote_url", getattr(args, "reward.remote_url"), train.first, args)
     return planned_steps(args, train.records)
 
 
-def check_flags(args: argparse.Namespace) -> None:
-    """Every check the flag values (and this machine) decide, no file read: a caller that has not written the run's
-    files yet (the main job, a sweep's grid: pipeline/train.py `check_training_command`) runs these before
-    starting anything. Resolves the correction into `algo.correction.resolved` (check_correction)."""
+def check_flags(args: argparse.Namespace, *, cuda: bool, cluster: str) -> None:
+    """Every check the flag values decide for a run on a CUDA (`cuda`) or CPU cluster, `cluster` naming its resources;
+    no file read, nothing changed (the correction's own checks run as it is resolved: `resolve_correction`)."""
     from openrlhf_tis.cli.batch_checks import check_batches
     from openrlhf_tis.rollout.precision import check_cli_precision
 
@@ -330,8 +328,7 @@ def check_flags(args: argparse.Namespace) -> None:
                          "(and evaluates) on, so the run would train no step")
     check_async(args)
     check_batches(args)
-    check_cli_precision(args, cuda=getattr(args, DEVICE_DEST) == "cuda", cluster=getattr(args, RESOURCES_DEST))
-    check_correction(args)
+    check_cli_precision(args, cuda=cuda, cluster=cluster)
 
 
 def check_async(args: argparse.Namespace) -> None:
@@ -403,8 +400,8 @@ def refuse_upstream_0110_flags(argv: list[str]) -> None:
                      "--algo.advantage.is_correction_threshold keeps its meaning")
 
 
-def check_correction(args: argparse.Namespace):
-    """Resolve the rollout correction into one CorrectionConfig (stored as JSON in `algo.correction.resolved`).
+def resolve_correction(args: argparse.Namespace) -> CorrectionConfig:
+    """The rollout correction the flags ask for, as one CorrectionConfig (the run spec's; cli/resolve.py).
 
     Sources, in order: upstream's --algo.advantage.is_correction_* flags (mapped onto the equivalent
     config) or --algo.correction.preset, then every --algo.correction.<field> given. Refused: both
@@ -413,13 +410,11 @@ def check_correction(args: argparse.Namespace):
     log-probs are renormalized over the nucleus, the trainer's are not), and under GSPO any per-token correction
     (its ratio is one per sequence: `validate_for_sequence_ratio`).
 
-    Upstream asks vLLM for log-probs only when --algo.advantage.is_correction_level is not off; the
-    mismatch metrics need them every step, whatever the loss, so that flag is set to a level upstream
-    accepts (its own PolicyLoss is replaced by the fork's actor, which reads only the resolved config).
+    Changes nothing in `args` (cli/resolve.py `apply_spec` sets what upstream must see).
     """
     import sys
 
-    from openrlhf_tis.correction import CorrectionConfig, CorrectionConfigError, from_upstream, preset
+    from openrlhf_tis.correction import CorrectionConfigError, from_upstream, preset
 
     fields = [f.name for f in dataclasses.fields(CorrectionConfig)]  # one --algo.correction.<field> flag each
 
@@ -473,10 +468,4 @@ def check_correction(args: argparse.Namespace):
             raise UsageError("--rollout.top_p", f"{top_p} < 1 with the rollout correction on: {why}")
         print(f"[openrlhf_tis] warning: --rollout.top_p {top_p}: mismatch metrics are biased ({why})",
               file=sys.stderr)
-    setattr(args, "algo.correction.resolved", cfg.to_json())
-    if up_level == "off" and engines >= 1:
-        setattr(args, "algo.advantage.is_correction_level", "token")  # = "collect rollout log-probs"
-        setattr(args, "algo.advantage.is_correction_mode", "mask")
-        setattr(args, "algo.advantage.is_correction_gating", "ratio")
-        setattr(args, "algo.advantage.is_correction_threshold", [0.0, 1.0e9])  # finite: configs go to JSON
     return cfg

@@ -25,8 +25,7 @@ from packaging.specifiers import SpecifierSet
 from openrlhf_tis.errors import UsageError
 
 DEVICE_FLAG = "--cluster.device"
-DEVICE_DEST = "cluster.device"  # in the parsed namespace: the decided device, cpu or cuda (so in config.json)
-RESOURCES_DEST = "cluster.resources"  # what decided it, as refusals name it
+DEVICE_DEST = "cluster.device"  # in the parsed namespace: the device asked for (the decision is the run spec's)
 DEVICES = ("auto", "cpu", "cuda")
 ACCELERATOR_PREFIX = "accelerator_type:"  # ray/_private/resource_and_label_spec.py, one per detected GPU model
 

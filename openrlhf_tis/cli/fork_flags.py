@@ -141,8 +141,8 @@ def add_correction_arguments(parser: argparse.ArgumentParser) -> None:
     `preset`, then one flag per CorrectionConfig field, generated from the field: its annotation gives the
     type (bool: a switch; the rejection tuple: one or more STAT:AGG:... strings), its metadata the choices
     and the help. Every flag defaults to None, meaning "as the preset says"; cli/checks.py
-    `check_correction` resolves preset + overrides (or upstream's --algo.advantage.is_correction_* flags)
-    into one CorrectionConfig.
+    `resolve_correction` resolves preset + overrides (or upstream's --algo.advantage.is_correction_* flags)
+    into the run spec's CorrectionConfig.
     """
     from openrlhf_tis.correction.config import FLAG_PREFIX, PRESETS, CorrectionConfig
 

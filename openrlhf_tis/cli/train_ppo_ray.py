@@ -18,16 +18,9 @@ from typing import NoReturn
 
 from openrlhf_tis import patches
 from openrlhf_tis.cli.actor_watch import ActorDeath, ActorWatch
-from openrlhf_tis.cli.checks import (
-    adapt_to_cpu,
-    check_flags,
-    check_inputs,
-    explicit_dests,
-    refuse_upstream_0110_flags,
-)
+from openrlhf_tis.cli.checks import check_inputs, explicit_dests, refuse_upstream_0110_flags
 from openrlhf_tis.cli.cluster_device import (
     DEVICE_DEST,
-    RESOURCES_DEST,
     ClusterResources,
     assumed_cluster,
     check_cuda_stack,
@@ -41,6 +34,7 @@ from openrlhf_tis.cli.lifetime import die_with_parent
 from openrlhf_tis.cli.placement import check_cluster_fits
 from openrlhf_tis.cli.ray_address import ADDRESS_VAR
 from openrlhf_tis.cli.ray_cluster import CPU_ENV, start_ray
+from openrlhf_tis.cli.resolve import apply_spec, resolve
 from openrlhf_tis.cli.rollout_engines import prepare_rollout_engines
 from openrlhf_tis.cli.run_dir import RunFinished, interrupted_account, open_run_dir
 from openrlhf_tis.errors import UsageError
@@ -49,6 +43,7 @@ from openrlhf_tis.patches._guard import UnsupportedUpstreamError
 from openrlhf_tis.patches.upstream_cli import run_upstream_main, upstream_parser
 from openrlhf_tis.run_device import DEVICE_ENV
 from openrlhf_tis.runs.reader import last_logged_step
+from openrlhf_tis.spec import run_spec
 
 INTERRUPTED_EXIT = 130  # a shell's code for a command ended by SIGINT
 ACTOR_DIED_EXIT = 3  # an actor of the run died of an error (cli/actor_watch.py)
@@ -93,23 +88,24 @@ def quiet_deepspeed_import() -> Iterator[None]:
 
 def parse_flags(parser: argparse.ArgumentParser, argv: list[str],
                 cluster: ClusterResources) -> tuple[argparse.Namespace, list[str]]:
-    """`argv` parsed by `parser` (build_parser) for a run on `cluster` and checked by what its flag values decide
-    (checks.check_flags), no file read; on a CPU cluster upstream's GPU defaults are replaced first. Returns the
-    arguments and the console lines that say what the run computes on and what was replaced; raises UsageError
+    """`argv` parsed by `parser` (build_parser) for a run on `cluster`, resolved once (cli/resolve.py: every check
+    the flag values decide, no file read) and the run spec applied to the namespace. Returns the arguments and the
+    console lines that say what the run computes on and what replaced upstream's GPU defaults; raises UsageError
     naming the flag at fault (argparse's own errors go to `parser.error`)."""
     refuse_upstream_0110_flags(argv)  # before argparse, which does not know them
     args = parser.parse_args(argv)
-    notes = [settle_device(args, cluster)]
-    if getattr(args, DEVICE_DEST) == "cpu":
-        go_offline()
-        notes += [f"CPU run: {note}" for note in adapt_to_cpu(args, explicit_dests(parser, argv), str(cluster))]
-    check_flags(args)
+    if decide_device(getattr(args, DEVICE_DEST), cluster) == "cpu":
+        go_offline()  # before a check imports huggingface_hub, which reads HF_HUB_OFFLINE once
+    spec = resolve(args, explicit_dests(parser, argv), cluster)
+    notes = [describe_decision(getattr(args, DEVICE_DEST), spec.cluster.device, cluster)]
+    notes += [f"CPU run: --{dest} {getattr(args, dest)!r} -> {value!r}" for dest, value in spec.cluster.cpu_defaults]
+    apply_spec(args, spec)
     return args, notes
 
 
 def parse(argv: list[str], cpu: bool | None = None, cluster: ClusterResources | None = None,
           device_said: bool = False):
-    """Parse and check the command line for the run's `cluster`; raises UsageError naming the flag at fault.
+    """Parse, resolve and check the command line for the run's `cluster`; raises UsageError naming the flag at fault.
 
     Without `cluster`, `cpu` assumes a CPU (True) or CUDA (False) one, and None reads the cluster the run will use
     (cli/cluster_device.py read_cluster). `device_said`: the caller already printed the device decision's line.
@@ -119,11 +115,12 @@ def parse(argv: list[str], cpu: bool | None = None, cluster: ClusterResources | 
     args, notes = parse_flags(build_parser(), argv, cluster)
     for note in notes[1:] if device_said else notes:
         say(note)
-    if getattr(args, DEVICE_DEST) == "cuda" or os.environ.get(ADDRESS_VAR):  # a local CPU run declares its own slots
+    spec = run_spec(args)
+    if spec.cluster.device == "cuda" or os.environ.get(ADDRESS_VAR):  # a local CPU run declares its own slots
         check_cluster_fits(args, cluster)
     run_dir = getattr(args, "logger.run_dir") or time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())
     setattr(args, "logger.run_dir", os.path.abspath(run_dir))  # every Ray process writes to the same place
-    planned = check_inputs(args)
+    planned = check_inputs(args, spec)
     open_run_dir(args, planned_steps=planned)
     return args
 
@@ -131,16 +128,6 @@ def parse(argv: list[str], cpu: bool | None = None, cluster: ClusterResources | 
 def say(line: str) -> None:
     """One console line of the driver's (stderr, as upstream's own logging)."""
     print(f"[openrlhf_tis] {line}", file=sys.stderr)
-
-
-def settle_device(args: argparse.Namespace, cluster: ClusterResources) -> str:
-    """Replace `--cluster.device` in `args` by the device `cluster` decides (cpu or cuda) and record the cluster
-    beside it; returns the console line that says both."""
-    requested = getattr(args, DEVICE_DEST)
-    device = decide_device(requested, cluster)
-    setattr(args, DEVICE_DEST, device)
-    setattr(args, RESOURCES_DEST, str(cluster))
-    return describe_decision(requested, device, cluster)
 
 
 def go_offline() -> None:
@@ -165,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         enter_run(device)
         args = parse(argv, cluster=cluster, device_said=True)
         fork_classes.apply()
-        prepare_rollout_engines(args)
+        prepare_rollout_engines(args, run_spec(args).rollout)
         start_ray(args, device)
     except RunFinished as done:  # a resume of a finished run: said at once, not after Ray, vLLM and DeepSpeed start
         print(f"openrlhf_tis.cli.train_ppo_ray: nothing to do: {done}", file=sys.stderr)

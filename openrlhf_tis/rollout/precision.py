@@ -23,6 +23,7 @@ from typing import Any
 
 from openrlhf_tis.cpu_features import amx_tiles, int8_gemm_saturates_8bit_weights
 from openrlhf_tis.errors import UsageError
+from openrlhf_tis.spec import RolloutPlan
 
 PRECISIONS = ("bf16", "fp32", "int8", "fp8")
 PRECISION_FLAG = "--vllm.rollout_precision"
@@ -242,6 +243,20 @@ def check_cli_precision(args, *, cuda: bool, cluster: str) -> None:
                           weight_bits=rollout_option(args, WEIGHT_BITS_FLAG))
     if precision == "int8" and getattr(args, "ds.param_dtype") not in ("bf16", "fp32"):
         raise UsageError("--ds.param_dtype", "int8 rollouts re-quantize the trainer's bf16 or fp32 weights")
+
+
+def rollout_plan(args, *, cuda: bool) -> RolloutPlan:
+    """The rollout flags as the run spec holds them (after check_cli_precision), every `auto` decided for a CUDA
+    (`cuda`) or CPU cluster: the int8 grid for the cluster's CPU, CUDA FP8's blocks."""
+    from openrlhf_tis.rollout.quantize import int8_weight_bits
+
+    precision = rollout_option(args, PRECISION_FLAG)
+    bits = int8_weight_bits(rollout_option(args, WEIGHT_BITS_FLAG), cuda=cuda) if precision == "int8" else None
+    return RolloutPlan(precision=precision, weight_bits=bits, scales=rollout_option(args, SCALES_FLAG),
+                       activations=rollout_option(args, ACTIVATIONS_FLAG),
+                       calibration=rollout_option(args, CALIBRATION_FLAG),
+                       fp32_head=rollout_option(args, FP32_HEAD_FLAG),
+                       fp8_block=FP8_CUDA_BLOCK if precision == "fp8" and cuda else None)
 
 
 def check_cli_precision_files(args, *, cuda: bool) -> None:

@@ -33,6 +33,8 @@ from openrlhf_tis.runs.layout import CONFIG_FILE, atomic_write
 OVERRIDE_FLAG = "--logger.run_dir_override"
 RUN_ID_KEY = "run_id"
 PLANNED_STEPS_KEY = "planned_steps"
+SPEC_KEY = "fork.spec"
+"""The run spec's place among the flags (openrlhf_tis/spec): recorded field by field as `fork.spec.<part>.<field>`."""
 
 # Dotted config keys (fnmatch patterns) that do not change what is trained: outputs, logging,
 # checkpoint cadence, process placement hints and the run store itself.
@@ -49,6 +51,11 @@ RESUME_IGNORED: tuple[str, ...] = (
     "reward.timeout_s",  # likewise a longer limit for a run whose reward ran out of time
     "cluster.*",  # where the run computes: what the device changes in training shows in the flags it sets
     "algo.correction.compile_metrics",  # how the metrics are reduced, never what is trained
+    # the run spec's parts that only restate the above (its correction and rollout plan are checked)
+    f"{SPEC_KEY}.cluster.*",
+    f"{SPEC_KEY}.sync.check_*",
+    f"{SPEC_KEY}.dumps.*",
+    f"{SPEC_KEY}.correction.compile_metrics",
 )
 
 VERSIONED_PACKAGES = (
@@ -71,6 +78,8 @@ def _json_safe(value: Any) -> Any:
         return [_json_safe(v) for v in items]
     if isinstance(value, os.PathLike):
         return os.fspath(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # e.g. a correction's rejection criteria
+        return _json_safe({f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
     text = repr(value)
     # "<Foo object at 0x7f...>" differs on every run and would fail every resume check.
     return type(value).__qualname__ if " at 0x" in text else text

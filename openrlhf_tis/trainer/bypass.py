@@ -13,7 +13,7 @@ import torch
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
 from openrlhf_tis.patches._guard import reclass
-from openrlhf_tis.trainer.correction_args import correction_config_from_args
+from openrlhf_tis.spec import run_spec
 
 
 class RolloutAsOldExperienceMaker(RemoteExperienceMaker):
@@ -57,7 +57,7 @@ def install_bypass_experience_maker(controller) -> bool:
     Call at the end of the PPO controller's __init__ (it owns `experience_maker` and `args`); returns
     whether it switched. Re-classing keeps every attribute upstream's constructor set.
     """
-    if not correction_config_from_args(controller.args).bypass:
+    if not run_spec(controller.args).correction.bypass:
         return False
     reclass(controller.experience_maker, RolloutAsOldExperienceMaker, supported="==0.11.2",
             patch="openrlhf_tis/trainer/bypass.py", overrides=("make_experience", "_dispatch_forward"))

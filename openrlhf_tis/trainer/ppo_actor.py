@@ -1,8 +1,8 @@
 """The PPO actor with the fork's rollout correction as its policy loss.
 
 Trace from flag to metric: `--algo.correction.*` (cli/fork_flags.py) is resolved once in the driver
-(cli/checks.py `check_correction`) into `args.algo.correction.resolved` (JSON of a CorrectionConfig);
-`CorrectionActorPPOTrainer` reads it (trainer/correction_args.py), `CorrectionPolicyLoss` (trainer/policy_loss.py)
+(cli/resolve.py) into the run spec's CorrectionConfig, which Ray hands the actor with its arguments (`fork.spec`);
+`CorrectionActorPPOTrainer` reads it (spec/run_spec.py `run_spec`), `CorrectionPolicyLoss` (trainer/policy_loss.py)
 runs `correction.policy_loss` in place of upstream's `PolicyLoss` (PPO's token ratio, or GSPO's sequence ratio),
 and the `mismatch/*` / `correction/*` metrics ride in `experience.info`, which upstream's `training_step`
 already merges into the status dict that reaches its loggers and the run store.
@@ -41,8 +41,8 @@ from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.run_device import is_cuda_run
 from openrlhf_tis.runs.identity import write_checkpoint_identity
 from openrlhf_tis.runs.tokens import TokenDumpWriter
+from openrlhf_tis.spec import run_spec
 from openrlhf_tis.trainer.bypass import rollout_as_old
-from openrlhf_tis.trainer.correction_args import correction_config_from_args
 from openrlhf_tis.trainer.policy_loss import CorrectionPolicyLoss
 from openrlhf_tis.trainer.token_dumps import (
     TokenDumpCollector,
@@ -89,7 +89,7 @@ class CorrectionActorPPOTrainer(ActorPPOTrainer):
             raise PatchTargetMissingError(
                 f"patch {_THIS_FILE!r}: openrlhf.trainer.ray.ppo_actor.ActorPPOTrainer no longer trains with "
                 "self.actor_loss_fn; review the patch")
-        self.correction = correction_config_from_args(self.args)
+        self.correction = run_spec(self.args).correction
         self.token_dump_plan: TokenDumpPlan | None = None  # set by the controller before a dumped step's fit
         self._token_dump: TokenDumpCollector | None = None  # live only inside ppo_train of a dumped step
         self._token_writer: TokenDumpWriter | None = None

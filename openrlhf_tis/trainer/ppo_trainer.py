@@ -49,8 +49,8 @@ from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 from openrlhf_tis.patches._guard import require_super_chain
 from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.rollout.precision import CUDA_QUANTIZED
-from openrlhf_tis.run_device import is_cuda_run
 from openrlhf_tis.runs.store import RunWriter
+from openrlhf_tis.spec import run_spec
 from openrlhf_tis.trainer.bypass import install_bypass_experience_maker
 from openrlhf_tis.trainer.eval_samples import whole_set_eval
 from openrlhf_tis.trainer.rewards import RewardPolicy
@@ -116,7 +116,7 @@ class ForkController:
         the dump plan counts the samples that reward screening and the lag bound kept; the run store is rewound
         before the start's sync check and evaluation; the sync check's metrics precede the sync's cost.
         """
-        args, run_dir = self.args, self.args.logger.run_dir
+        args, run_dir, spec = self.args, self.args.logger.run_dir, run_spec(self.args)
         rules = RewardPolicy.from_args(args)
         schedule = EvalSchedule.of(args, self.eval_dataloader)
         # Sleeping engines (--vllm.enable_sleep) are checked too: the checker wakes them to score.
@@ -129,13 +129,13 @@ class ForkController:
             RewardScreenPart(rules),
             StalenessPart(rules, getattr(args.train, "async_max_lag", None),
                           partial_rollouts=getattr(args.train, "partial_rollout_enable", False)),
-            TokenDumpPart(args, self.actor_model_group) if self.actor_model_group is not None else None,
+            TokenDumpPart(args, spec.dumps, self.actor_model_group) if self.actor_model_group is not None else None,
             CoveragePart(),
             MismatchByLagPart(),
-            SyncCadencePart(args.vllm.sync_every) if getattr(args.vllm, "sync_every", 1) > 1 else None,
+            SyncCadencePart(spec.sync.every) if spec.sync.every > 1 else None,
             MetricsLinePart(RunWriter(run_dir), schedule) if run_dir else None,
-            SyncCheckPart(checker, args.vllm.sync_check_steps) if checker is not None else None,
-            SyncCostPart.from_args(args, self.vllm_engines, cuda=is_cuda_run()),
+            SyncCheckPart(checker, spec.sync.check_steps) if checker is not None else None,
+            SyncCostPart.of(spec, self.vllm_engines),
             StartEvalPart(self._evaluate_now) if schedule.configured else None,
         ]
         return [part for part in parts if part is not None]
@@ -156,8 +156,8 @@ class ForkController:
     def _sync_before_training(self) -> bool:
         """Quantized engines on CUDA re-quantize every sync through code that has not yet run on a GPU (docs/gpu.md):
         one sync of the untrained weights, checked, proves the path before any step is spent on it."""
-        return (bool(self.vllm_engines) and is_cuda_run()
-                and getattr(self.args.vllm, "rollout_precision", "bf16") in CUDA_QUANTIZED)
+        spec = run_spec(self.args)
+        return bool(self.vllm_engines) and spec.cluster.device == "cuda" and spec.rollout.precision in CUDA_QUANTIZED
 
     def evaluate(self, global_step, **generate_kwargs):
         t0 = time.perf_counter()

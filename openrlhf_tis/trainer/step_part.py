@@ -44,6 +44,7 @@ from openrlhf_tis.metric_names import (
 )
 from openrlhf_tis.runs.store import RunWriter
 from openrlhf_tis.runs.tokens import select_samples, should_dump
+from openrlhf_tis.spec import DumpPlan, RunSpec
 from openrlhf_tis.trainer.mismatch_by_lag import mismatch_by_lag
 from openrlhf_tis.trainer.rewards import RewardPolicy, screen_rewards
 from openrlhf_tis.trainer.staleness import LAG, drop_stale, sample_lags, spans_sync, staleness_metrics, stamp_lags
@@ -197,19 +198,18 @@ class MismatchByLagPart(StepPart):
 
 # ── the actors ──
 
-def token_dump_plan(args, step: int, num_samples: int) -> TokenDumpPlan | None:
+def token_dump_plan(args, dumps: DumpPlan, step: int, num_samples: int) -> TokenDumpPlan | None:
     """The dump plan of `step` (a metrics-line step number), or None when the step is not dumped.
 
-    Step 1 and every `--logger.token_dump_steps`-th; `--logger.token_dump_samples` samples chosen by
+    Step 1 and every `dumps.steps`-th (the run spec's `--logger.token_dump_steps`); `dumps.samples` samples chosen by
     (train seed, step), whole prompt groups, so a resumed run picks what the killed one would have.
     The CLI made the run directory absolute, so the actors' files land beside metrics.jsonl.
     """
-    logger = args.logger
-    run_dir = getattr(logger, "run_dir", None)
-    if not run_dir or num_samples <= 0 or not should_dump(step, getattr(logger, "token_dump_steps", 0)):
+    run_dir = getattr(args.logger, "run_dir", None)
+    if not run_dir or num_samples <= 0 or not should_dump(step, dumps.steps):
         return None
     group = max(int(args.rollout.n_samples_per_prompt), 1)
-    ids = select_samples(num_samples, logger.token_dump_samples, step, seed=args.train.seed, group_size=group)
+    ids = select_samples(num_samples, dumps.samples, step, seed=args.train.seed, group_size=group)
     if len(ids) == 0:
         return None
     return TokenDumpPlan(step=step, run_dir=run_dir, sample_ids=tuple(int(i) for i in ids), group_size=group)
@@ -223,8 +223,8 @@ class TokenDumpPart(StepPart):
     to the next step's fit under the wrong step number.
     """
 
-    def __init__(self, args, actor_group):
-        self.args, self.actor_group = args, actor_group
+    def __init__(self, args, dumps: DumpPlan, actor_group):
+        self.args, self.dumps, self.actor_group = args, dumps, actor_group
         self.num_samples = 0
 
     def before_step(self, samples: list, step: int) -> list:
@@ -232,7 +232,7 @@ class TokenDumpPart(StepPart):
         return samples
 
     def before_fit(self, step: int, trains_actor: bool) -> None:
-        plan = token_dump_plan(self.args, step, self.num_samples) if trains_actor else None
+        plan = token_dump_plan(self.args, self.dumps, step, self.num_samples) if trains_actor else None
         if plan is not None:
             ray.get(self.actor_group.async_run_method(method_name="set_token_dump", plan=plan))
 
@@ -306,10 +306,10 @@ class SyncCostPart(PendingMetrics):
         self.quantized_engines, self.prefix = quantized_engines, prefix
 
     @classmethod
-    def from_args(cls, args, engines: Sequence | None, cuda: bool = False) -> SyncCostPart:
+    def of(cls, spec: RunSpec, engines: Sequence | None) -> SyncCostPart:
         """INT8 engines re-quantize on either device; FP8 ones only on CUDA (CPU FP8 engines quantize online)."""
-        precision = getattr(args.vllm, "rollout_precision", "bf16")
-        cuda_fp8 = precision == "fp8" and cuda
+        precision = spec.rollout.precision
+        cuda_fp8 = precision == "fp8" and spec.cluster.device == "cuda"
         if not engines or not (precision == "int8" or cuda_fp8):
             return cls()
         return cls(engines, INT8_SYNC_PREFIX if precision == "int8" else FP8_SYNC_PREFIX)

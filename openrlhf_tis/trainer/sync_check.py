@@ -54,6 +54,7 @@ from openrlhf_tis.metric_names import (
     SYNC_VLLM_LOGPROB_CHANGE,
     SYNC_VLLM_PROBE_CHANGE,
 )
+from openrlhf_tis.spec import run_spec
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. Question: what is 12 + 7? Answer: 19."
 # Mean |dlog p| the trainer's probe log-probs must have moved for an unchanged engine to count as stale. A real
@@ -204,15 +205,15 @@ class SleepingEngines:
 
 
 def make_sync_checker(args, tokenizer, vllm_engines, actor_group) -> SyncChecker | None:
-    """The run's checker; None when nothing is checked (no engines, or `--vllm.sync_check_steps 0`).
+    """The run's checker; None when nothing is checked (no engines, or `--vllm.sync_check_steps 0` in the run spec).
 
     Sleeping engines are checked too: the checker wakes them to score (see the module doc).
     """
-    vllm = args.vllm
-    if not vllm_engines or not vllm.sync_check_steps:
+    sync = run_spec(args).sync
+    if not vllm_engines or not sync.check_steps:
         return None
     return SyncChecker(tokenizer, vllm_engines, actor_group, temperature=args.rollout.temperature,
-                       tolerance=vllm.sync_check_tolerance, sleeping=bool(vllm.enable_sleep))
+                       tolerance=sync.check_tolerance, sleeping=bool(args.vllm.enable_sleep))
 
 
 class SyncChecker:

@@ -28,7 +28,7 @@ from openrlhf_tis.metric_names import (
     TRUNCATED_FRAC,
 )
 from openrlhf_tis.rollout.precision import PRECISION_FLAG, WEIGHT_BITS_FLAG, dest, rollout_option
-from openrlhf_tis.runs.config import read_run_config
+from openrlhf_tis.runs.config import SPEC_KEY, read_run_config
 from openrlhf_tis.runs.layout import is_run_dir, readable_dir_name
 from openrlhf_tis.runs.reader import find_runs, load_metrics
 from openrlhf_tis.runs.summary import pick_key
@@ -74,11 +74,12 @@ def _comparable(value: Any) -> str:
 
 def config_diff(paths: Sequence[Path], labels: Sequence[str] | None = None,
                 ignore: Iterable[str] = _INCIDENTAL) -> pd.DataFrame:
-    """Flags whose resolved values differ between runs: one row per flag, one column per run."""
+    """Flags whose resolved values differ between runs: one row per flag, one column per run. The run spec's record
+    (`fork.spec.*`) is left out: it follows from the flags and the cluster, so a flag that differs is there already."""
     labels = list(labels) if labels is not None else run_labels(paths)
     configs = [(read_run_config(p) or {}).get("config", {}) for p in paths]
     ignore = set(ignore)
-    keys = sorted({k for c in configs for k in c} - ignore)
+    keys = sorted({k for c in configs for k in c if not k.startswith(SPEC_KEY + ".")} - ignore)
     rows = {k: [c.get(k, "(absent)") for c in configs] for k in keys
             if len({_comparable(c.get(k, "(absent)")) for c in configs}) > 1}
     return pd.DataFrame.from_dict(rows, orient="index", columns=labels).rename_axis("flag")

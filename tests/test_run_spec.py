@@ -1,0 +1,91 @@
+"""The run spec (openrlhf_tis/spec): resolved once by the driver, applied in one place, read by every process.
+
+The pin: for a handful of flag sets (tests/run_spec_cases.py), what upstream receives is exactly what it received
+before the spec existed (tests/data/run_spec_pin.json), the spec's correction and device being the ones the old
+namespace carried; and the spec's other parts say what the flags asked, with every `auto` decided.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+from run_spec_cases import CASES, PIN, resolve_cases
+
+from openrlhf_tis.correction import CorrectionConfig, preset
+from openrlhf_tis.runs.config import RESUME_IGNORED, fingerprint, resolve_config
+from openrlhf_tis.spec import SPEC_DEST, ClusterPlan, DumpPlan, RolloutPlan, RunSpec, SyncPlan, run_spec
+
+OLD_ONLY = ("algo.correction.resolved", "cluster.device", "cluster.resources")  # moved into the spec
+STARTED = "logger.wandb.run_name"  # upstream's default is the start time
+
+
+@pytest.fixture(scope="module")
+def resolved() -> dict:
+    return resolve_cases(list(CASES))
+
+
+def _spec_part(flat: dict, part: str) -> dict:
+    prefix = f"{SPEC_DEST}.{part}."
+    return {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_upstream_receives_what_it_did_before_the_spec(resolved, name):
+    old, new = json.loads(PIN.read_text())[name], resolved[name]
+    upstream_sees = {k: v for k, v in new.items() if not k.startswith(SPEC_DEST + ".") and k != STARTED}
+    assert upstream_sees.pop("cluster.device") == "auto"  # the flag keeps what was asked; the decision is the spec's
+    assert upstream_sees == {k: v for k, v in old.items() if k not in (*OLD_ONLY, STARTED)}
+    correction = CorrectionConfig.from_json(old["algo.correction.resolved"])
+    assert _spec_part(new, "correction") == json.loads(json.dumps(dataclasses.asdict(correction)))
+    assert _spec_part(new, "cluster")["device"] == old["cluster.device"]
+    assert _spec_part(new, "cluster")["resources"] == old["cluster.resources"]
+
+
+def test_the_spec_holds_each_decision(resolved):
+    dumps = _spec_part(resolved["cpu_tis_sync_every_dumps"], "dumps")
+    sync = _spec_part(resolved["cpu_tis_sync_every_dumps"], "sync")
+    assert (dumps, sync) == ({"steps": 2, "samples": 3}, {"every": 4, "check_steps": 1, "check_tolerance": 0.5})
+    cpu = dict(map(tuple, _spec_part(resolved["cpu_tis_sync_every_dumps"], "cluster")["cpu_defaults"]))
+    assert "ds.attn_implementation" not in cpu and cpu["vllm.sync_backend"] == "gloo"  # the user's eager stays
+    int8 = _spec_part(resolved["cpu_int8_icepop_overrides"], "rollout")
+    assert (int8["precision"], int8["weight_bits"], int8["scales"], int8["fp8_block"]) == ("int8", 6, "frozen", None)
+    assert _spec_part(resolved["cpu_int8_icepop_overrides"], "correction")["upper"] == 3.0
+    fp8 = _spec_part(resolved["cuda_fp8_seq_tis"], "rollout")
+    assert (fp8["precision"], fp8["fp8_block"], fp8["weight_bits"]) == ("fp8", [128, 128], None)
+    assert _spec_part(resolved["cuda_fp8_seq_tis"], "cluster")["cpu_defaults"] == []
+
+
+def test_resolving_changes_nothing_and_applying_is_the_one_writer(monkeypatch):
+    from openrlhf_tis.cli import resolve as resolve_module
+
+    args = argparse.Namespace(**{"cluster.device": "auto", "algo.advantage.is_correction_level": "off",
+                                 "vllm.num_engines": 1, "ds.attn_implementation": "flash_attention_2"})
+    spec = RunSpec(ClusterPlan("cpu", "a test", (("ds.attn_implementation", "sdpa"),)), preset("tis"))
+    resolve_module.apply_spec(args, spec)
+    assert getattr(args, "ds.attn_implementation") == "sdpa" and run_spec(args) is spec
+    assert getattr(args, "algo.advantage.is_correction_level") == "token"  # vLLM returns the rollout log-probs
+    hierarchized = argparse.Namespace(fork=argparse.Namespace(spec=spec))  # as upstream hands it to its actors
+    assert run_spec(hierarchized) is spec
+    with pytest.raises(RuntimeError, match="no run spec"):
+        run_spec(argparse.Namespace())
+
+
+def test_the_spec_is_frozen_and_recorded_field_by_field():
+    spec = RunSpec(ClusterPlan("cpu", "a test"), preset("icepop"), RolloutPlan("int8", weight_bits=7), SyncPlan(4),
+                   DumpPlan(2, 3))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.sync = SyncPlan()  # type: ignore[misc]
+    flat = resolve_config({SPEC_DEST: spec, "train.seed": 1})
+    assert flat["fork.spec.rollout.weight_bits"] == 7 and flat["fork.spec.correction.level"] == spec.correction.level
+    assert flat["fork.spec.sync.every"] == 4 and flat["fork.spec.dumps.samples"] == 3
+    # what a resume may change freely (where the run computes, how often it checks and dumps) is not its identity
+    moved = dataclasses.replace(spec, cluster=ClusterPlan("cuda", "elsewhere"), sync=SyncPlan(4, 0, 2.0),
+                                dumps=DumpPlan(0, 0))
+    assert fingerprint(flat, RESUME_IGNORED) == fingerprint(resolve_config({SPEC_DEST: moved, "train.seed": 1}),
+                                                           RESUME_IGNORED)
+    retrained = dataclasses.replace(spec, rollout=RolloutPlan("int8", weight_bits=6))
+    assert fingerprint(flat, RESUME_IGNORED) != fingerprint(resolve_config({SPEC_DEST: retrained, "train.seed": 1}),
+                                                           RESUME_IGNORED)
