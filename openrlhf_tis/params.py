@@ -5,7 +5,8 @@ notebook; a bad value surfaces minutes later inside Ray. Each notebook therefore
 frozen dataclass of `ParamObject` beside the code it drives (pipeline/train_params.py's TrainParams,
 viz/explorer.py's ExplorerParams, ...), each field made with `param`: its default, help, accepted types and
 values, and the command-line flag it becomes, as correction/config.py's CorrectionConfig fields carry their
-flags. The notebook's second cell imports the class and calls `Class.from_notebook(globals(), NAME)`, which fails
+flags. A parameter that becomes one of the fork's flags is made from that flag's declaration (cli/fork_flags.py
+`ForkFlag.param`), so its type and choices are the CLI's and a bad value is refused in the CLI's words. The notebook's second cell imports the class and calls `Class.from_notebook(globals(), NAME)`, which fails
 in that cell with the list of accepted names (and their help) for an unknown name or a bad value; the sweep checks
 every cell of a grid with `Class.checked` before any cell runs. A bottom-layer module (it imports nothing of the
 package), so every layer declares its notebook's parameters here without reaching up to pipeline/.
@@ -58,6 +59,8 @@ class Param:
         """Why `value` is not acceptable, or None (judged after `converted`)."""
         value = self.converted(value)
         if self.choices is not None and value not in self.choices:
+            if self.flag:  # in the words the command line's own parser uses for the flag
+                return f"{self.flag}: invalid choice: {value!r} (choose from {', '.join(map(repr, self.choices))})"
             return f"must be one of {list(self.choices)}"
         wrong_type = not isinstance(value, self.types) or isinstance(value, bool) and bool not in self.types
         if self.types and wrong_type:
@@ -141,7 +144,8 @@ class ParamObject:
     def flag_argv(self, **as_flags: Any) -> list[str]:
         """`[flag, str(value)]` for every parameter that has a flag, in field order; `as_flags` gives some
         parameters' values as their flags take them (a resolved path, a derived count). A None value leaves its
-        flag out, a dict value gives one `flag + key` per entry."""
+        flag out, a dict value gives one `flag + key` per entry; True gives the bare flag (a switch) and False
+        leaves it out, a list or tuple gives the flag then each item."""
         spec = self.spec()
         unknown = set(as_flags) - set(spec)
         if unknown:
@@ -152,5 +156,10 @@ class ParamObject:
             if p.flag is None or value is None:
                 continue
             for key, item in value.items() if isinstance(value, dict) else [("", value)]:
-                argv += [p.flag + key, str(item)]
+                if isinstance(item, bool):
+                    argv += [p.flag + key] if item else []
+                elif isinstance(item, (list, tuple)):
+                    argv += [p.flag + key, *map(str, item)]
+                else:
+                    argv += [p.flag + key, str(item)]
         return argv

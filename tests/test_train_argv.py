@@ -5,16 +5,17 @@ No Ray, no kernel: the fork's own parser (upstream's plus the fork's flags) pars
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import pytest
 
 from openrlhf_tis.cli import train_ppo_ray
-from openrlhf_tis.correction.config import FLAG_PREFIX
+from openrlhf_tis.correction.config import FLAG_PREFIX, CorrectionConfig
 from openrlhf_tis.cpu_features import default_train_dtype
 from openrlhf_tis.params import ParameterError
-from openrlhf_tis.pipeline.train_params import CORRECTION_FIELDS, DEMO_REWARD, TrainParams
+from openrlhf_tis.pipeline.train_params import DEMO_REWARD, TrainParams
 
 MODEL, PROMPTS, RUN = Path("/m/model"), Path("/r/run.prompts.jsonl"), Path("/r/run")
 SPEC = TrainParams.spec()
@@ -152,7 +153,35 @@ def test_every_parameter_reaches_its_flag_through_the_real_parser(name, parser):
 
 def test_every_correction_field_is_a_flag_of_the_parser(parser):
     options = {option for a in parser._actions for option in a.option_strings}
-    assert CORRECTION_FIELDS and all(FLAG_PREFIX + field in options for field in CORRECTION_FIELDS)
+    fields = [f.name for f in dataclasses.fields(CorrectionConfig)]
+    assert fields and all(FLAG_PREFIX + field in options for field in fields)
+
+
+def test_correction_options_of_every_kind_reach_the_parser_as_given(parser):
+    """A switch, a list and a number in correction_options become the flags the CLI parses back to the same values."""
+    options = {"batch_normalize": True, "compile": False, "rejection": ["k3:mean:0.05", "ratio:mean:0.9:1.1"],
+               "upper": 3, "denominator": "kept"}
+    args = vars(parser.parse_args(_argv({"correction_options": options})))
+    assert args["algo.correction.batch_normalize"] is True
+    assert args["algo.correction.compile"] is None  # a switch left off: as the preset says
+    assert args["algo.correction.rejection"] == options["rejection"] and args["algo.correction.upper"] == 3.0
+    assert args["algo.correction.denominator"] == "kept"
+
+
+@pytest.mark.parametrize(("values", "flag", "bad"), [
+    ({"int8_weight_bits": "3", "rollout_precision": "int8"}, "--vllm.int8_weight_bits", "3"),
+    ({"rollout_precision": "int4"}, "--vllm.rollout_precision", "int4"),
+    ({"correction_options": {"mode": "cap"}}, "--algo.correction.mode", "cap"),
+])
+def test_a_notebook_value_is_refused_in_the_clis_own_words(parser, capsys, values, flag, bad):
+    """The notebook's refusal and argparse's come from one declaration: the same sentence, before any command."""
+    with pytest.raises(ParameterError) as notebook:
+        TrainParams.checked(values)
+    given = [flag, bad, *(["--vllm.rollout_precision", "int8"] if flag == "--vllm.int8_weight_bits" else [])]
+    with pytest.raises(SystemExit):
+        parser.parse_args(given)
+    cli = capsys.readouterr().err.strip().splitlines()[-1]  # "...: error: argument FLAG: invalid choice: ..."
+    assert cli.split(": error: argument ", 1)[1] in str(notebook.value)
 
 
 def test_an_unknown_correction_option_is_refused_naming_it():

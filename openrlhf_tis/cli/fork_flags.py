@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import types
+import typing
+from typing import Any
 
 from openrlhf_tis.cli.cluster_device import DEVICE_FLAG, DEVICES
+from openrlhf_tis.correction.config import FLAG_PREFIX
+from openrlhf_tis.params import Check, param
 from openrlhf_tis.patches._guard import PatchTargetMissingError, require_version
 from openrlhf_tis.rollout.precision import (
     ACTIVATIONS_FLAG,
@@ -41,7 +46,10 @@ def allow_fp32_training(parser: argparse.ArgumentParser) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ForkFlag:
-    """One plain flag of the fork: a switch when `switch`, else a value of `type` (one of `choices` if given)."""
+    """One plain flag of the fork: a switch when `switch`, else a value of `type` (one of `choices` if given).
+
+    The one declaration of the flag: the CLI's argument (`add_to`) and a notebook parameter that becomes it (`param`)
+    both take their type and choices from here."""
 
     name: str
     help: str
@@ -56,6 +64,13 @@ class ForkFlag:
         else:
             parser.add_argument(self.name, type=self.type, default=self.default, help=self.help,
                                 choices=None if self.choices is None else list(self.choices))
+
+    def param(self, help: str, default: Any = None, check: Check | None = None) -> Any:
+        """A notebook parameter (params.param) that becomes this flag, of the flag's type and choices, so a notebook
+        or sweep value is refused as the CLI refuses it (params.Param.problem), before a command line is built.
+        `default`: the notebook's (None: the flag's); `check`: what the CLI checks later, said earlier."""
+        return param(self.default if default is None else default, help, (bool,) if self.switch else (self.type,),
+                     self.choices, check=check, flag=self.name)
 
 
 FORK_FLAGS: tuple[ForkFlag, ...] = (
@@ -127,6 +142,9 @@ FORK_FLAGS: tuple[ForkFlag, ...] = (
 )
 
 
+FLAGS: dict[str, ForkFlag] = {flag.name: flag for flag in FORK_FLAGS}
+
+
 def add_fork_arguments(parser: argparse.ArgumentParser) -> None:
     """Every flag the fork adds: fp32 training, the plain flags of FORK_FLAGS, the correction's generated flags."""
     allow_fp32_training(parser)
@@ -144,7 +162,7 @@ def add_correction_arguments(parser: argparse.ArgumentParser) -> None:
     `resolve_correction` resolves preset + overrides (or upstream's --algo.advantage.is_correction_* flags)
     into the run spec's CorrectionConfig.
     """
-    from openrlhf_tis.correction.config import FLAG_PREFIX, PRESETS, CorrectionConfig
+    from openrlhf_tis.correction.config import PRESETS, CorrectionConfig
 
     parser.add_argument(
         FLAG_PREFIX + "preset", type=str, default=None, choices=sorted(PRESETS),
@@ -155,14 +173,44 @@ def add_correction_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _flag_kind(f: dataclasses.Field) -> dict:
-    """argparse arguments for a CorrectionConfig field's type (its annotation, a string here)."""
-    annotation = str(f.type)
-    if annotation == "bool":
+    """argparse arguments for a CorrectionConfig field, from its resolved type (`typing.get_type_hints`, never the
+    annotation's text): bool a switch, a tuple one or more strings, int or float (optional or not) a number, str one
+    of its declared choices."""
+    from openrlhf_tis.correction.config import CorrectionConfig
+
+    kind = typing.get_type_hints(CorrectionConfig)[f.name]
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    base = args[0] if typing.get_origin(kind) in (types.UnionType, typing.Union) and len(args) == 1 else kind
+    if base is bool:
         return {"action": "store_true"}
-    if annotation.startswith("tuple["):
+    if typing.get_origin(base) is tuple:
         return {"type": str, "nargs": "+"}
-    if annotation in ("float", "float | None"):
-        return {"type": float}
-    if annotation == "str":
+    if base in (int, float):
+        return {"type": base}
+    if base is str:
         return {"type": str, "choices": f.metadata["choices"]}
-    raise TypeError(f"CorrectionConfig.{f.name}: no command-line flag for a field of type {annotation}")
+    raise TypeError(f"CorrectionConfig.{f.name}: no command-line flag for a field of type {kind}")
+
+
+def correction_option_problem(name: str, value: Any) -> str | None:
+    """Why `value` cannot be `--algo.correction.<name>` (a notebook's correction_options entry), in the CLI's terms;
+    None when it can. Judged by the same declaration the flag is generated from (`_flag_kind`)."""
+    from openrlhf_tis.correction.config import CorrectionConfig
+
+    fields = {f.name: f for f in dataclasses.fields(CorrectionConfig)}
+    if name not in fields:
+        return f"{name!r} is not a CorrectionConfig field; known: {', '.join(fields)}"
+    kind, flag = _flag_kind(fields[name]), FLAG_PREFIX + name
+    if kind.get("action") == "store_true":
+        return None if isinstance(value, bool) else f"{flag} is a switch: give True or False, got {value!r}"
+    if kind.get("nargs") == "+":
+        ok = isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value)
+        return None if ok else f"{flag} takes one or more strings (a list), got {value!r}"
+    number = kind["type"] in (int, float) and not isinstance(value, bool)
+    if number and (isinstance(value, kind["type"]) or kind["type"] is float and isinstance(value, int)):
+        return None
+    if kind["type"] is str and isinstance(value, str):
+        choices = kind["choices"]
+        return None if choices is None or value in choices else \
+            f"{flag}: invalid choice: {value!r} (choose from {', '.join(map(repr, choices))})"
+    return f"{flag} takes a {kind['type'].__name__}, got {value!r}"

@@ -9,23 +9,23 @@ extra_args are flags already, refresh_seconds paces the live curves.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from openrlhf_tis.correction.config import FLAG_PREFIX, PRESETS, CorrectionConfig
+from openrlhf_tis.cli.fork_flags import FLAGS, correction_option_problem
+from openrlhf_tis.correction.config import FLAG_PREFIX, PRESETS
 from openrlhf_tis.cpu_features import default_train_dtype
 from openrlhf_tis.params import ParamObject, param, positive
 from openrlhf_tis.pipeline.heldout import KEPT_MODEL_DIR
-from openrlhf_tis.rollout.precision import PRECISIONS
+from openrlhf_tis.rollout.precision import PRECISION_FLAG, WEIGHT_BITS_FLAG
 from openrlhf_tis.runs.heldout import HeldoutSettings
+from openrlhf_tis.trainer.sync_cadence import SYNC_EVERY_FLAG
 
 DEMO_REWARD = Path(str(resources.files("openrlhf_tis") / "demo" / "dense_reward.py"))
 EVAL_TEMPERATURE = 1.0  # held-out samples are drawn as in training, so pass1 is the training reward's held-out twin
-CORRECTION_FIELDS = tuple(f.name for f in dataclasses.fields(CorrectionConfig))  # one --algo.correction.<field> each
 
 
 def _existing_file_or_empty(value: str) -> str | None:
@@ -43,8 +43,8 @@ def _str_list(value: list) -> str | None:
 
 
 def _options(value: dict) -> str | None:
-    unknown = [k for k in value if k not in CORRECTION_FIELDS]
-    return f"{unknown[0]!r} is not a CorrectionConfig field; known: {', '.join(CORRECTION_FIELDS)}" if unknown else None
+    """The first entry the CLI would refuse as `--algo.correction.<name> <value>`, said as it would."""
+    return next((why for name, item in value.items() if (why := correction_option_problem(name, item))), None)
 
 
 def _not_negative(value: int) -> str | None:
@@ -81,13 +81,10 @@ class TrainParams(ParamObject):
                             "rollout engine", (bool,))
     eval_every: int = param(0, "score the held-out set every N steps (0: before the first step and after the last)",
                             (int,), check=_not_negative, flag="--eval.steps")
-    rollout_precision: str = param("bf16", "vLLM rollout precision", (str,), PRECISIONS,
-                                   flag="--vllm.rollout_precision")
-    int8_weight_bits: str = param("auto", "int8 rollouts' weight grid (--vllm.int8_weight_bits): auto (8 bits, 7 where "
-                                  "the CPU's int8 GEMM saturates 8-bit weights) or a bit count; only with "
-                                  "rollout_precision int8", (str,),
-                                  check=lambda v: None if v == "auto" or v.isdigit() else
-                                  "must be 'auto' or a bit count such as '6'", flag="--vllm.int8_weight_bits")
+    rollout_precision: str = FLAGS[PRECISION_FLAG].param("vLLM rollout precision")
+    int8_weight_bits: str = FLAGS[WEIGHT_BITS_FLAG].param(
+        "int8 rollouts' weight grid (--vllm.int8_weight_bits): auto (8 bits, 7 where the CPU's int8 GEMM saturates "
+        "8-bit weights) or a bit count; only with rollout_precision int8")
     train_dtype: str = param("auto", "trainer precision (--ds.param_dtype); auto: bf16 on CUDA or CPUs with native "
                              "bf16, fp32 where the CPU emulates bf16", (str,), ("auto", "bf16", "fp32"),
                              flag="--ds.param_dtype")
@@ -103,11 +100,11 @@ class TrainParams(ParamObject):
     async_queue: int = param(0, "async training: rollout batches the generator may run ahead of the trainer "
                              "(--train.async_enable --train.async_queue_size N); 0 trains synchronously", (int,),
                              check=_not_negative, flag="--train.async_queue_size")
-    sync_every: int = param(1, "send the weights to the engines after every Nth step only: step s+1's samples are "
-                            "s mod N versions behind (a fixed staleness dose; 1: every step)", (int,), check=positive,
-                            flag="--vllm.sync_every")
-    token_dump_every: int = param(1, "dump per-token records every N steps (0: never)", (int,), check=_not_negative,
-                                  flag="--logger.token_dump_steps")
+    sync_every: int = FLAGS[SYNC_EVERY_FLAG].param(
+        "send the weights to the engines after every Nth step only: step s+1's samples are s mod N versions behind "
+        "(a fixed staleness dose; 1: every step)", check=positive)
+    token_dump_every: int = FLAGS["--logger.token_dump_steps"].param("dump per-token records every N steps (0: never)",
+                                                                     default=1, check=_not_negative)
     run_dir: str = param("runs/notebook", "the run directory (created; a finished one is refused by the CLI)", (str,),
                          check=lambda v: None if v else "must not be empty", flag="--logger.run_dir")
     extra_args: list = param([], "more training CLI flags, e.g. ['--vllm.fp32_lm_head']; they win over the above",
