@@ -1,15 +1,16 @@
 """Notebook parameters as one typed object, checked the same way in a notebook, a sweep grid and a console command.
 
-A papermill parameter with a typo is only a warning to papermill and a silently unused variable to the
-notebook; a bad value surfaces minutes later inside Ray. Each notebook therefore declares its parameters as a
-frozen dataclass of `ParamObject` beside the code it drives (pipeline/train_params.py's TrainParams,
-viz/explorer.py's ExplorerParams, ...), each field made with `param`: its default, help, accepted types and
-values, and the command-line flag it becomes, as correction/config.py's CorrectionConfig fields carry their
-flags. A parameter that becomes one of the fork's flags is made from that flag's declaration (cli/fork_flags.py
-`ForkFlag.param`), so its type and choices are the CLI's and a bad value is refused in the CLI's words. The notebook's second cell imports the class and calls `Class.from_notebook(globals(), NAME)`, which fails
-in that cell with the list of accepted names (and their help) for an unknown name or a bad value; the sweep checks
-every cell of a grid with `Class.checked` before any cell runs. A bottom-layer module (it imports nothing of the
-package), so every layer declares its notebook's parameters here without reaching up to pipeline/.
+A papermill parameter with a typo is only a warning to papermill and a silently unused variable to the notebook; a
+bad value surfaces minutes later inside Ray. Each notebook therefore declares its parameters as a frozen dataclass
+of `ParamObject` beside the code it drives (pipeline/train_params.py's TrainParams, viz/explorer.py's
+ExplorerParams, ...), each field made with `param`: its default, help, accepted types and values, and the command-
+line flag it becomes, as correction/config.py's CorrectionConfig fields carry their flags. A parameter that becomes
+one of the fork's flags is made from that flag's declaration (cli/fork_flags.py `ForkFlag.param`), so its type and
+choices are the CLI's and a bad value is refused in the CLI's words. The notebook's second cell imports the class
+and calls `Class.from_notebook(globals(), NAME)`, which fails in that cell with the list of accepted names (and
+their help) for an unknown name or a bad value; the sweep checks every cell of a grid with `Class.checked` before
+any cell runs. A bottom-layer module (it imports nothing of the package), so every layer declares its notebook's
+parameters here without reaching up to pipeline/.
 """
 
 from __future__ import annotations
