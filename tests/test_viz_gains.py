@@ -86,6 +86,8 @@ def test_dose_levels_from_the_resolved_flags():
     assert dose_of({"vllm.rollout_precision": "int8", "vllm.int8_weight_bits": "4"}) == "w4a8"
     assert dose_of({"vllm.rollout_precision": "int8", "vllm.int8_weight_bits": "6", "train.async_enable": True,
                     "train.async_queue_size": 2}) == "w6a8+q2"
+    assert dose_of({"vllm.rollout_precision": "bf16", "vllm.sync_every": 8}) == "none+s8"  # the staleness axis
+    assert dose_of({"vllm.rollout_precision": "int8", "vllm.int8_weight_bits": "auto", "vllm.sync_every": 1}) == "int8"
     assert dose_of({}) == "?"
 
 

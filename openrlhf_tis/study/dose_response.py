@@ -149,7 +149,8 @@ def estimate_seconds(grid: dict) -> float:
 
 
 def seed_table(result: SweepResult) -> pd.DataFrame:
-    """Mean over seeds of each (precision, weight grid, correction): the final-table columns."""
+    """Mean over seeds of each (precision, weight grid, correction; and sync cadence where the cells vary it, the
+    staleness axis): the final-table columns."""
     rows = []
     for cell in result.results:
         if cell.status == "failed":
@@ -157,10 +158,13 @@ def seed_table(result: SweepResult) -> pd.DataFrame:
         row = final_table({cell.cell.name: load_metrics(cell.run_dir)}).iloc[0]
         params = TrainParams(**cell.cell.params)
         rows.append({"precision": params.rollout_precision, "weights": params.int8_weight_bits,
-                     "correction": params.correction, **{k: row[k] for k in TABLE_COLUMNS}})
+                     "sync every": params.sync_every, "correction": params.correction,
+                     **{k: row[k] for k in TABLE_COLUMNS}})
     if not rows:
         return pd.DataFrame()
-    grouped = pd.DataFrame(rows).groupby(["precision", "weights", "correction"], sort=False)
+    frame = pd.DataFrame(rows)
+    keys = ["precision", "weights", *(["sync every"] if frame["sync every"].nunique() > 1 else []), "correction"]
+    grouped = frame.groupby(keys, sort=False)
     table = grouped[list(TABLE_COLUMNS)].mean().rename(columns=TABLE_COLUMNS)
     table.insert(0, "seeds", grouped.size())
     return table

@@ -158,14 +158,17 @@ def _seed_of(config: Mapping[str, Any], label: str) -> int | None:
 def dose_of(config: Mapping[str, Any]) -> str:
     """The rollout precision as a dose level (study/dose_response.py's names): `none` when the engine computes in the
     trainer's dtype, `int8` for the weight grid the CPU computes exactly (`auto`: 8 bits, 7 without VNNI),
-    `w<N>a8` for an explicit grid, else the precision itself; `+q<N>` for async training with a queue of N (stale
-    rollouts add to the mismatch); `?` for a run without a config."""
+    `w<N>a8` for an explicit grid, else the precision itself; `+q<N>` for async training with a queue of N, `+s<K>`
+    for weights synced after every K-th step only (stale rollouts add to the mismatch: the staleness axis); `?` for
+    a run without a config."""
     if dest(PRECISION_FLAG) not in config:
         return "?"
     precision, bits = rollout_option(config, PRECISION_FLAG), str(rollout_option(config, WEIGHT_BITS_FLAG))
     dose = "none" if precision == config.get("ds.param_dtype", "bf16") else \
         f"w{bits}a8" if precision == "int8" and bits != "auto" else str(precision)
-    return dose + (f"+q{config.get('train.async_queue_size')}" if config.get("train.async_enable") else "")
+    every = int(config.get("vllm.sync_every") or 1)
+    return dose + (f"+q{config.get('train.async_queue_size')}" if config.get("train.async_enable") else "") + \
+        (f"+s{every}" if every > 1 else "")
 
 
 def _flags_name(diff: pd.DataFrame, label: str) -> str:

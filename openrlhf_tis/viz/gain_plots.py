@@ -13,10 +13,10 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 
-def _yerr(table: pd.DataFrame, low: str = "t_low", high: str = "t_high") -> np.ndarray:
-    """Asymmetric error bars from interval columns (0 where undefined: one seed)."""
-    below = (table["gain"] - table[low]).to_numpy(dtype=float)
-    above = (table[high] - table["gain"]).to_numpy(dtype=float)
+def _yerr(table: pd.DataFrame, low: str = "t_low", high: str = "t_high", value: str = "gain") -> np.ndarray:
+    """Asymmetric error bars around `value` from interval columns (0 where undefined: one seed)."""
+    below = (table[value] - table[low]).to_numpy(dtype=float)
+    above = (table[high] - table[value]).to_numpy(dtype=float)
     return np.nan_to_num(np.vstack([below, above]), nan=0.0)
 
 
@@ -85,6 +85,49 @@ def plot_dose_response(points: pd.DataFrame, source: str, reference: str | None 
     ax.set_ylabel(f"held-out gain ({source})")
     ax.set_title("When does correction pay? Gain against mismatch, 95% t-intervals over seeds\n"
                  "filled marker: interval excludes 0", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+AXIS_MARKERS = ("o", "s", "^", "D")
+
+
+def plot_axes(points: dict[str, pd.DataFrame], source: str) -> Figure:
+    """Both axes of mismatch on one figure: each setting's gain relative to its own study's reference (y, 95%
+    t-interval over paired seeds) against its measured mean k3 KL(μ‖π_old) (x, log), one marker shape per axis (the
+    key of `points`: e.g. precision, staleness), one colour per correction, a line through each axis's doses of one
+    correction. Relative to the reference because the studies train at their own learning rates: the question is
+    whether the same k3 costs the same share of what on-policy training learns, whatever its source. Filled marker:
+    the paired interval excludes 0. `points`: viz.gains.dose_response tables."""
+    fig = Figure(figsize=(9.5, 5.0))
+    ax = fig.subplots()
+    needed = ("k3_mean", "difference_vs_ref", "t_low_vs_ref", "t_high_vs_ref", "shown_vs_ref")
+    usable = {axis: t[np.isfinite(t["k3_mean"]) & (t["k3_mean"] > 0) & np.isfinite(t["difference_vs_ref"])]
+              for axis, t in points.items() if len(t) and all(c in t for c in needed)}
+    usable = {axis: t for axis, t in usable.items() if len(t)}
+    if not usable:
+        ax.text(0.5, 0.5, "no setting with a k3 KL and a gain paired to its reference", ha="center", va="center",
+                transform=ax.transAxes)
+        return fig
+    palette = matplotlib.colormaps["tab10"]
+    corrections = list(dict.fromkeys(c for t in usable.values() for c in t["correction"]))
+    for a, (axis, table) in enumerate(usable.items()):
+        marker = AXIS_MARKERS[a % len(AXIS_MARKERS)]
+        for correction, group in table.sort_values("k3_mean").groupby("correction", sort=False):
+            colour = palette(corrections.index(correction) % palette.N)
+            ax.errorbar(group["k3_mean"], group["difference_vs_ref"],
+                        yerr=_yerr(group, "t_low_vs_ref", "t_high_vs_ref", "difference_vs_ref"),
+                        color=colour, capsize=3, marker=marker, markerfacecolor="none",
+                        linestyle="-" if a == 0 else "--", label=f"{axis}: {correction}")
+            solid = group[group["shown_vs_ref"].eq(True)]
+            ax.plot(solid["k3_mean"], solid["difference_vs_ref"], marker, color=colour)
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("measured mismatch: mean k3 KL(μ ‖ π_old) over the run's steps")
+    ax.set_ylabel(f"gain − its study's reference gain ({source})")
+    ax.set_title("Does the same k3 cost the same from precision and from staleness, and does correction pay?\n"
+                 "95% paired t-intervals over seeds; filled marker: interval excludes 0", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     return fig
