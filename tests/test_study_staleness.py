@@ -1,0 +1,54 @@
+"""The staleness study's command (study/staleness.py): its grid, and what it refuses before any cell runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from openrlhf_tis.cpu_features import default_train_dtype
+from openrlhf_tis.pipeline.sweep import STATUS_FILE, load_grid
+from openrlhf_tis.study import staleness
+
+
+def _dry_run(out: Path, *extra: str) -> list:
+    staleness.main(["--out", str(out), "--model", "tiny", "--dry_run", *extra])
+    return load_grid(out / "study_grid.json")
+
+
+def test_the_grid_is_seed_major_with_its_own_reference_and_the_combined_cells(tmp_path):
+    cells = _dry_run(tmp_path / "s", "--every", "3", "6", "--seeds", "5", "7")
+    per_seed = 1 + 2 * len(staleness.CORRECTIONS) + len(staleness.COMBINED)
+    assert len(cells) == 2 * per_seed
+    first = [(c.params["sync_every"], c.params["rollout_precision"], c.params["correction"]) for c in cells[:per_seed]]
+    assert first == [(1, "bf16", "off"), *((3, "bf16", c) for c in staleness.CORRECTIONS),
+                     *((6, "bf16", c) for c in staleness.CORRECTIONS), *((6, "int8", c) for c in staleness.COMBINED)]
+    assert {c.params["seed"] for c in cells[:per_seed]} == {5} and {c.params["seed"] for c in cells[per_seed:]} == {7}
+    assert {(c.params["lr"], c.params["steps"]) for c in cells} == {(staleness.LR, staleness.STEPS)}
+
+
+@pytest.mark.parametrize(("extra", "fault"), [
+    (["--every", "1", "8"], "--every: cadences must be 2 or more"),
+    (["--every", "0"], "--every: cadences must be 2 or more"),
+    (["--every", "8", "8"], "--every: each cadence once"),
+    (["--seeds", "1", "1"], "--seeds: each seed once"),
+])
+def test_a_cadence_or_seed_that_cannot_be_honoured_is_refused_before_any_cell(tmp_path, capsys, extra, fault):
+    with pytest.raises(SystemExit) as done:
+        _dry_run(tmp_path / "s", *extra)
+    assert done.value.code == 2 and fault in capsys.readouterr().err
+    assert not (tmp_path / "s" / "study_grid.json").exists()
+
+
+def test_a_folder_of_another_cpu_profile_is_refused_naming_it(tmp_path, capsys):
+    out = tmp_path / "s"
+    other = "fp32" if default_train_dtype() == "bf16" else "bf16"
+    cell = out / "cells" / "x"
+    cell.mkdir(parents=True)
+    (cell / STATUS_FILE).write_text(json.dumps({"cell": "x", "status": "complete",
+                                                "params": {"model": "tiny", "train_dtype": other}}))
+    with pytest.raises(SystemExit):
+        _dry_run(out)
+    err = capsys.readouterr().err
+    assert f"--out {out}: its cells trained in {other} (another CPU profile)" in err
