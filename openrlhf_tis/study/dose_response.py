@@ -280,10 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--async_queues must be >= 0, got {args.async_queues}")
     out = Path(args.out).expanduser().resolve()
     if args.report:
-        result = recorded_cells(out)
-        if not result.results:
-            parser.error(f"--report: no finished cell under {out / 'cells'}")
-        write_outputs(write_report(result, out, report_title(out)), out)
+        rebuild_report(parser, out, report_title(out))
         return
     check_model_option(parser, args.model)
     try:
@@ -317,6 +314,15 @@ def main(argv: list[str] | None = None) -> None:
 
 def report_title(out: Path) -> str:
     return f"Dose-response study {out.name}"
+
+
+def rebuild_report(parser: argparse.ArgumentParser, out: Path, title: str) -> None:
+    """`--report`: the report, the tables and the cost rebuilt from the cells recorded under `out`, nothing run;
+    refused by `parser` where no cell finished there."""
+    result = recorded_cells(out)
+    if not result.results:
+        parser.error(f"--report: no finished cell under {out / 'cells'}")
+    write_outputs(write_report(result, out, title), out)
 
 
 def write_outputs(result: SweepResult, out: Path) -> None:

@@ -24,13 +24,14 @@ from pathlib import Path
 
 from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.main_job import check_model_option
-from openrlhf_tis.pipeline.sweep import load_grid, recorded_cells, run_command, write_report
+from openrlhf_tis.pipeline.sweep import load_grid, run_command
 from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.study.dose_response import (
     cell_count,
     check_profile,
     dose_params,
     estimate_seconds,
+    rebuild_report,
     study_grid,
     write_outputs,
 )
@@ -90,10 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out = Path(args.out).expanduser().resolve()
     if args.report:
-        result = recorded_cells(out)
-        if not result.results:
-            parser.error(f"--report: no finished cell under {out / 'cells'}")
-        write_outputs(write_report(result, out, report_title(out)), out)
+        rebuild_report(parser, out, report_title(out))
         return
     check_model_option(parser, args.model)
     if len(set(args.seeds)) < len(args.seeds):

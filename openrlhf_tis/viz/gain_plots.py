@@ -80,11 +80,17 @@ def plot_dose_response(points: pd.DataFrame, source: str, reference: str | None 
         if np.isfinite(ref["t_low"]):
             ax.axhspan(ref["t_low"], ref["t_high"], color="black", alpha=0.07)
     ax.axhline(0.0, color="grey", linewidth=0.6)
+    return _against_k3(fig, f"held-out gain ({source})", "When does correction pay? Gain against mismatch, 95% "
+                       "t-intervals over seeds\nfilled marker: interval excludes 0")
+
+
+def _against_k3(fig: Figure, ylabel: str, title: str) -> Figure:
+    """A gain figure's shared frame: measured k3 on a log x axis, the legend outside on the right."""
+    ax = fig.axes[0]
     ax.set_xscale("log")
     ax.set_xlabel("measured mismatch: mean k3 KL(μ ‖ π_old) over the run's steps")
-    ax.set_ylabel(f"held-out gain ({source})")
-    ax.set_title("When does correction pay? Gain against mismatch, 95% t-intervals over seeds\n"
-                 "filled marker: interval excludes 0", fontsize=10)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     return fig
@@ -123,11 +129,6 @@ def plot_axes(points: dict[str, pd.DataFrame], source: str) -> Figure:
             solid = group[group["shown_vs_ref"].eq(True)]
             ax.plot(solid["k3_mean"], solid["difference_vs_ref"], marker, color=colour)
     ax.axhline(0.0, color="black", linewidth=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("measured mismatch: mean k3 KL(μ ‖ π_old) over the run's steps")
-    ax.set_ylabel(f"gain − its study's reference gain ({source})")
-    ax.set_title("Does the same k3 cost the same from precision and from staleness, and does correction pay?\n"
-                 "95% paired t-intervals over seeds; filled marker: interval excludes 0", fontsize=10)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    fig.tight_layout()
-    return fig
+    return _against_k3(fig, f"gain − its study's reference gain ({source})", "Does the same k3 cost the same from "
+                       "precision and from staleness, and does correction pay?\n95% paired t-intervals over seeds; "
+                       "filled marker: interval excludes 0")
