@@ -14,8 +14,16 @@ import json
 import pytest
 from run_spec_cases import CASES, PIN, resolve_cases
 
-from openrlhf_tis.correction import CorrectionConfig, preset
-from openrlhf_tis.runs.config import RESUME_IGNORED, fingerprint, resolve_config
+from openrlhf_tis.correction import preset
+from openrlhf_tis.runs.config import (
+    LEGACY_CORRECTION_KEY,
+    RESUME_IGNORED,
+    RunConfigMismatch,
+    check_resume,
+    fingerprint,
+    read_run_config,
+    resolve_config,
+)
 from openrlhf_tis.spec import SPEC_DEST, ClusterPlan, DumpPlan, RolloutPlan, RunSpec, SyncPlan, run_spec
 
 OLD_ONLY = ("algo.correction.resolved", "cluster.device", "cluster.resources")  # moved into the spec
@@ -38,8 +46,7 @@ def test_upstream_receives_what_it_did_before_the_spec(resolved, name):
     upstream_sees = {k: v for k, v in new.items() if not k.startswith(SPEC_DEST + ".") and k != STARTED}
     assert upstream_sees.pop("cluster.device") == "auto"  # the flag keeps what was asked; the decision is the spec's
     assert upstream_sees == {k: v for k, v in old.items() if k not in (*OLD_ONLY, STARTED)}
-    correction = CorrectionConfig.from_json(old["algo.correction.resolved"])
-    assert _spec_part(new, "correction") == json.loads(json.dumps(dataclasses.asdict(correction)))
+    assert _spec_part(new, "correction") == json.loads(old["algo.correction.resolved"])  # as the config records it
     assert _spec_part(new, "cluster")["device"] == old["cluster.device"]
     assert _spec_part(new, "cluster")["resources"] == old["cluster.resources"]
 
@@ -56,6 +63,18 @@ def test_the_spec_holds_each_decision(resolved):
     fp8 = _spec_part(resolved["cuda_fp8_seq_tis"], "rollout")
     assert (fp8["precision"], fp8["fp8_block"], fp8["weight_bits"]) == ("fp8", [128, 128], None)
     assert _spec_part(resolved["cuda_fp8_seq_tis"], "cluster")["cpu_defaults"] == []
+
+
+@pytest.mark.parametrize("name", ["cpu_int8_icepop_overrides", "cpu_upstream_seq_flags"])
+def test_a_run_recorded_before_the_spec_resumes_and_a_changed_correction_is_still_refused(resolved, name, tmp_path):
+    old, new = json.loads(PIN.read_text())[name], resolved[name]
+    check_resume(tmp_path, old, origin={})  # config.json as the version before the spec wrote it
+    assert LEGACY_CORRECTION_KEY in read_run_config(tmp_path)["config"]
+    changed = dict(new, **{"fork.spec.correction.upper": 9.0})
+    with pytest.raises(RunConfigMismatch, match=r"1 field\(s\) differ:\n  fork\.spec\.correction\.upper"):
+        check_resume(tmp_path, changed, origin={})  # the legacy record's correction is still compared
+    check_resume(tmp_path, new, origin={})  # the same run resumed by this version: accepted
+    assert read_run_config(tmp_path)["resumes"][-1]["changed"] == {}
 
 
 def test_resolving_changes_nothing_and_applying_is_the_one_writer(monkeypatch):

@@ -35,6 +35,8 @@ RUN_ID_KEY = "run_id"
 PLANNED_STEPS_KEY = "planned_steps"
 SPEC_KEY = "fork.spec"
 """The run spec's place among the flags (openrlhf_tis/spec): recorded field by field as `fork.spec.<part>.<field>`."""
+LEGACY_CORRECTION_KEY = "algo.correction.resolved"
+"""Where a record written before the run spec kept the resolved correction: its `to_dict` as one JSON string."""
 
 # Dotted config keys (fnmatch patterns) that do not change what is trained: outputs, logging,
 # checkpoint cadence, process placement hints and the run store itself.
@@ -94,8 +96,9 @@ def resolve_config(config: Any) -> dict[str, Any]:
     flat: dict[str, Any] = {}
 
     def walk(prefix: str, node: Any) -> None:
-        if dataclasses.is_dataclass(node) and not isinstance(node, type):
-            node = {f.name: getattr(node, f.name) for f in dataclasses.fields(node)}
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):  # as it records itself, if it says how
+            node = node.to_dict() if callable(getattr(node, "to_dict", None)) else \
+                {f.name: getattr(node, f.name) for f in dataclasses.fields(node)}
         elif hasattr(node, "__dict__") and not isinstance(node, type) and type(node).__module__ in (
             "argparse", "types"
         ):
@@ -225,6 +228,21 @@ def diff_configs(old: Mapping[str, Any], new: Mapping[str, Any], ignore: Iterabl
     return {k: [old.get(k), new.get(k)] for k in keys if not _ignored(k, ignore) and old.get(k) != new.get(k)}
 
 
+def comparable(stored: Mapping[str, Any], now: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The stored and the current config in the same keys, so a run recorded before the run spec resumes under a
+    version that records one: its correction (a JSON string at LEGACY_CORRECTION_KEY) is compared as
+    `fork.spec.correction.*`, and the spec's other parts, which it never recorded, follow from flags both records
+    hold (or from where the run computes, which a resume may change)."""
+    if LEGACY_CORRECTION_KEY not in stored or any(k.startswith(SPEC_KEY + ".") for k in stored):
+        return dict(stored), dict(now)
+    old = {k: v for k, v in stored.items() if k != LEGACY_CORRECTION_KEY}
+    legacy = stored[LEGACY_CORRECTION_KEY]
+    if legacy:
+        old.update(resolve_config({f"{SPEC_KEY}.correction": json.loads(legacy)}))
+    correction = f"{SPEC_KEY}.correction."
+    return old, {k: v for k, v in now.items() if not k.startswith(SPEC_KEY + ".") or k.startswith(correction)}
+
+
 def check_resume(
     run_dir: str | os.PathLike,
     config: Any,
@@ -261,7 +279,7 @@ def check_resume(
         atomic_write(run_dir / CONFIG_FILE, _dump(record))
         return record
 
-    changed = diff_configs(stored.get("config", {}), resolved, ignore)
+    changed = diff_configs(*comparable(stored.get("config", {}), resolved), ignore)
     if changed and not override:
         shown = "\n".join(f"  {k}: {old!r} (stored) -> {new!r} (now)" for k, (old, new) in list(changed.items())[:20])
         more = f"\n  ... and {len(changed) - 20} more" if len(changed) > 20 else ""
