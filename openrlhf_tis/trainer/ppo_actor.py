@@ -38,7 +38,6 @@ from openrlhf_tis.correction import compute_correction, kept_weight_totals
 from openrlhf_tis.metric_names import TOKEN_DUMP_SECONDS, TOKEN_DUMP_TOKENS
 from openrlhf_tis.patches._guard import PatchTargetMissingError, reclass
 from openrlhf_tis.ray_classes import ray_actor_class
-from openrlhf_tis.run_device import is_cuda_run
 from openrlhf_tis.runs.identity import write_checkpoint_identity
 from openrlhf_tis.runs.tokens import TokenDumpWriter
 from openrlhf_tis.spec import run_spec
@@ -203,7 +202,7 @@ class CorrectionActorPPOTrainer(ActorPPOTrainer):
             totals = kept_weight_totals(out.weights, out.mask, cfg.level).double()
         allreduce = self.actor_loss_fn.allreduce
         if allreduce is not None:
-            device = torch.cuda.current_device() if is_cuda_run() else "cpu"
+            device = torch.cuda.current_device() if run_spec(self.args).cluster.device == "cuda" else "cpu"
             totals = allreduce(totals.to(device)).cpu()
         total, count = totals.tolist()
         return torch.tensor(total / count) if count > 0 and total > 0 else None
