@@ -288,8 +288,10 @@ def ray_head(options: list[str], env: dict[str, str], log: Path, ready: Callable
             if head.poll() is None:
                 yield f"127.0.0.1:{port}"
                 return
-            # the raylet late, or a process that waits for it (ray_client_server: its own fixed 30 s) given up
-            late = any(sign in log.read_text() for sign in ("timed out during startup", "exited unexpectedly"))
+            # the raylet late, a process that waits for it (ray_client_server: its own fixed 30 s) given up, or the
+            # dashboard (which `ray job submit` needs) not up within Ray's fixed 60 s on a loaded machine
+            late = any(sign in log.read_text() for sign in ("timed out during startup", "exited unexpectedly",
+                                                            "Failed to start the dashboard"))
             assert late and attempt < STARTUP_TRIES, f"ray start exited with {head.returncode}:\n" \
                 f"{log.read_text()[-3000:]}"
         finally:
