@@ -28,7 +28,20 @@ def test_the_grid_is_seed_major_with_its_own_reference_and_the_combined_cells(tm
     assert {(c.params["lr"], c.params["steps"]) for c in cells} == {(staleness.LR, staleness.STEPS)}
 
 
+def test_a_narrowed_grid_names_its_cells_as_the_full_grid_does(tmp_path):
+    """Extra seeds for the deciding comparisons must land as more seeds of the same settings, never new ones."""
+    full = {c.name: c.params for c in _dry_run(tmp_path / "s", "--every", "4", "8", "--seeds", "4")}
+    narrow = _dry_run(tmp_path / "s", "--every", "8", "--seeds", "4", "--corrections", "off", "tis", "--no_int8")
+    assert [(c.params["sync_every"], c.params["correction"]) for c in narrow] == [(1, "off"), (8, "off"), (8, "tis")]
+    assert all(full[c.name] == c.params for c in narrow)
+    combined = _dry_run(tmp_path / "s", "--every", "8", "--seeds", "4", "--corrections", "tis", "token_mis")
+    assert [(c.params["rollout_precision"], c.params["correction"]) for c in combined][-1] == ("int8", "tis")
+    assert all(c.name in full for c in combined)
+
+
 @pytest.mark.parametrize(("extra", "fault"), [
+    (["--corrections", "seq_mis"], "--corrections: the study runs off tis token_mis, got seq_mis"),
+    (["--corrections", "tis", "tis"], "--corrections: each correction once"),
     (["--every", "1", "8"], "--every: cadences must be 2 or more"),
     (["--every", "0"], "--every: cadences must be 2 or more"),
     (["--every", "8", "8"], "--every: each cadence once"),

@@ -10,7 +10,8 @@ therefore has its own reference (synced every step, uncorrected), the setting ev
 Seed-major, so a sitting that stops part-way leaves whole seeds of every setting; for each seed: the reference, each
 K × CORRECTIONS (token_mis: the mask that did least harm at W5A8 in the precision study), and the largest K with INT8
 rollouts × COMBINED (precision and staleness together). The sweep skips finished cells, so a study resumes where it
-stopped; `touch OUT/STOP` ends a sitting after the cell in flight. A cadence that cannot be honoured (below 2: 1 is
+stopped; `touch OUT/STOP` ends a sitting after the cell in flight. `--corrections` and `--no_int8` narrow the grid to
+the comparisons that decide the answer, so more seeds go there under the full grid's cell names. A cadence that cannot be honoured (below 2: 1 is
 the reference, already in; asked for twice) and a folder holding cells of another CPU profile are refused before any
 cell runs, naming the flag.
 """
@@ -56,20 +57,34 @@ def check_cadences(every: list[int]) -> None:
         raise ParameterError(f"--every: each cadence once, got {every}")
 
 
-def staleness_grid(out: Path, model: str, every: list[int], seeds: list[int]) -> dict:
+def check_corrections(corrections: list[str]) -> None:
+    """Refuse a correction the study does not run (its cells would be a new setting, not more seeds of one) or one
+    asked for twice, naming --corrections."""
+    unknown = [c for c in corrections if c not in CORRECTIONS]
+    if unknown:
+        raise ParameterError(f"--corrections: the study runs {' '.join(CORRECTIONS)}, got {' '.join(unknown)}")
+    if len(set(corrections)) < len(corrections):
+        raise ParameterError(f"--corrections: each correction once, got {corrections}")
+
+
+def staleness_grid(out: Path, model: str, every: list[int], seeds: list[int],
+                   corrections: tuple[str, ...] = CORRECTIONS, combined: bool = True) -> dict:
     """The sweep grid (module docstring): the main job's parameters at STEPS steps and LR, one table per seed and
-    setting, seed-major."""
+    setting, seed-major. `corrections` (a subset of CORRECTIONS) and `combined` (the INT8 cells) narrow it, so
+    extra seeds go to the comparisons that decide the answer under the very cell names the full grid gives."""
     spec = study_grid(out, model, cells={"none": ("off",)}, seeds=(1,), steps=STEPS)
     trainer = spec["base"]["train_dtype"]
     bf16, int8 = ({k: [v] for k, v in dose_params(dose, trainer).items()} for dose in ("none", "int8"))
+
+    both = tuple(c for c in COMBINED if c in corrections) if combined else ()
 
     def table(precision: dict, cadence: int, corrections: tuple[str, ...], seed: int) -> dict:
         return {**precision, "sync_every": [cadence], "lr": [LR], "correction": list(corrections), "seed": [seed]}
 
     spec["grid"] = [t for seed in seeds for t in (
         table(bf16, 1, ("off",), seed),
-        *(table(bf16, cadence, CORRECTIONS, seed) for cadence in every),
-        table(int8, max(every), COMBINED, seed))]
+        *(table(bf16, cadence, corrections, seed) for cadence in every),
+        *([table(int8, max(every), both, seed)] if both else []))]
     return spec
 
 
@@ -84,6 +99,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--every", type=int, nargs="+", default=list(EVERY), metavar="K",
                         help=f"sync cadences K >= 2 (lags 0..K-1); default {' '.join(map(str, EVERY))}")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="training seeds (default 1 2 3)")
+    parser.add_argument("--corrections", nargs="+", default=list(CORRECTIONS), metavar="C",
+                        help=f"corrections at each cadence, a subset of {' '.join(CORRECTIONS)} (the INT8 cells run "
+                        f"those of {' '.join(COMBINED)} among them); default all: narrow it to add seeds to the "
+                        "comparisons that decide the answer")
+    parser.add_argument("--no_int8", action="store_true", help="leave out the INT8 cells (precision and staleness "
+                        "together)")
     parser.add_argument("--dry_run", action="store_true", help="check every cell, print the grid's size and time, "
                         "run nothing")
     parser.add_argument("--report", action="store_true", help="rebuild the report and tables from the cells under "
@@ -98,8 +119,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--seeds: each seed once, got {args.seeds}")
     try:
         check_cadences(args.every)
+        check_corrections(args.corrections)
         out.mkdir(parents=True, exist_ok=True)
-        grid = staleness_grid(out, args.model, args.every, args.seeds)
+        grid = staleness_grid(out, args.model, args.every, args.seeds, tuple(args.corrections), not args.no_int8)
         check_profile(out, TrainParams(**grid["base"]).train_dtype)
         grid_file = out / "study_grid.json"
         grid_file.write_text(json.dumps(grid, indent=1))
