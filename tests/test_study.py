@@ -345,7 +345,11 @@ def test_cells_of_another_cpu_profile_are_not_mixed_into_a_study(tmp_path, monke
             assert err.value.code == 2 and "its cells trained in fp32 (another CPU profile)" in message
             assert "this CPU trains in bf16" in message and "--report" in message
         else:
-            study.main(["--out", str(tmp_path), "--model", "tiny", "--doses", "w4a8", "--dry_run"])
+            with pytest.raises(SystemExit):  # the recorded cells trained for 2 steps, the main job's are more
+                study.main(["--out", str(tmp_path), "--model", "tiny", "--doses", "w4a8", "--dry_run"])
+            assert f"--steps {job_params(tmp_path / 'task', 'tiny')['steps']}: the cells under --out {tmp_path} " \
+                   "trained for 2 steps: give this horizon its own --out" in capsys.readouterr().err
+            study.main(["--out", str(tmp_path), "--model", "tiny", "--doses", "w4a8", "--steps", "2", "--dry_run"])
             assert "trainer fp32" in capsys.readouterr().err
 
 

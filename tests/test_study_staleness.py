@@ -65,3 +65,17 @@ def test_a_folder_of_another_cpu_profile_is_refused_naming_it(tmp_path, capsys):
         _dry_run(out)
     err = capsys.readouterr().err
     assert f"--out {out}: its cells trained in {other} (another CPU profile)" in err
+
+
+def test_a_folder_of_another_horizon_is_refused_naming_steps(tmp_path, capsys):
+    """A longer horizon in the study's folder would re-run its cells under their names (the sweep re-runs a cell whose
+    values changed) and mix two horizons in one report."""
+    out = tmp_path / "s"
+    cell = out / "cells" / "x"
+    cell.mkdir(parents=True)
+    (cell / STATUS_FILE).write_text(json.dumps({"cell": "x", "status": "complete", "params": {
+        "model": "tiny", "train_dtype": default_train_dtype(), "steps": staleness.STEPS}}))
+    with pytest.raises(SystemExit):
+        _dry_run(out, "--steps", "48")
+    assert f"--steps 48: the cells under --out {out} trained for {staleness.STEPS} steps" in capsys.readouterr().err
+    assert [c.params["steps"] for c in _dry_run(tmp_path / "horizon", "--steps", "48", "--every", "8")][0] == 48

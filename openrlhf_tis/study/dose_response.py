@@ -197,14 +197,20 @@ def headline(result: SweepResult, figure: Path | None = None) -> str:
     return headline_markdown(points, source)
 
 
-def check_profile(out: Path, trainer_dtype: str) -> None:
-    """Refuse to add cells to a study whose cells trained in another dtype (another CPU profile): the new cells
-    would not skip the old ones' settings and one report would mix two trainer precisions; raises ParameterError."""
-    other = sorted({TrainParams(**r.cell.params).train_dtype for r in recorded_cells(out).results} - {trainer_dtype})
+def check_profile(out: Path, base: TrainParams) -> None:
+    """Refuse to add cells to a study whose cells trained in another dtype (another CPU profile) or for another number
+    of steps: the new cells would not skip the old ones' settings (the sweep re-runs a cell whose values changed) and
+    one report would mix two trainer precisions or two horizons; raises ParameterError naming the flag."""
+    recorded = [TrainParams(**r.cell.params) for r in recorded_cells(out).results]
+    other = sorted({p.train_dtype for p in recorded} - {base.train_dtype})
     if other:
         raise ParameterError(f"--out {out}: its cells trained in {', '.join(other)} (another CPU profile), this CPU "
-                             f"trains in {trainer_dtype}: resume the study on a CPU of that profile, choose another "
+                             f"trains in {base.train_dtype}: resume the study on a CPU of that profile, choose another "
                              "--out, or rebuild its report with --report")
+    horizons = sorted({p.steps for p in recorded} - {base.steps})
+    if horizons:
+        raise ParameterError(f"--steps {base.steps}: the cells under --out {out} trained for "
+                             f"{', '.join(map(str, horizons))} steps: give this horizon its own --out")
 
 
 def _fp8_runs() -> bool:
@@ -294,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     base = TrainParams(**grid["base"])
     trainer = base.train_dtype
     try:
-        check_profile(out, trainer)
+        check_profile(out, base)
     except ParameterError as err:
         parser.error(str(err))
     grid_file = out / "study_grid.json"

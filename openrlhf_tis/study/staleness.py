@@ -11,9 +11,10 @@ Seed-major, so a sitting that stops part-way leaves whole seeds of every setting
 K × CORRECTIONS (token_mis: the mask that did least harm at W5A8 in the precision study), and the largest K with INT8
 rollouts × COMBINED (precision and staleness together). The sweep skips finished cells, so a study resumes where it
 stopped; `touch OUT/STOP` ends a sitting after the cell in flight. `--corrections` and `--no_int8` narrow the grid to
-the comparisons that decide the answer, so more seeds go there under the full grid's cell names. A cadence that cannot be honoured (below 2: 1 is
-the reference, already in; asked for twice) and a folder holding cells of another CPU profile are refused before any
-cell runs, naming the flag.
+the comparisons that decide the answer, so more seeds go there under the full grid's cell names; `--steps` sets
+another horizon (the pilot's horizon check) in its own folder. A cadence that cannot be honoured (below 2: 1 is the
+reference, already in; asked for twice) and a folder holding cells of another CPU profile or horizon are refused
+before any cell runs, naming the flag.
 """
 
 from __future__ import annotations
@@ -68,11 +69,11 @@ def check_corrections(corrections: list[str]) -> None:
 
 
 def staleness_grid(out: Path, model: str, every: list[int], seeds: list[int],
-                   corrections: tuple[str, ...] = CORRECTIONS, combined: bool = True) -> dict:
+                   corrections: tuple[str, ...] = CORRECTIONS, combined: bool = True, steps: int = STEPS) -> dict:
     """The sweep grid (module docstring): the main job's parameters at STEPS steps and LR, one table per seed and
     setting, seed-major. `corrections` (a subset of CORRECTIONS) and `combined` (the INT8 cells) narrow it, so
     extra seeds go to the comparisons that decide the answer under the very cell names the full grid gives."""
-    spec = study_grid(out, model, cells={"none": ("off",)}, seeds=(1,), steps=STEPS)
+    spec = study_grid(out, model, cells={"none": ("off",)}, seeds=(1,), steps=steps)
     trainer = spec["base"]["train_dtype"]
     bf16, int8 = ({k: [v] for k, v in dose_params(dose, trainer).items()} for dose in ("none", "int8"))
 
@@ -105,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
                         "comparisons that decide the answer")
     parser.add_argument("--no_int8", action="store_true", help="leave out the INT8 cells (precision and staleness "
                         "together)")
+    parser.add_argument("--steps", type=int, default=STEPS, help=f"steps per cell (default {STEPS}, the study's "
+                        "horizon; a longer one is the pilot's horizon check: give it its own --out)")
     parser.add_argument("--dry_run", action="store_true", help="check every cell, print the grid's size and time, "
                         "run nothing")
     parser.add_argument("--report", action="store_true", help="rebuild the report and tables from the cells under "
@@ -115,20 +118,23 @@ def main(argv: list[str] | None = None) -> None:
         rebuild_report(parser, out, report_title(out))
         return
     check_model_option(parser, args.model)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
     if len(set(args.seeds)) < len(args.seeds):
         parser.error(f"--seeds: each seed once, got {args.seeds}")
     try:
         check_cadences(args.every)
         check_corrections(args.corrections)
         out.mkdir(parents=True, exist_ok=True)
-        grid = staleness_grid(out, args.model, args.every, args.seeds, tuple(args.corrections), not args.no_int8)
-        check_profile(out, TrainParams(**grid["base"]).train_dtype)
+        grid = staleness_grid(out, args.model, args.every, args.seeds, tuple(args.corrections), not args.no_int8,
+                              args.steps)
+        check_profile(out, TrainParams(**grid["base"]))
         grid_file = out / "study_grid.json"
         grid_file.write_text(json.dumps(grid, indent=1))
         load_grid(grid_file)  # every cell checked as the sweep will check it
     except ParameterError as err:
         parser.error(str(err))
-    print(f"[staleness] {cell_count(grid)} cells of {STEPS} steps at lr {LR:g}, cadences {args.every}, seeds "
+    print(f"[staleness] {cell_count(grid)} cells of {args.steps} steps at lr {LR:g}, cadences {args.every}, seeds "
           f"{args.seeds}; all cells ≈ {estimate_seconds(grid) / 60:.0f} min on this CPU's profile (finished cells "
           f"skip); grid {grid_file}", file=sys.stderr)
     if args.dry_run:
