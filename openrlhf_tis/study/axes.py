@@ -6,7 +6,9 @@ dtype at every step. Their references differ (the staleness study trains at a la
 moves the policy measurably), so the figure compares what each setting lost against its own reference, against the
 mismatch it measured (mean k3 KL(μ‖π_old) over its steps, the same metric on both axes): the same k3 costing the same
 on both axes says the mismatch, not its source, is what hurts. Each folder's comparisons keep their own Holm family.
-Read from the committed cells alone (any machine); prints one table with every comparison against the references.
+Read from the committed cells alone (any machine); writes beside the figure one table of every setting with both of
+its comparisons (against its reference; corrected, against uncorrected training at its dose), which the README's
+study table is copied from.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.viz.compare import run_facts
 from openrlhf_tis.viz.curves import png
 from openrlhf_tis.viz.gain_plots import plot_axes
-from openrlhf_tis.viz.gains import dose_response, headline_source, run_gains
+from openrlhf_tis.viz.gains import difference_with_interval, dose_response, headline_source, run_gains
 
 
 def axis_points(folder: Path) -> tuple[pd.DataFrame, str]:
@@ -37,33 +39,34 @@ def axis_points(folder: Path) -> tuple[pd.DataFrame, str]:
     return dose_response(facts, gains, source), source
 
 
-def _true(flag: object) -> bool:
-    """A table's boolean cell, False where missing (NaN in a column pandas keeps as objects)."""
-    return bool(pd.notna(flag) and flag)
+def _detectable(row: pd.Series) -> str:
+    return " / ".join(f"{row[f'detectable_vs_{suffix}']:.3f}" if np.isfinite(row.get(f"detectable_vs_{suffix}", np.nan))
+                      else "n/a" for suffix in ("ref", "off"))
 
 
-def _cell(value: float, spec: str) -> str:
-    return "n/a" if value is None or not np.isfinite(value) else format(value, spec)
+def _survives(row: pd.Series) -> str:
+    """Which of the row's comparisons stays shown after Holm's adjustment over its own study's family."""
+    shown = [name for suffix, name in (("ref", "reference"), ("off", "uncorrected"))
+             if pd.notna(row.get(f"shown_holm_vs_{suffix}")) and row.get(f"shown_holm_vs_{suffix}")]
+    return " and ".join(f"vs {name}" for name in shown) or "no"
 
 
 def axes_markdown(points: dict[str, pd.DataFrame]) -> str:
-    """One row per setting and axis, sorted by k3: its loss against its study's reference, what that comparison could
-    have detected, and its Holm-adjusted p within its own study."""
-    header = ["axis", "dose", "correction", "seeds", "mean k3 KL", "gain − reference", "95% CI (t)", "shown",
-              "detectable (80% power)", "p (Holm, its study)"]
+    """One row per setting and axis, sorted by k3: what it lost against its study's reference and, corrected, what the
+    correction changed against uncorrected training at its dose (each with its paired 95% t-interval), what each
+    comparison could have detected, and which stays shown after Holm's adjustment within its own study."""
+    header = ["axis", "dose", "correction", "seeds", "mean k3 KL", "gain − reference [95% CI (t)]",
+              "gain − uncorrected, same dose [95% CI (t)]", "detectable (80% power): vs reference / vs uncorrected",
+              "shown after Holm (its study)"]
     rows = []
     for axis, table in points.items():
         for _, row in table.iterrows():
-            difference = row.get("difference_vs_ref", np.nan)
-            reference = not np.isfinite(difference) and row["correction"] == "off" and str(row["dose"]) == "none"
+            reference = str(row["dose"]) == "none" and row["correction"] == "off"
             rows.append((row["k3_mean"], [
-                axis, str(row["dose"]), str(row["correction"]), str(int(row["seeds"])), _cell(row["k3_mean"], ".3g"),
-                "reference" if reference else _cell(difference, "+.3f"),
-                "" if reference else f"[{_cell(row.get('t_low_vs_ref'), '+.3f')}, "
-                f"{_cell(row.get('t_high_vs_ref'), '+.3f')}]",
-                "" if reference else ("yes" if _true(row.get("shown_vs_ref")) else "no"),
-                "" if reference else _cell(row.get("detectable_vs_ref", np.nan), ".3f"),
-                "" if reference else _cell(row.get("p_holm_vs_ref", np.nan), ".3f")]))
+                axis, str(row["dose"]), str(row["correction"]), str(int(row["seeds"])), f"{row['k3_mean']:.3g}",
+                "reference" if reference else difference_with_interval(row, "ref"),
+                "" if reference else difference_with_interval(row, "off"),
+                "" if reference else _detectable(row), "" if reference else _survives(row)]))
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(cells) + " |" for _, cells in sorted(rows, key=lambda r: r[0])])
 

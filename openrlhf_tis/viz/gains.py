@@ -178,6 +178,14 @@ def _ci(row: Mapping, low: str, high: str) -> str:
     return "n/a" if not np.isfinite(row.get(low, np.nan)) else f"[{_fmt(row[low])}, {_fmt(row[high])}]"
 
 
+def difference_with_interval(row: Mapping, suffix: str) -> str:
+    """'+0.148 [-0.200, +0.500]': a comparison's difference and its t-interval in one cell; n/a without one."""
+    difference = row.get(f"difference_vs_{suffix}", np.nan)
+    if difference is None or not np.isfinite(difference):
+        return "n/a"
+    return f"{_fmt(difference)} {_ci(row, f't_low_vs_{suffix}', f't_high_vs_{suffix}')}"
+
+
 def _versus(row: Mapping, suffix: str) -> list[str]:
     """The difference, its t-interval and whether it is shown; n/a where the setting has no such baseline."""
     difference = row.get(f"difference_vs_{suffix}", np.nan)
