@@ -98,19 +98,20 @@ def test_every_metric_to_watch_is_one_the_fork_writes():
 def test_the_study_table_is_copied_from_the_committed_results():
     """The README's study table fits one screen (at most 8 columns) and is a copy of part of the full results table
     its section links to: each column is one of that table's, by name, and it has a row for each of that table's
-    settings holding that table's values for its dose and correction."""
+    settings (its axis where it has one, dose and correction) holding that table's values."""
     heading = "## What the study has shown so far"
     section = README[README.index(heading):]
     header, rows = header_and_rows(README, heading)
     intro = section[:section.index("\n|")]
-    [link] = set(re.findall(r"\]\((results/study/[^)]+/dose_response\.md)\)", intro))
-    assert len(header) <= 8 and header[:2] == ["dose", "correction"], header
-    source_header, source_rows = header_and_rows((REPO / link).read_text(encoding="utf-8"), "| dose")
+    [link] = set(re.findall(r"\]\((results/study/[^)]+\.md)\)", intro))
+    keys = len([name for name in header[:3] if name in ("axis", "dose", "correction")])
+    assert len(header) <= 8 and header[keys - 2:keys] == ["dose", "correction"], header
+    source_header, source_rows = header_and_rows((REPO / link).read_text(encoding="utf-8"), f"| {header[0]}")
     missing = [name for name in header if name not in source_header]
     assert not missing, f"README study columns {missing} are not columns of {link}"
     columns = [source_header.index(name) for name in header]
-    results = {tuple(r[:2]): [r[i] for i in columns] for r in source_rows}
-    readme = {tuple(cells[:2]): cells for cells in rows}
+    results = {tuple(r[:keys]): [r[i] for i in columns] for r in source_rows}
+    readme = {tuple(cells[:keys]): cells for cells in rows}
     assert len(readme) == len(rows) and set(readme) == set(results), f"README study rows differ from {link}'s settings"
     for key, cells in readme.items():
         assert cells == results[key], f"README study row {cells} differs from {link}: {results[key]}"
