@@ -14,7 +14,7 @@ from openrlhf_tis.pipeline.live import LiveCurves, step_line
 from openrlhf_tis.pipeline.report import KEPT_POLICY, held_out_label, show_comparison, show_run
 from openrlhf_tis.runs import RunWriter, summary
 from openrlhf_tis.runs.layout import unique_dir_name
-from openrlhf_tis.viz.compare import config_diff, final_table, resolve_runs, run_labels
+from openrlhf_tis.viz.compare import config_diff, final_table, resolve_runs, run_facts, run_labels
 from openrlhf_tis.viz.curves import PANELS, bucket_table, panel_keys, plot_buckets, plot_curves, run_styles
 
 B0, B1 = BUCKET_NAMES[0], BUCKET_NAMES[-1]
@@ -116,6 +116,26 @@ def test_comparison_shows_only_the_flags_that_differ(tmp_path):
     result = show_comparison([str(tmp_path / "*" / "run")], {"c": "cell 3: ValueError: x"}, display=shown.append)
     assert result["runs"] == [a, b] and list(result["table"].index) == ["a", "b"]
     assert shown[0].to_dict() == {"error": {"c": "cell 3: ValueError: x"}}  # failures come first
+
+
+def test_runs_recorded_before_and_after_the_run_spec_are_one_setting(tmp_path):
+    """A study resumed under a version that records the run spec (issue 41) keeps its settings whole: the legacy
+    record (the decided device in `cluster.device`, the machine, the resolved correction) and the spec's (the asked
+    device in `cluster.device`, the decision in `fork.spec.*`) describe the same experiment. A device that differs
+    still differs."""
+    flags = {"algo.correction.preset": "tis", "vllm.rollout_precision": "bf16", "ds.param_dtype": "bf16"}
+    legacy = {**flags, "seed": 1, "cluster.device": "cpu", "cluster.resources": "this machine (GPU: 0, CPU: 2)",
+              "algo.correction.resolved": '{"mode": "truncate"}'}
+    spec = {**flags, "seed": 2, "cluster.device": "auto", "fork.spec.cluster.device": "cpu",
+            "fork.spec.cluster.resources": "another machine (GPU: 0, CPU: 4)", "fork.spec.correction.mode": "truncate"}
+    runs = [_write_run(tmp_path / name / "run", _records(2), config) for name, config in
+            (("seed=1", legacy), ("seed=2", spec), ("cuda", {**spec, "seed": 3, "fork.spec.cluster.device": "cuda"}))]
+    diff = config_diff(runs)
+    assert diff.to_dict(orient="index") == {"cluster.device": {"seed=1": "cpu", "seed=2": "cpu", "cuda": "cuda"},
+                                            "seed": {"seed=1": 1, "seed=2": 2, "cuda": 3}}
+    assert config_diff(runs[:2]).index.tolist() == ["seed"]
+    facts = run_facts(runs[:2])
+    assert facts["setting"].nunique() == 1 and sorted(facts["seed"]) == [1, 2]
 
 
 def test_resolve_runs_names_what_it_could_not_find(tmp_path):

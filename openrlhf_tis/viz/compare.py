@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from openrlhf_tis.cli.cluster_device import DEVICE_DEST
 from openrlhf_tis.metric_names import (
     ABS_DP_MAX,
     ENTROPY_KEYS,
@@ -28,7 +29,7 @@ from openrlhf_tis.metric_names import (
     TRUNCATED_FRAC,
 )
 from openrlhf_tis.rollout.precision import PRECISION_FLAG, WEIGHT_BITS_FLAG, dest, rollout_option
-from openrlhf_tis.runs.config import SPEC_KEY, read_run_config
+from openrlhf_tis.runs.config import LEGACY_CORRECTION_KEY, SPEC_KEY, read_run_config
 from openrlhf_tis.runs.layout import is_run_dir, readable_dir_name
 from openrlhf_tis.runs.reader import find_runs, load_metrics
 from openrlhf_tis.runs.summary import pick_key
@@ -39,6 +40,7 @@ from openrlhf_tis.viz.curves import SEED_IN_NAME, held_out
 _INCIDENTAL = ("logger.run_dir", "ckpt.path", "ckpt.output_dir", "data.prompt_dataset", "actor.model_name_or_path",
                "logger.wandb.run_name")
 SEED_FLAGS = ("train.seed", "seed")  # runs that differ only here are seeds of one setting
+LEGACY_RESOURCES_KEY = "cluster.resources"  # the machine, recorded beside the device before the run spec
 
 
 def resolve_runs(runs: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:
@@ -72,14 +74,26 @@ def _comparable(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
+def as_experiment(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's recorded config as the experiment it ran, so runs recorded before and after the run spec (issue 41)
+    that ran the same experiment read the same: `cluster.device` is the device the run decided (the spec's since
+    then; before, the flag's value itself), and what restates other keys or describes the machine is left out (the
+    run spec's record, `fork.spec.*`, and before it the resolved correction, follow from the flags and the device;
+    `cluster.resources` is the machine)."""
+    kept = {k: v for k, v in config.items()
+            if not k.startswith(SPEC_KEY + ".") and k not in (LEGACY_CORRECTION_KEY, LEGACY_RESOURCES_KEY)}
+    decided = config.get(f"{SPEC_KEY}.cluster.device", config.get(DEVICE_DEST))
+    return kept if decided is None else {**kept, DEVICE_DEST: decided}
+
+
 def config_diff(paths: Sequence[Path], labels: Sequence[str] | None = None,
                 ignore: Iterable[str] = _INCIDENTAL) -> pd.DataFrame:
-    """Flags whose resolved values differ between runs: one row per flag, one column per run. The run spec's record
-    (`fork.spec.*`) is left out: it follows from the flags and the cluster, so a flag that differs is there already."""
+    """Flags whose resolved values differ between runs (each read `as_experiment`): one row per flag, one column per
+    run."""
     labels = list(labels) if labels is not None else run_labels(paths)
-    configs = [(read_run_config(p) or {}).get("config", {}) for p in paths]
+    configs = [as_experiment((read_run_config(p) or {}).get("config", {})) for p in paths]
     ignore = set(ignore)
-    keys = sorted({k for c in configs for k in c if not k.startswith(SPEC_KEY + ".")} - ignore)
+    keys = sorted({k for c in configs for k in c} - ignore)
     rows = {k: [c.get(k, "(absent)") for c in configs] for k in keys
             if len({_comparable(c.get(k, "(absent)")) for c in configs}) > 1}
     return pd.DataFrame.from_dict(rows, orient="index", columns=labels).rename_axis("flag")
