@@ -31,7 +31,7 @@ STALENESS = _points([("none / off", "none", "off", 0.0017, np.nan, np.nan, np.na
 # TIS at K = 8 against uncorrected training at K = 8: +0.41, shown, surviving Holm
 STALENESS.loc["none+s8 / tis", ["difference_vs_off", "t_low_vs_off", "t_high_vs_off", "detectable_vs_off"]] = [
     0.41, 0.2, 0.62, 0.15]
-STALENESS["shown_holm_vs_off"] = STALENESS.index == "none+s8 / tis"
+STALENESS["shown_vs_off"] = STALENESS["shown_holm_vs_off"] = STALENESS.index == "none+s8 / tis"
 
 
 def test_each_axis_and_correction_is_one_line_through_its_doses_in_k3_order():
@@ -48,6 +48,10 @@ def test_each_axis_and_correction_is_one_line_through_its_doses_in_k3_order():
               and line.get_marker() in ("o", "s") and len(line.get_xdata())]
     assert [(list(f.get_xdata()), f.get_marker()) for f in filled] == [([0.15], "s")]  # only the shown one
     assert ax.get_xscale() == "log"
+    bottom = fig.axes[1]  # each correction against uncorrected training at its dose: only staleness's TIS is paired
+    paired = [(list(line.get_xdata()), list(line.get_ydata()), line.get_marker()) for line in bottom.get_lines()
+              if line.get_marker() in ("o", "s") and line.get_linestyle() != "None"]
+    assert paired == [([0.16], [0.41], "s")] and bottom.get_xscale() == "log"
 
 
 def test_nothing_to_draw_is_said_on_the_figure():

@@ -10,7 +10,9 @@ from __future__ import annotations
 import matplotlib
 import numpy as np
 import pandas as pd
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
 
 def _yerr(table: pd.DataFrame, low: str = "t_low", high: str = "t_high", value: str = "gain") -> np.ndarray:
@@ -100,35 +102,57 @@ AXIS_MARKERS = ("o", "s", "^", "D")
 
 
 def plot_axes(points: dict[str, pd.DataFrame], source: str) -> Figure:
-    """Both axes of mismatch on one figure: each setting's gain relative to its own study's reference (y, 95%
-    t-interval over paired seeds) against its measured mean k3 KL(μ‖π_old) (x, log), one marker shape per axis (the
-    key of `points`: e.g. precision, staleness), one colour per correction, a line through each axis's doses of one
-    correction. Relative to the reference because the studies train at their own learning rates: the question is
-    whether the same k3 costs the same share of what on-policy training learns, whatever its source. Filled marker:
-    the paired interval excludes 0. `points`: viz.gains.dose_response tables."""
-    fig = Figure(figsize=(9.5, 5.0))
-    ax = fig.subplots()
-    needed = ("k3_mean", "difference_vs_ref", "t_low_vs_ref", "t_high_vs_ref", "shown_vs_ref")
-    usable = {axis: t[np.isfinite(t["k3_mean"]) & (t["k3_mean"] > 0) & np.isfinite(t["difference_vs_ref"])]
+    """Both axes of mismatch on one figure, against each setting's measured mean k3 KL(μ‖π_old) (x, log), one marker
+    shape per axis (the key of `points`: e.g. precision, staleness), one colour per correction, a line through each
+    axis's doses of one correction, 95% paired t-intervals over seeds, filled where the interval excludes 0. Top: each
+    setting's gain relative to its own study's reference (the studies train at their own learning rates: the question
+    is whether the same k3 costs the same share of what on-policy training learns, whatever its source). Bottom: each
+    corrected setting's gain relative to uncorrected training at its dose (does the correction pay there).
+    `points`: viz.gains.dose_response tables."""
+    fig = Figure(figsize=(9.5, 8.0))
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    corrections = list(dict.fromkeys(c for t in points.values() if "correction" in t for c in t["correction"]))
+    if not _draw_versus(top, points, "ref", corrections):
+        top.text(0.5, 0.5, "no setting with a k3 KL and a gain paired to its reference", ha="center", va="center",
+                 transform=top.transAxes)
+        return fig
+    if not _draw_versus(bottom, points, "off", corrections):
+        bottom.text(0.5, 0.5, "no corrected setting paired with uncorrected training at its dose", ha="center",
+                    va="center", transform=bottom.transAxes)
+    top.set_xscale("log")
+    top.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))  # 0.01, 0.02, 0.05, 0.1, ...: no crowded minors
+    top.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+    top.xaxis.set_minor_formatter(NullFormatter())
+    top.set_ylabel(f"gain − its study's reference\n({source})")
+    bottom.set_ylabel(f"gain − uncorrected, same dose\n({source})")
+    bottom.set_xlabel("measured mismatch: mean k3 KL(μ ‖ π_old) over the run's steps")
+    top.set_title("Does the same k3 cost the same from precision and from staleness (top), and does correction pay "
+                  "(bottom)?\n95% paired t-intervals over seeds; filled marker: interval excludes 0", fontsize=10)
+    top.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def _draw_versus(ax: Axes, points: dict[str, pd.DataFrame], suffix: str, corrections: list[str]) -> bool:
+    """Each axis's settings paired against `suffix` (ref: the study's reference; off: uncorrected at the dose) on
+    `ax`; False when none is."""
+    needed = ("k3_mean", f"difference_vs_{suffix}", f"t_low_vs_{suffix}", f"t_high_vs_{suffix}", f"shown_vs_{suffix}")
+    usable = {axis: t[np.isfinite(t["k3_mean"]) & (t["k3_mean"] > 0) & np.isfinite(t[f"difference_vs_{suffix}"])]
               for axis, t in points.items() if len(t) and all(c in t for c in needed)}
     usable = {axis: t for axis, t in usable.items() if len(t)}
-    if not usable:
-        ax.text(0.5, 0.5, "no setting with a k3 KL and a gain paired to its reference", ha="center", va="center",
-                transform=ax.transAxes)
-        return fig
     palette = matplotlib.colormaps["tab10"]
-    corrections = list(dict.fromkeys(c for t in usable.values() for c in t["correction"]))
-    for a, (axis, table) in enumerate(usable.items()):
+    for a, axis in enumerate(points):
+        if axis not in usable:
+            continue
         marker = AXIS_MARKERS[a % len(AXIS_MARKERS)]
-        for correction, group in table.sort_values("k3_mean").groupby("correction", sort=False):
+        for correction, group in usable[axis].sort_values("k3_mean").groupby("correction", sort=False):
             colour = palette(corrections.index(correction) % palette.N)
-            ax.errorbar(group["k3_mean"], group["difference_vs_ref"],
-                        yerr=_yerr(group, "t_low_vs_ref", "t_high_vs_ref", "difference_vs_ref"),
+            difference = f"difference_vs_{suffix}"
+            ax.errorbar(group["k3_mean"], group[difference],
+                        yerr=_yerr(group, f"t_low_vs_{suffix}", f"t_high_vs_{suffix}", difference),
                         color=colour, capsize=3, marker=marker, markerfacecolor="none",
                         linestyle="-" if a == 0 else "--", label=f"{axis}: {correction}")
-            solid = group[group["shown_vs_ref"].eq(True)]
-            ax.plot(solid["k3_mean"], solid["difference_vs_ref"], marker, color=colour)
+            solid = group[group[f"shown_vs_{suffix}"].eq(True)]
+            ax.plot(solid["k3_mean"], solid[difference], marker, color=colour)
     ax.axhline(0.0, color="black", linewidth=0.8)
-    return _against_k3(fig, f"gain − its study's reference gain ({source})", "Does the same k3 cost the same from "
-                       "precision and from staleness, and does correction pay?\n95% paired t-intervals over seeds; "
-                       "filled marker: interval excludes 0")
+    return bool(usable)
