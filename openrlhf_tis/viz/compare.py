@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from openrlhf_tis.cli.cluster_device import DEVICE_DEST
 from openrlhf_tis.metric_names import (
     ABS_DP_MAX,
     ENTROPY_KEYS,
@@ -40,7 +39,9 @@ from openrlhf_tis.viz.curves import SEED_IN_NAME, held_out
 _INCIDENTAL = ("logger.run_dir", "ckpt.path", "ckpt.output_dir", "data.prompt_dataset", "actor.model_name_or_path",
                "logger.wandb.run_name")
 SEED_FLAGS = ("train.seed", "seed")  # runs that differ only here are seeds of one setting
-LEGACY_RESOURCES_KEY = "cluster.resources"  # the machine, recorded beside the device before the run spec
+# config.json's keys for where a run computed (viz sits below cli, so these are spelled here): the device flag
+# (--cluster.device; the decision recorded by the run spec since), and the machine, recorded before the run spec
+DEVICE_KEY, LEGACY_RESOURCES_KEY = "cluster.device", "cluster.resources"
 
 
 def resolve_runs(runs: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:
@@ -82,8 +83,8 @@ def as_experiment(config: Mapping[str, Any]) -> dict[str, Any]:
     `cluster.resources` is the machine)."""
     kept = {k: v for k, v in config.items()
             if not k.startswith(SPEC_KEY + ".") and k not in (LEGACY_CORRECTION_KEY, LEGACY_RESOURCES_KEY)}
-    decided = config.get(f"{SPEC_KEY}.cluster.device", config.get(DEVICE_DEST))
-    return kept if decided is None else {**kept, DEVICE_DEST: decided}
+    decided = config.get(f"{SPEC_KEY}.cluster.device", config.get(DEVICE_KEY))
+    return kept if decided is None else {**kept, DEVICE_KEY: decided}
 
 
 def config_diff(paths: Sequence[Path], labels: Sequence[str] | None = None,
