@@ -63,6 +63,13 @@ BOUNDS_MASKED_FRAC, REJECTED_FRAC, VETOED_FRAC = map(frac_key, ("bounds_masked",
 VETOED_SEQ_FRAC, OPSM_FRAC, NONFINITE_FRAC = map(frac_key, ("vetoed_seq", "opsm", "nonfinite"))
 MASKED_FRAC, KEPT_FRAC = frac_key("masked"), frac_key("kept")
 NONFINITE_COUNT, NORM_FACTOR = CORRECTION + "nonfinite_count", CORRECTION + "norm_factor"
+ADAPTIVE_BOUND, ADAPTIVE_ESS = CORRECTION + "adaptive_bound", CORRECTION + "adaptive_ess"
+ADAPTIVE_AT_MAX, ADAPTIVE_AT_MIN = frac_key("adaptive_at_max"), frac_key("adaptive_at_min")
+ADAPTIVE_KEYS = (ADAPTIVE_BOUND, ADAPTIVE_ESS, ADAPTIVE_AT_MAX, ADAPTIVE_AT_MIN)
+"""Only with the adaptive bound (correction/adaptive.py): the cap C_t each micro-batch chose and the ESS of its
+weights (token-weighted means over the step's micro-batches, as every correction metric), and the share of
+tokens whose micro-batch had its cap at adaptive_max_bound (the ratios met the ESS target untruncated) or at
+adaptive_min_bound (even that cap missed it); in between the target set the cap."""
 
 # ── written by upstream (openrlhf 0.11.2), read by the fork ──────────────────────────────────────────
 REWARD_MEAN, RESPONSE_LENGTH_MEAN = "rollout/reward_mean", "rollout/response_length_mean"

@@ -38,7 +38,7 @@ FORK_TRAINER = ("STALENESS_MEAN", "STALENESS_MAX", "STALENESS_SPANNING_SYNC", "S
 # Groups of names, not keys; their members are checked through the names above.
 NOT_KEYS = ("MISMATCH", "CORRECTION", "PROB_BUCKET_EDGES", "BUCKET_NAMES", "REWARD_KEYS",
             "RESPONSE_LENGTH_KEYS", "MISMATCH_KEYS", "MASKED_KEYS", "ENTROPY_KEYS", "WEIGHT_RAW_STATS",
-            "WEIGHT_STATS", "BUCKET_GAP_KEYS", "BUCKET_FRAC_KEYS", "BY_LAG", "LAG_STALE")
+            "WEIGHT_STATS", "BUCKET_GAP_KEYS", "BUCKET_FRAC_KEYS", "BY_LAG", "LAG_STALE", "ADAPTIVE_KEYS")
 
 
 def _registry_names() -> dict[str, object]:
@@ -82,11 +82,21 @@ def test_every_name_has_a_known_writer():
     assert not (set(UPSTREAM) | set(FORK_TRAINER) | set(NOT_KEYS)) - set(names), "a listed name left the registry"
 
 
+def _adaptive() -> dict[str, float]:
+    """The core's metrics with the adaptive bound (token truncation only, so not part of `_everything_on`)."""
+    old = -torch.rand(4, 6, generator=torch.Generator().manual_seed(1)) * 3
+    return compute_correction(old, old + 0.3, torch.ones(4, 6), CorrectionConfig(adaptive_ess_target=0.9)).metrics
+
+
 def test_the_core_writes_exactly_the_registry_keys():
     metrics, cfg = _everything_on()
     rejection = {registry.rejection_frac_key(c.name) for c in cfg.rejection}
     assert rejection == {"correction/rs_k3_mean_frac"}  # the family's spelling, by hand
-    assert set(metrics) == _core_keys() | rejection
+    adaptive = {"correction/adaptive_bound", "correction/adaptive_ess", "correction/adaptive_at_max_frac",
+                "correction/adaptive_at_min_frac"}  # by hand: what docs and dashboards name
+    assert set(registry.ADAPTIVE_KEYS) == adaptive
+    assert set(metrics) == _core_keys() - adaptive | rejection  # a fixed bound writes no adaptive_* key
+    assert set(_adaptive()) == _core_keys() - {registry.ENTROPY, registry.ENTROPY_SAMPLED}  # no entropy given
     assert metrics[registry.VETOED_FRAC] >= 0 and metrics[registry.NORM_FACTOR] > 0  # the options were on
 
 

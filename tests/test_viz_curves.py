@@ -186,6 +186,17 @@ def test_step_line_shows_the_lag_only_when_there_is_one():
     assert "  lag 0.75 (k3 lag 0 2.00e-03, stale 5.00e-02)  3.0 s" in step_line(split, 8)  # precision vs staleness
 
 
+def test_step_line_and_curves_show_the_adaptive_cap_only_where_it_runs():
+    record = {"step": 4, "correction/masked_frac": 0.0, "timing/step_total": 3.0}
+    assert "cap" not in step_line(record, 8)
+    line = step_line({**record, "correction/adaptive_bound": 1.75, "correction/adaptive_ess": 0.9}, 8)
+    assert "masked 0.000  cap 1.75 (ess 0.900)  3.0 s" in line
+    panel = next(p for p in PANELS if p.title.startswith("adaptive"))
+    frame = pd.DataFrame({"step": [1, 2], "correction/adaptive_bound": [5.0, 1.5], "correction/adaptive_ess": [1, 0.9]})
+    assert panel_keys(frame, panel) == ["correction/adaptive_bound", "correction/adaptive_ess"]
+    assert panel_keys(pd.DataFrame({"step": [1]}), panel) == []
+
+
 def test_staleness_is_drawn_for_async_runs():
     frame = pd.DataFrame({"step": [1, 2, 3], "staleness/mean": [0.0, 0.5, 1.0], "staleness/max": [0.0, 1.0, 2.0]})
     panel = next(p for p in PANELS if p.title.startswith("staleness"))

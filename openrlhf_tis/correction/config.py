@@ -186,8 +186,26 @@ class CorrectionConfig:
                  "it is read by mode clip or mask only, and the mode is {mode!r}"))
     upper: float = _option(
         2.0, None, """Upper bound on the weight (TIS cap C = 2, Yao et al. 2025).""",
-        ReadWhen(lambda c: c.mode in BOUNDED_MODES, "it is read by mode truncate, clip or mask only, and the mode is "
-                 "{mode!r}"))
+        ReadWhen(lambda c: c.mode in BOUNDED_MODES and c.adaptive_ess_target is None,
+                 "it is read by mode truncate, clip or mask with a fixed bound only, and here the mode is {mode!r} "
+                 "with --algo.correction.adaptive_ess_target {adaptive_ess_target} (an adaptive bound replaces it; "
+                 "its ceiling is --algo.correction.adaptive_max_bound)"))
+    adaptive_ess_target: float | None = _option(
+        None, None,
+        """Adaptive TIS: ρ in (0, 1]; each micro-batch truncates at the loosest cap C in [adaptive_min_bound,
+        adaptive_max_bound] whose weights min(r, C) keep a normalized ESS (Σw)²/(nΣw²) >= ρ, so the cap tightens
+        as the mismatch spreads the ratios and rises to adaptive_max_bound as it vanishes (token level, mode
+        truncate; replaces upper; docs/correction.md). None: a fixed bound.""")
+    adaptive_min_bound: float = _option(
+        1.0, None, """Adaptive TIS: the tightest cap (>= 1, so the on-policy weight 1 is never cut), taken when even
+        it misses the ESS target.""",
+        ReadWhen(lambda c: c.adaptive_ess_target is not None,
+                 "it is read by the adaptive bound only, and no --algo.correction.adaptive_ess_target is set"))
+    adaptive_max_bound: float = _option(
+        5.0, None, """Adaptive TIS: the loosest cap, taken when the ratios already meet the ESS target (default 5,
+        OpenRLHF's upper ratio threshold).""",
+        ReadWhen(lambda c: c.adaptive_ess_target is not None,
+                 "it is read by the adaptive bound only, and no --algo.correction.adaptive_ess_target is set"))
     rejection: tuple[RejectionCriterion, ...] = _option(
         (), None,
         f"""Rejection-sampling criteria chained with AND (verl rollout_rs; Geo-RS = ratio:mean), each
@@ -322,9 +340,34 @@ class CorrectionConfig:
             raise CorrectionConfigError(_flag("opsm_delta"), f"must be >= 0, got {self.opsm_delta}")
         if not self.log_ratio_clamp > 0:
             raise CorrectionConfigError(_flag("log_ratio_clamp"), f"must be > 0, got {self.log_ratio_clamp}")
+        if self.adaptive_ess_target is not None:
+            self._validate_adaptive()
         if training:
             self._validate_for_training()
         return self
+
+    def _validate_adaptive(self) -> None:
+        """The adaptive bound's parameters, and the weights it can bound: token-level truncation only."""
+        for name in ("adaptive_ess_target", "adaptive_min_bound", "adaptive_max_bound"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or not math.isfinite(v):
+                raise CorrectionConfigError(_flag(name), f"{v!r} is not a finite number")
+        if not 0 < self.adaptive_ess_target <= 1:
+            raise CorrectionConfigError(_flag("adaptive_ess_target"), f"must lie in (0, 1], got "
+                                        f"{self.adaptive_ess_target}")
+        if self.adaptive_min_bound < 1:
+            raise CorrectionConfigError(_flag("adaptive_min_bound"), f"{self.adaptive_min_bound} < 1 would cut the "
+                                        "on-policy weight 1")
+        if self.adaptive_max_bound < self.adaptive_min_bound:
+            raise CorrectionConfigError(_flag("adaptive_max_bound"), f"{self.adaptive_max_bound} < "
+                                        f"--algo.correction.adaptive_min_bound {self.adaptive_min_bound}")
+        if self.level != "token":
+            raise CorrectionConfigError(_flag("level"), f"{self.level}: the adaptive bound "
+                                        "(--algo.correction.adaptive_ess_target) caps token weights; use level token")
+        if self.mode != "truncate":
+            raise CorrectionConfigError(_flag("mode"), f"{self.mode}: the adaptive bound "
+                                        "(--algo.correction.adaptive_ess_target) is a truncation cap; use mode "
+                                        "truncate")
 
     def _validate_for_training(self) -> None:
         if self.mode in ("truncate", "clip", "mask"):
@@ -373,6 +416,8 @@ class CorrectionConfig:
         if not self.enabled:
             return None
         ratio = "GSPO's ratio, the geometric mean of the sequence's token ratios"
+        if self.adaptive_ess_target is not None:
+            return "adaptive_ess_target", f"the adaptive bound caps token weights, which cannot correct {ratio}"
         if self.loss == "bypass_reinforce":
             return "loss", "bypass_reinforce is a REINFORCE loss, not GSPO's clipped sequence ratio"
         if self.level == "token" and self.mode != "none":
@@ -504,6 +549,9 @@ PRESETS: dict[str, Preset] = {
     "bypass_ppo": Preset(CorrectionConfig(mode="none", loss="bypass_ppo"), "verl bypass mode, PPO clip on π_θ/μ"),
     "bypass_reinforce": Preset(CorrectionConfig(mode="truncate", upper=2.0, loss="bypass_reinforce"),
                                "verl bypass pg_is: −min(π_θ/μ, 2)·A·log π_θ"),
+    "adaptive": Preset(CorrectionConfig(level="token", mode="truncate", adaptive_ess_target=0.9),
+                       "token TIS with a per-micro-batch cap in [1, 5] keeping the weights' ESS >= 0.9 (the fork's "
+                       "rule; P3O, Fakoor et al. 2026, ties the cap to the ESS)"),
     # OpenRLHF 0.11.2's own schemes (its --algo.advantage.is_correction_* flags, see from_upstream).
     "upstream_tis": Preset(from_upstream("token", "clip"), "OpenRLHF token clip of the ratio into [0.5, 5] (TIS)"),
     "upstream_icepop": Preset(from_upstream("token", "mask"), "OpenRLHF token mask outside [0.5, 5] (ICEPOP)"),

@@ -18,6 +18,8 @@ All statistics run over valid tokens V (action tokens with finite log-probs); r_
     mismatch/abs_dlogp_pA-B, frac_pA-B   mean |log r| and token share per bucket of μ(a_t)
     mismatch/entropy      (1/N) Σ H(π_θ(·|s_t)) when the exact entropy is given
     mismatch/entropy_sampled (1/N) Σ −log π_θ(a_t): sampled estimate (tokens drawn from μ ≈ π_θ)
+    correction/adaptive_*  the adaptive cap C_t, ESS(C_t), and whether C_t sat at its max or min (adaptive.py);
+                           only with --algo.correction.adaptive_ess_target
 
 r and ρ are clamped to e^±log_ratio_clamp (20) inside χ² and ESS, so one absurd token cannot overflow a
 float32 sum; KL estimators and |log r| use the exact log-ratio.
@@ -116,6 +118,8 @@ def metric_sums(c: dict, log_probs: torch.Tensor | None, entropy: torch.Tensor |
         kept_seq = indicator(torch.gt, n_kept_tok.squeeze(-1), 0)
         sums["weight"] = _moments(c["weights"].amax(-1), kept_seq, kept_seq.sum())
     del level_r
+    if c["adaptive"] is not None:  # what the adaptive rule chose: its cap, the ESS there, which case held
+        sums["adaptive"] = [value.to(valid.dtype) for value in c["adaptive"]]
     if entropy is not None:
         sums["entropy"] = [dot(torch.nan_to_num(entropy.detach().to(valid.dtype)), valid)]
     if log_probs is not None:
@@ -216,6 +220,8 @@ def metrics_from_sums(s: Sums, cfg: CorrectionConfig) -> dict[str, float]:
     out.update(zip(names.WEIGHT_RAW_STATS, raw_stats, strict=True))
     out.update(zip(names.WEIGHT_STATS, weight_stats, strict=True))
     out[names.ESS] = ess
+    if "adaptive" in s:
+        out.update(zip(names.ADAPTIVE_KEYS, s["adaptive"], strict=True))
 
     # what the correction did, as fractions of action tokens (0 for what this configuration never does)
     flags = [("truncated", names.TRUNCATED_FRAC), ("clipped_low", names.CLIPPED_LOW_FRAC),

@@ -8,6 +8,7 @@ Notation (docs/correction.md §1): log r_t = log π_old(a_t) − log μ(a_t), ov
     geometric  w_t = exp( (1/|V|) Σ_{s∈V} log r_s )          Geo (Miles)
 
     truncate   w ← min(w, U)                                TIS
+    adaptive   w ← min(w, C_t), C_t from this call's ratios   truncate with a cap by target ESS (adaptive.py)
     clip       w ← clamp(w, L, U)                           CIS (Miles)
     mask       keep iff L ≤ w ≤ U                           IcePop / MIS
     raw        w unchanged (|log w| ≤ 20 before exp)         vanilla IS
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .adaptive import adaptive_bound
 from .config import CorrectionConfig, RejectionCriterion
 from .metrics import metric_sums, metric_vector, metrics_from_sums, metrics_to_dict
 from .ops import dot, finite, indicator, zero_off
@@ -124,11 +126,12 @@ def clamped(r: torch.Tensor, cfg: CorrectionConfig) -> torch.Tensor:
     return r.clamp(math.exp(-cfg.log_ratio_clamp), math.exp(cfg.log_ratio_clamp))
 
 
-def _bounded(r: torch.Tensor, cfg: CorrectionConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _bounded(r: torch.Tensor, cfg: CorrectionConfig,
+             cap: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The weight after the mode's bounds (a tensor of its own), and 0/1 flags named for their metrics:
     where the bounds bind (truncate, clip), or `bounds_masked` where mode mask drops the token (the caller
-    drops it)."""
-    U, L = cfg.upper, cfg.lower_bound
+    drops it). `cap`: the adaptive bound (a 0-d tensor), which replaces `upper`."""
+    U, L = (cfg.upper if cap is None else cap), cfg.lower_bound
     if cfg.mode == "truncate":
         return r.clamp(max=U), {"truncated": indicator(torch.gt, r, U)}  # TIS: min(r, U)
     if cfg.mode == "clip":
@@ -198,8 +201,13 @@ def _core(old: torch.Tensor, roll: torch.Tensor, action_mask: torch.Tensor, log_
         r = r_tok
     else:
         r = torch.exp(lr_sum if cfg.level == "sequence" else lr_sum / nf)  # Π r, or exp(mean log r)
+    # The adaptive cap reads the valid tokens' ratios only (validate() keeps it to token-level truncation).
+    adaptive = None
+    if cfg.adaptive_ess_target is not None:
+        adaptive = adaptive_bound(r_tok, valid, cfg.adaptive_ess_target, cfg.adaptive_min_bound,
+                                  cfg.adaptive_max_bound)
     # Flags are 0/1 per token (B, T) or per sequence (B, 1), named for their metrics; they count on V only.
-    w, flags = _bounded(r, cfg)
+    w, flags = _bounded(r, cfg, None if adaptive is None else adaptive.bound.to(dt))
 
     keep = valid  # the survivors; each filter below drops its flagged tokens
 
@@ -245,7 +253,7 @@ def _core(old: torch.Tensor, roll: torch.Tensor, action_mask: torch.Tensor, log_
     return {
         "weights": weights, "keep": keep, "valid": valid, "lr": lr, "lr_sum": lr_sum, "nf": nf,
         "n_seq_tok": n_seq_tok, "n_act_tok": n_act_tok, "n_nonfinite": n_nonfinite,
-        "old": old, "roll": roll, "r": r, "r_tok": r_tok, "flags": flags, "norm": norm,
+        "old": old, "roll": roll, "r": r, "r_tok": r_tok, "flags": flags, "norm": norm, "adaptive": adaptive,
         "action": action,  # for the dumps only
     }
 

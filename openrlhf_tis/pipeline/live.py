@@ -9,6 +9,8 @@ from tqdm.auto import tqdm
 
 from openrlhf_tis.metric_names import (
     ABS_DP_MAX,
+    ADAPTIVE_BOUND,
+    ADAPTIVE_ESS,
     K3_KL,
     LAG_STALE,
     MASKED_FRAC,
@@ -35,9 +37,11 @@ def step_line(record: dict[str, Any], total: int) -> str:
         split = (f" (k3 lag 0 {fmt(mismatch_lag_key('k3', 0), '.2e')}, "
                  f"stale {fmt(mismatch_lag_key('k3', LAG_STALE), '.2e')})")
         lag = f"  lag {fmt(STALENESS_MEAN, '.2f')}{split}"
+    # The adaptive bound's choice only where it runs: the cap this step's micro-batches took, and their ESS.
+    cap = f"  cap {fmt(ADAPTIVE_BOUND, '.2f')} (ess {fmt(ADAPTIVE_ESS, '.3f')})" if ADAPTIVE_BOUND in record else ""
     return (f"step {record['step']}/{total}  reward {fmt(REWARD_MEAN, '.3f')}  "
             f"k3 {fmt(K3_KL, '.2e')}  max|Δp| {fmt(ABS_DP_MAX, '.3f')}  "
-            f"masked {fmt(MASKED_FRAC, '.3f')}{lag}  {fmt(STEP_SECONDS, '.1f')} s")
+            f"masked {fmt(MASKED_FRAC, '.3f')}{cap}{lag}  {fmt(STEP_SECONDS, '.1f')} s")
 
 
 class LiveCurves:

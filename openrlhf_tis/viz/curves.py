@@ -24,6 +24,8 @@ from matplotlib.lines import Line2D
 
 from openrlhf_tis.metric_names import (
     ABS_DP_MAX,
+    ADAPTIVE_BOUND,
+    ADAPTIVE_ESS,
     BUCKET_FRAC_KEYS,
     BUCKET_GAP_KEYS,
     BUCKET_NAMES,
@@ -75,6 +77,8 @@ PANELS: tuple[Panel, ...] = (
     # The k3 panel's gap by its source: lag-0 samples (precision) and stale ones (trainer/mismatch_by_lag.py).
     Panel("k3 by source: lag 0 | stale", _one(mismatch_lag_key("k3", 0), mismatch_lag_key("k3", LAG_STALE)),
           log=True),
+    # What the adaptive bound chose each step (correction/adaptive.py): its cap C_t and the ESS of its weights.
+    Panel("adaptive cap | ESS", _one(ADAPTIVE_BOUND, ADAPTIVE_ESS)),
 )
 
 

@@ -1,0 +1,94 @@
+"""The adaptive truncation bound: each call's TIS cap C chosen from its own ratios, by a target ESS.
+
+For the valid tokens' ratios r_1..r_n (r = π_old/μ) and a cap C, the truncated weights w_i = min(r_i, C) have the
+normalized effective sample size (Kong 1992; Owen, "Monte Carlo theory, methods and examples", §9.3)
+
+    ESS(C) = (Σ_i w_i)² / (n Σ_i w_i²) ∈ [1/n, 1],   1 − ESS = Var(w) / E[w²]  (the weights' relative spread).
+
+ESS(C) never increases with C: where k tokens are truncated, d log ESS / dC = 2k Σ_{r_i<C} r_i (r_i − C) / (S₁ S₂)
+≤ 0. The rule takes the loosest cap that keeps the spread within the target ρ, inside [C_min, C_max]:
+
+    C_t = C_max                                   if ESS(C_max) ≥ ρ      (little mismatch: "at max")
+    C_t = C_min                                   if ESS(C_min) < ρ      (target out of reach: "at min")
+    C_t = max{ C ∈ [C_min, C_max] : ESS(C) ≥ ρ }  otherwise              (the target binds)
+
+so the cap tightens as the mismatch spreads the ratios, and loosens to C_max as it vanishes; ratios all 1 give
+weights exactly 1 (no correction) at any cap. C_min = C_max = C is plain TIS with cap C, and so is any ρ ≤ 1/n
+(ESS ≥ 1/n always). Computed exactly: sorted ratios and their prefix sums give ESS at every ratio (the breakpoints
+of the piecewise rational ESS(C)), and between the two breakpoints that bracket ρ, ESS(C) = ρ is a quadratic in C.
+
+The idea that the batch's ESS should set the cap is P3O's (Fakoor et al. 2026, arXiv 2605.12380: the cap loosens
+as ESS → 1 and tightens as it drops); AIS (Zhou et al. 2026, arXiv 2605.13907) likewise adapts the correction's
+strength per batch from weight diagnostics, there as a mix of the corrected and uncorrected gradients. The
+cap-by-target-ESS rule is this module's own, derived from the ESS definition above; truncation itself is TIS
+(Ionides 2008, who caps at √n·mean w; Yao et al. 2025 for RL).
+
+Scope: one call, i.e. one micro-batch on one rank (the loss is called per micro-batch): the rule reads only the
+ratios that call weights, with no extra communication; the ESS is a ratio of sums, so a micro-batch of a few
+thousand tokens estimates it well (docs/correction.md).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class AdaptiveBound(NamedTuple):
+    """What the rule chose for one call: 0-d tensors (no host synchronization)."""
+
+    bound: torch.Tensor
+    """C_t, in [C_min, C_max]."""
+    ess: torch.Tensor
+    """ESS(C_t) of the valid tokens' truncated weights; 1 when there are none (or all weights are 0)."""
+    at_max: torch.Tensor
+    """1.0 where ESS(C_max) ≥ ρ: the cap sits at C_max, else 0.0."""
+    at_min: torch.Tensor
+    """1.0 where even ESS(C_min) < ρ: the cap sits at C_min, else 0.0."""
+
+
+def adaptive_bound(r: torch.Tensor, valid: torch.Tensor, ess_target: float, min_bound: float,
+                   max_bound: float) -> AdaptiveBound:
+    """The cap C_t of the module docstring for ratios `r` ≥ 0 (inf allowed) on the tokens where `valid` > 0.
+
+    Tokens off `valid` never enter: their ratios are replaced before anything reads them. Ratios above C_max are
+    read as C_max (no cap in [C_min, C_max] tells them apart), so inf is harmless; sums run in float64.
+    """
+    f64 = torch.float64
+    one = torch.ones((), dtype=f64, device=r.device)
+    if r.numel() == 0:
+        return AdaptiveBound(one * max_bound, one, one, one * 0)
+    on = valid.reshape(-1) > 0
+    keys = torch.where(on, r.reshape(-1).clamp(max=max_bound), torch.inf).sort().values  # V first, ascending
+    n = on.sum().to(f64)
+    idx = torch.arange(keys.numel(), device=r.device)
+    s = torch.where(idx < n, keys.to(f64), 0.0)  # the valid ratios, ascending, then zeros
+    zero = s.new_zeros(1)
+    s1, s2 = torch.cat([zero, s.cumsum(0)]), torch.cat([zero, (s * s).cumsum(0)])  # Σ of the first k, k = 0..N
+
+    def ess(cap: torch.Tensor) -> torch.Tensor:
+        """ESS(cap) for caps ≤ C_max, elementwise: the k ratios below the cap are kept, n − k are cut to it."""
+        k = torch.searchsorted(keys, cap.to(keys.dtype))
+        m = n - k
+        total, squares = s1[k] + m * cap, s2[k] + m * cap * cap
+        return torch.where(squares > 0, total * total / (n * squares).clamp(min=1e-300), 1.0)
+
+    rho = ess_target
+    lo_cap, hi_cap = one * min_bound, one * max_bound
+    at_max, at_min = ess(hi_cap) >= rho, ess(lo_cap) < rho
+    # The target binds: J breakpoints (valid ratios; C_max past them) keep ESS ≥ ρ, so the root lies in
+    # [s_{J−1}, s_J], where the J smallest ratios are kept and m = n − J are cut to C.
+    caps = torch.where(idx < n, keys.to(f64), hi_cap)
+    j = (ess(caps) >= rho).sum().clamp(max=keys.numel() - 1)
+    lo = torch.cat([zero, s])[j]
+    hi = caps[j]
+    a_sum, b_sum, m = s1[j], s2[j], n - j
+    # (A + mC)² = ρ n (B + mC²)  ⇔  a C² + b C + c = 0; b ≥ 0, so q avoids cancellation (Numerical Recipes §5.6)
+    a, b, c = m * m - rho * n * m, 2 * a_sum * m, a_sum * a_sum - rho * n * b_sum
+    q = -0.5 * (b + (b * b - 4 * a * c).clamp(min=0).sqrt())
+    roots = torch.stack([q / a, c / q]).nan_to_num(nan=-1.0)
+    inside = (roots >= lo) & (roots <= hi)
+    root = torch.where(inside[0], roots[0], roots[1]).clamp(min=torch.maximum(lo, lo_cap), max=torch.minimum(hi, hi_cap))
+    bound = torch.where(at_max, hi_cap, torch.where(at_min, lo_cap, root))
+    return AdaptiveBound(bound, ess(bound), at_max.to(f64), at_min.to(f64))
