@@ -78,6 +78,25 @@ def test_upstream_flags_map_onto_the_core(argv):
          "--algo.advantage.is_correction_mode"),
         (["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_threshold", "1.5", "5"],
          "--algo.advantage.is_correction_threshold"),  # upstream accepts it; it rejects all on-policy tokens
+        # the adaptive bound: parameters out of range, a fixed bound it would override, where it cannot apply
+        (["--algo.correction.preset", "adaptive", "--algo.correction.adaptive_ess_target", "0"],
+         "--algo.correction.adaptive_ess_target"),
+        (["--algo.correction.preset", "adaptive", "--algo.correction.adaptive_ess_target", "1.5"],
+         "--algo.correction.adaptive_ess_target"),
+        (["--algo.correction.preset", "adaptive", "--algo.correction.adaptive_min_bound", "0.5"],
+         "--algo.correction.adaptive_min_bound"),
+        (["--algo.correction.preset", "adaptive", "--algo.correction.adaptive_max_bound", "0.9"],
+         "--algo.correction.adaptive_max_bound"),
+        (["--algo.correction.preset", "adaptive", "--algo.correction.adaptive_max_bound", "inf"],
+         "--algo.correction.adaptive_max_bound"),
+        (["--algo.correction.preset", "adaptive", "--algo.correction.upper", "3"], "--algo.correction.upper"),
+        (["--algo.correction.preset", "adaptive", "--algo.correction.level", "sequence"], "--algo.correction.level"),
+        (["--algo.correction.preset", "adaptive", "--algo.correction.mode", "clip"], "--algo.correction.mode"),
+        (["--algo.correction.preset", "seq_mis", "--algo.correction.adaptive_ess_target", "0.9"],
+         "--algo.correction.level"),
+        (["--algo.correction.preset", "tis", "--algo.correction.adaptive_max_bound", "3"],
+         "--algo.correction.adaptive_max_bound"),  # no adaptive bound: nothing reads it
+        (["--algo.correction.preset", "adaptive", "--actor.policy_loss_type", "gspo"], "--algo.correction.preset"),
     ],
 )
 def test_bad_corrections_are_refused_naming_the_flag(argv, extra, flag, capsys):
@@ -99,6 +118,8 @@ def test_gspo_measures_the_mismatch_and_takes_sequence_level_corrections(argv, c
     assert _resolved(args) == CorrectionConfig(mode="none", loss="bypass_ppo")
     err = refused(gspo + ["--algo.correction.preset", "icepop"], capsys)
     assert "icepop sets --algo.correction.level" in err and "GSPO's ratio" in err and "seq_tis" in err
+    err = refused(gspo + ["--algo.correction.preset", "adaptive"], capsys)
+    assert "adaptive sets --algo.correction.adaptive_ess_target" in err and "GSPO's ratio" in err
 
 
 @pytest.mark.parametrize(("extra", "flag", "why"), [
@@ -158,13 +179,16 @@ EXPECTED_CORRECTION_OPTIONS = {
     "--algo.correction.preset": ("algo.correction.preset", _STORE, _STR, None, sorted(
         ["off", "ppo_is", "vanilla_is", "tis", "seq_tis", "icepop", "token_mis", "seq_mis", "geo_rs",
          "geo_rs_token_tis", "k3_rs", "mis_full", "opsm", "bypass_ppo", "bypass_reinforce", "upstream_tis",
-         "upstream_icepop", "upstream_seq_mask_tis"]), None),
+         "upstream_icepop", "upstream_seq_mask_tis", "adaptive"]), None),
     "--algo.correction.level": ("algo.correction.level", _STORE, _STR, None, ["token", "sequence", "geometric"],
                                 None),
     "--algo.correction.mode": ("algo.correction.mode", _STORE, _STR, None,
                                ["truncate", "clip", "mask", "raw", "none"], None),
     "--algo.correction.lower": ("algo.correction.lower", _STORE, _FLOAT, None, None, None),
     "--algo.correction.upper": ("algo.correction.upper", _STORE, _FLOAT, None, None, None),
+    "--algo.correction.adaptive_ess_target": ("algo.correction.adaptive_ess_target", _STORE, _FLOAT, None, None, None),
+    "--algo.correction.adaptive_min_bound": ("algo.correction.adaptive_min_bound", _STORE, _FLOAT, None, None, None),
+    "--algo.correction.adaptive_max_bound": ("algo.correction.adaptive_max_bound", _STORE, _FLOAT, None, None, None),
     "--algo.correction.rejection": ("algo.correction.rejection", _STORE, _STR, "+", None, None),
     "--algo.correction.veto_threshold": ("algo.correction.veto_threshold", _STORE, _FLOAT, None, None, None),
     "--algo.correction.veto_sides": ("algo.correction.veto_sides", _STORE, _STR, None, ["both", "low"], None),
@@ -212,3 +236,7 @@ def test_every_correction_flag_reaches_the_resolved_config(argv):
         veto_threshold=0.001, veto_sides="low", veto_min_prob=1e-6, opsm_delta=0.2, batch_normalize=True,
         normalize_scope="local", loss="bypass_reinforce", denominator="kept", nonfinite="token",
         log_ratio_clamp=10.0, compile=True, compile_metrics="off")
+    args = _parse(argv + [p + "preset", "tis", p + "adaptive_ess_target", "0.8", p + "adaptive_min_bound", "1.2",
+                          p + "adaptive_max_bound", "4"])
+    assert _resolved(args) == CorrectionConfig(adaptive_ess_target=0.8, adaptive_min_bound=1.2, adaptive_max_bound=4.0)
+    assert _resolved(_parse(argv + [p + "preset", "adaptive"])) == preset("adaptive")

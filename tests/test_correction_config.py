@@ -107,7 +107,7 @@ def test_json_roundtrip_of_every_preset():
 PRESET_NAMES = {
     "off", "ppo_is", "vanilla_is", "tis", "seq_tis", "icepop", "token_mis", "seq_mis", "geo_rs", "geo_rs_token_tis",
     "k3_rs", "mis_full", "opsm", "bypass_ppo", "bypass_reinforce", "upstream_tis", "upstream_icepop",
-    "upstream_seq_mask_tis",
+    "upstream_seq_mask_tis", "adaptive",
 }
 
 
@@ -181,7 +181,8 @@ def test_from_upstream_mapping():
 # Two values of each field that is read only in some configurations: a change between them must alter nothing where
 # `without_effect` names the field, and must be visible somewhere else (so the rule is neither vacuous nor too broad).
 CONDITIONAL = {"lower": (0.3, 0.4), "upper": (3.0, 4.0), "veto_sides": ("both", "low"),
-               "batch_normalize": (False, True), "normalize_scope": ("global", "local"), "denominator": ("all", "kept")}
+               "batch_normalize": (False, True), "normalize_scope": ("global", "local"), "denominator": ("all", "kept"),
+               "adaptive_min_bound": (1.0, 1.5), "adaptive_max_bound": (5.0, 1.5)}
 
 
 def _batch():
@@ -213,11 +214,13 @@ def _outcome(cfg: CorrectionConfig):
 
 
 def _configs():
-    """Every preset, and each with a ratio veto and with self-normalization, where that is a valid training config."""
+    """Every preset, and each with a ratio veto, with self-normalization and with a loose adaptive ESS target (where
+    the adaptive cap leaves its floor), where that is a valid training config."""
     variants = []
     for name, p in PRESETS.items():
         for label, cfg in ((name, p.config), (f"{name}+veto", p.config.replace(veto_threshold=1e-4)),
-                           (f"{name}+normalize", p.config.replace(batch_normalize=True))):
+                           (f"{name}+normalize", p.config.replace(batch_normalize=True)),
+                           (f"{name}+ess0.3", p.config.replace(adaptive_ess_target=0.3))):
             try:
                 variants.append((label, cfg.validate(training=True)))
             except CorrectionConfigError:

@@ -214,7 +214,8 @@ def test_sequence_level_presets_are_the_ones_gspo_takes():
     for name in set(PRESETS) - set(sequence_ratio_presets()):
         with pytest.raises(CorrectionConfigError, match="GSPO") as err:
             policy_loss(lp, old, adv, am, roll, preset(name), token_level_loss=False, sequence_ratio=True)
-        assert err.value.flag in ("--algo.correction.level", "--algo.correction.loss"), name
+        assert err.value.flag in ("--algo.correction.level", "--algo.correction.loss",
+                                  "--algo.correction.adaptive_ess_target"), name
 
 
 @pytest.mark.parametrize(("changes", "flag"), [
@@ -222,6 +223,7 @@ def test_sequence_level_presets_are_the_ones_gspo_takes():
     ({"level": "geometric", "mode": "none", "rejection": ("k3:token:0.1",)}, "--algo.correction.rejection"),
     ({"level": "sequence", "mode": "truncate", "nonfinite": "token"}, "--algo.correction.nonfinite"),
     ({"level": "sequence", "mode": "truncate", "loss": "bypass_reinforce"}, "--algo.correction.loss"),
+    ({"adaptive_ess_target": 0.9}, "--algo.correction.adaptive_ess_target"),
 ])
 def test_per_token_choices_are_refused_naming_their_flag(changes, flag):
     with pytest.raises(CorrectionConfigError) as err:

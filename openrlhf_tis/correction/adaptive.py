@@ -72,7 +72,7 @@ def adaptive_bound(r: torch.Tensor, valid: torch.Tensor, ess_target: float, min_
         k = torch.searchsorted(keys, cap.to(keys.dtype))
         m = n - k
         total, squares = s1[k] + m * cap, s2[k] + m * cap * cap
-        return torch.where(squares > 0, total * total / (n * squares).clamp(min=1e-300), 1.0)
+        return torch.where(squares > 0, total * total / (n * squares), 1.0)  # no weight above 0: all equal
 
     rho = ess_target
     lo_cap, hi_cap = one * min_bound, one * max_bound
@@ -89,6 +89,7 @@ def adaptive_bound(r: torch.Tensor, valid: torch.Tensor, ess_target: float, min_
     q = -0.5 * (b + (b * b - 4 * a * c).clamp(min=0).sqrt())
     roots = torch.stack([q / a, c / q]).nan_to_num(nan=-1.0)
     inside = (roots >= lo) & (roots <= hi)
-    root = torch.where(inside[0], roots[0], roots[1]).clamp(min=torch.maximum(lo, lo_cap), max=torch.minimum(hi, hi_cap))
+    root = torch.where(inside[0], roots[0], roots[1])
+    root = root.clamp(min=torch.maximum(lo, lo_cap), max=torch.minimum(hi, hi_cap))  # rounding stays in the bracket
     bound = torch.where(at_max, hi_cap, torch.where(at_min, lo_cap, root))
     return AdaptiveBound(bound, ess(bound), at_max.to(f64), at_min.to(f64))

@@ -141,15 +141,20 @@ class RejectionCriterion:
 
 
 BOUNDED_MODES = ("truncate", "clip", "mask")  # the modes that read `upper`
+ADAPTIVE_FIELDS = ("adaptive_ess_target", "adaptive_min_bound", "adaptive_max_bound")
 
 
 @dataclass(frozen=True)
 class ReadWhen:
-    """When a field is read at all: `holds(config)`; otherwise `why` (formatted with the config's fields) says
-    what it would need. A field read only then changes neither the loss nor any metric elsewhere."""
+    """When a field is read at all: `holds(config)`; otherwise `why` (formatted with the config's fields, or called
+    with the config) says what it would need. A field read only then changes neither the loss nor any metric
+    elsewhere."""
 
     holds: Callable[[CorrectionConfig], bool]
-    why: str
+    why: str | Callable[[CorrectionConfig], str]
+
+    def reason(self, config: CorrectionConfig) -> str:
+        return self.why(config) if callable(self.why) else self.why.format(**vars(config))
 
 
 def _option(default: Any, choices: tuple[str, ...] | None, doc: str, read_when: ReadWhen | None = None) -> Any:
@@ -187,9 +192,9 @@ class CorrectionConfig:
     upper: float = _option(
         2.0, None, """Upper bound on the weight (TIS cap C = 2, Yao et al. 2025).""",
         ReadWhen(lambda c: c.mode in BOUNDED_MODES and c.adaptive_ess_target is None,
-                 "it is read by mode truncate, clip or mask with a fixed bound only, and here the mode is {mode!r} "
-                 "with --algo.correction.adaptive_ess_target {adaptive_ess_target} (an adaptive bound replaces it; "
-                 "its ceiling is --algo.correction.adaptive_max_bound)"))
+                 lambda c: f"it is read by mode truncate, clip or mask only, and the mode is {c.mode!r}"
+                 if c.mode not in BOUNDED_MODES else "the adaptive bound (--algo.correction.adaptive_ess_target "
+                 f"{c.adaptive_ess_target}) replaces it; its ceiling is --algo.correction.adaptive_max_bound"))
     adaptive_ess_target: float | None = _option(
         None, None,
         """Adaptive TIS: ρ in (0, 1]; each micro-batch truncates at the loosest cap C in [adaptive_min_bound,
@@ -303,7 +308,7 @@ class CorrectionConfig:
         for f in dataclasses.fields(self):
             read_when = f.metadata["read_when"]
             if f.name in wanted and read_when is not None and not read_when.holds(self):
-                unread[f.name] = read_when.why.format(**vars(self))
+                unread[f.name] = read_when.reason(self)
         return unread
 
     # ── validation ──
@@ -434,8 +439,13 @@ class CorrectionConfig:
 
     # ── serialization (travels to Ray workers inside the argument namespace) ──
     def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON values. Without an adaptive bound its three fields are left out (`from_dict` restores
+        their defaults): a fixed-bound config records what it did before they existed, so its runs resume."""
         d = dataclasses.asdict(self)
         d["rejection"] = [c.spec() for c in self.rejection]
+        if self.adaptive_ess_target is None:
+            for name in ADAPTIVE_FIELDS:
+                del d[name]
         return d
 
     def to_json(self) -> str:
