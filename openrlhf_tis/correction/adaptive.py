@@ -56,16 +56,16 @@ def adaptive_bound(r: torch.Tensor, valid: torch.Tensor, ess_target: float, min_
     read as C_max (no cap in [C_min, C_max] tells them apart), so inf is harmless; sums run in float64.
     """
     f64 = torch.float64
-    one = torch.ones((), dtype=f64, device=r.device)
+    one = torch.ones(1, dtype=f64, device=r.device)  # scalars are 1-element tensors: indexing with one never syncs
+    lo_cap, hi_cap = one * min_bound, one * max_bound
     if r.numel() == 0:
-        return AdaptiveBound(one * max_bound, one, one, one * 0)
+        return AdaptiveBound(*(x.reshape(()) for x in (hi_cap, one, one, one * 0)))
     on = valid.reshape(-1) > 0
     keys = torch.where(on, r.reshape(-1).clamp(max=max_bound), torch.inf).sort().values  # V first, ascending
-    n = on.sum().to(f64)
+    n = on.sum(dtype=f64).reshape(1)
     idx = torch.arange(keys.numel(), device=r.device)
     s = torch.where(idx < n, keys.to(f64), 0.0)  # the valid ratios, ascending, then zeros
-    zero = s.new_zeros(1)
-    s1, s2 = torch.cat([zero, s.cumsum(0)]), torch.cat([zero, (s * s).cumsum(0)])  # Σ of the first k, k = 0..N
+    s1, s2 = (torch.cat([one * 0, x.cumsum(0)]) for x in (s, s * s))  # Σ r and Σ r² of the first k, k = 0..N
 
     def ess(cap: torch.Tensor) -> torch.Tensor:
         """ESS(cap) for caps ≤ C_max, elementwise: the k ratios below the cap are kept, n − k are cut to it."""
@@ -75,21 +75,18 @@ def adaptive_bound(r: torch.Tensor, valid: torch.Tensor, ess_target: float, min_
         return torch.where(squares > 0, total * total / (n * squares), 1.0)  # no weight above 0: all equal
 
     rho = ess_target
-    lo_cap, hi_cap = one * min_bound, one * max_bound
     at_max, at_min = ess(hi_cap) >= rho, ess(lo_cap) < rho
     # The target binds: J breakpoints (valid ratios; C_max past them) keep ESS ≥ ρ, so the root lies in
     # [s_{J−1}, s_J], where the J smallest ratios are kept and m = n − J are cut to C.
     caps = torch.where(idx < n, keys.to(f64), hi_cap)
-    j = (ess(caps) >= rho).sum().clamp(max=keys.numel() - 1)
-    lo = torch.cat([zero, s])[j]
-    hi = caps[j]
+    j = (ess(caps) >= rho).sum().clamp(max=keys.numel() - 1).reshape(1)
+    lo, hi = torch.cat([one * 0, s])[j], caps[j]
     a_sum, b_sum, m = s1[j], s2[j], n - j
     # (A + mC)² = ρ n (B + mC²)  ⇔  a C² + b C + c = 0; b ≥ 0, so q avoids cancellation (Numerical Recipes §5.6)
     a, b, c = m * m - rho * n * m, 2 * a_sum * m, a_sum * a_sum - rho * n * b_sum
     q = -0.5 * (b + (b * b - 4 * a * c).clamp(min=0).sqrt())
-    roots = torch.stack([q / a, c / q]).nan_to_num(nan=-1.0)
-    inside = (roots >= lo) & (roots <= hi)
-    root = torch.where(inside[0], roots[0], roots[1])
-    root = root.clamp(min=torch.maximum(lo, lo_cap), max=torch.minimum(hi, hi_cap))  # rounding stays in the bracket
+    first, second = (q / a).nan_to_num(nan=-1.0), (c / q).nan_to_num(nan=-1.0)
+    root = torch.where((first >= lo) & (first <= hi), first, second)
+    root = torch.minimum(torch.maximum(root, torch.maximum(lo, lo_cap)), torch.minimum(hi, hi_cap))  # in the bracket
     bound = torch.where(at_max, hi_cap, torch.where(at_min, lo_cap, root))
-    return AdaptiveBound(bound, ess(bound), at_max.to(f64), at_min.to(f64))
+    return AdaptiveBound(*(x.to(f64).reshape(()) for x in (bound, ess(bound), at_max, at_min)))
