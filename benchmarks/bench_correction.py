@@ -3,7 +3,8 @@
 Part 1, on a B×T batch (default 256×1024): the policy loss (forward + backward w.r.t. π_θ) with
     - upstream OpenRLHF 0.11.2 PolicyLoss, correction off            (the baseline, ratio 1.00)
     - upstream PolicyLoss with its own correction (token ICEPOP mask)
-    - the fork, correction off (metrics only), token TIS and the full MIS preset with every metric, eager;
+    - the fork, correction off (metrics only), token TIS, adaptive TIS (its cap chosen per call: a sort of the
+      call's ratios) and the full MIS preset with every metric, eager;
       then with the metrics pass compiled (`--algo.correction.compile_metrics`, the default on CUDA) and
       with the whole correction compiled (`--algo.correction.compile`)
 each with its time, its kernel count per call (torch.profiler: CUDA kernels on a GPU; on CPU the aten
@@ -158,12 +159,14 @@ def loss_steps(batch: list[torch.Tensor], upstream_policy_loss: type | None, com
         steps["upstream PolicyLoss, no correction"] = step(lambda lp: off(lp, old, adv, am, roll, **counts)[0])
         steps["upstream PolicyLoss, its own correction (token ICEPOP)"] = step(
             lambda lp: icepop(lp, old, adv, am, roll, **counts)[0])
-    for name, label in EAGER_ROWS.items():
+    rows = {name: label for name, label in EAGER_ROWS.items() if name in fork.PRESETS}  # an older revision's
+    for name, label in rows.items():
         steps[label] = fork_step(name)
     steps["fork, mis_full, no metrics"] = fork_step("mis_full", with_metrics=False)
     if compile and _has_compile_metrics(fork):
         for name, label in COMPILED_METRICS_ROWS.items():
-            steps[label] = fork_step(name, compile_metrics="on")
+            if name in fork.PRESETS:
+                steps[label] = fork_step(name, compile_metrics="on")
     if compile:
         steps["fork, mis_full + all metrics, whole correction compiled"] = fork_step("mis_full", compile=True)
     return steps
@@ -171,9 +174,11 @@ def loss_steps(batch: list[torch.Tensor], upstream_policy_loss: type | None, com
 
 EAGER_ROWS = {"off": "fork, off (metrics only) + all metrics, eager",
               "tis": "fork, tis + all metrics, eager",
+              "adaptive": "fork, adaptive + all metrics, eager",
               "mis_full": "fork, mis_full + all metrics, eager"}
 COMPILED_METRICS_ROWS = {"off": "fork, off + all metrics, metrics compiled",
                          "tis": "fork, tis + all metrics, metrics compiled",
+                         "adaptive": "fork, adaptive + all metrics, metrics compiled",
                          "mis_full": "fork, mis_full + all metrics, metrics compiled"}
 
 
@@ -217,7 +222,7 @@ def part1(args, upstream_policy_loss) -> None:
     if args.compile:
         fused_c = torch.compile(fused, dynamic=True)
         fns["fused pass, compiled (1 kernel)  <- reference"] = lambda: fused_c(old, roll, am)
-    for name in ("tis", "mis_full"):
+    for name in ("tis", "adaptive", "mis_full"):
         cfg = correction.preset(name, compile_metrics="off")
         fns[f"core {name}, eager, no metrics"] = lambda c=cfg: correction.compute_correction(old, roll, am, c,
                                                                                              with_metrics=False)
@@ -273,7 +278,7 @@ def part2(args) -> None:
     variants = {"": {"compile_metrics": "off"}}
     if args.compile:
         variants |= {", metrics compiled": {"compile_metrics": "on"}, ", compiled": {"compile": True}}
-    for name in ("tis", "mis_full"):
+    for name in ("tis", "adaptive", "mis_full"):
         for suffix, options in variants.items():
             c = correction.preset(name, **options)
             tag = name + suffix

@@ -12,7 +12,7 @@ tests/test_upstream_formula.py), and the rows that use it say so.
 
 Checks (`--checks` picks some):
     core      every preset in fp32 on the device against float64 on the CPU: loss, gradient, mask, weights and
-              every metric; with the metrics pass compiled (the CUDA default) for three presets as well
+              every metric; with the metrics pass compiled (the CUDA default) for four presets as well
     upstream  `off`, `upstream_icepop`, `upstream_tis`, `upstream_seq_mask_tis` against OpenRLHF 0.11.2's
               PolicyLoss on the device
     cost      the loss + metrics against upstream's PolicyLoss: time, kernels and peak memory
@@ -92,7 +92,7 @@ TOY_MODEL = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "nu
              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
              "tie_word_embeddings": True}
 REWARD = "dense_reward.py"  # the demo task's reward with its dense term: a random tiny model gets advantages
-COMPILED_PRESETS = ("tis", "mis_full", "seq_mis")
+COMPILED_PRESETS = ("tis", "adaptive", "mis_full", "seq_mis")
 UPSTREAM_SCHEMES = {"off": {},
                     "upstream_icepop": {"is_correction_level": "token", "is_correction_mode": "mask"},
                     "upstream_tis": {"is_correction_level": "token", "is_correction_mode": "clip"},
@@ -329,7 +329,7 @@ def _host_syncs(args, batch: list[torch.Tensor]) -> Row:
     lp0, old, roll, adv, am = batch
     counts = {"batch_num_tokens": am.sum(), "global_batch_size": float(am.shape[0]), "dp_size": 1}
     found = {}
-    for name in ("tis", "mis_full"):
+    for name in ("tis", "adaptive", "mis_full"):
         cfg = preset(name, compile_metrics="on")  # the CUDA default ("auto"), compiled once for every check
         policy_loss(lp0, old, adv, am, roll, cfg, **counts)  # warm, compiled
         torch.cuda.synchronize()

@@ -31,7 +31,7 @@ def _batch(B: int = 8, T: int = 64, seed: int = 0) -> list[torch.Tensor]:
     return [lp, old, roll, adv, am]
 
 
-@pytest.mark.parametrize("name", ["off", "tis", "mis_full"])
+@pytest.mark.parametrize("name", ["off", "tis", "adaptive", "mis_full"])
 def test_loss_with_every_metric_holds_at_most_1_25x_upstreams_peak_memory(name):
     steps = bench.loss_steps(bench.make_batch(32, 512, "cpu"), PolicyLoss, compile=False)
     upstream = bench.peak_memory(steps["upstream PolicyLoss, no correction"], "cpu")

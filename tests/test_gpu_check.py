@@ -54,10 +54,10 @@ def test_every_check_runs_on_the_cpu_and_agrees(tmp_path):
     assert {row["expected"] for row in by_check["upstream"]} == {"OpenRLHF PolicyLoss: 1e-6 rel"}
     cost = {row["case"].rsplit(",", 1)[0]: row for row in by_check["cost"]}
     assert cost["upstream PolicyLoss, no correction"]["result"].count("(1.00×)") == 3  # the baseline
-    for name in ("off (metrics only)", "tis", "mis_full"):
+    for name in ("off (metrics only)", "tis", "adaptive", "mis_full"):
         assert cost[f"{name} + all metrics, eager"]["status"] in ("goal met", "over goal")
     assert cost["host syncs per call"]["status"].startswith("skipped: CUDA only")
-    assert [row["case"].split(" ")[0] for row in by_check["step"]] == ["off", "tis", "mis_full"]
+    assert [row["case"].split(" ")[0] for row in by_check["step"]] == ["off", "tis", "adaptive", "mis_full"]
     (cli,) = by_check["cli"]
     assert cli["status"].startswith("skipped: needs a CUDA device")
     for row in rows:  # every row is in the printed table
@@ -263,7 +263,7 @@ def _assert_upstream_is_the_statement(by_check: dict[str, list[dict]]) -> None:
         assert row["status"] == "ok" and row["expected"] == f"{STATED}: 1e-6 rel", row
     cost = {row["case"].rsplit(",", 1)[0]: row for row in by_check["cost"]}
     assert cost["upstream PolicyLoss (stated formula), no correction"]["result"].count("(1.00×)") == 3
-    for name in ("off (metrics only)", "tis", "mis_full"):
+    for name in ("off (metrics only)", "tis", "adaptive", "mis_full"):
         row = cost[f"{name} + all metrics, eager"]
         assert row["status"] in ("goal met", "over goal") and row["expected"].endswith(f"(baseline: {STATED})")
 
@@ -318,7 +318,7 @@ def test_the_prepared_folder_is_under_64_mib_and_runs_the_check_alone(tmp_path):
     by_check = _by_check(rows)
     assert {row["status"] for row in by_check["core"]} == {"ok"}
     _assert_upstream_is_the_statement(by_check)
-    assert [row["case"].split(" ")[0] for row in by_check["step"]] == ["off", "tis", "mis_full"]
+    assert [row["case"].split(" ")[0] for row in by_check["step"]] == ["off", "tis", "adaptive", "mis_full"]
     for row in by_check["step"]:
         assert "vs upstream (stated formula)" in row["result"] and row["expected"] == f"≤ 1.02× (baseline: {STATED})"
     (cli,) = by_check["cli"]

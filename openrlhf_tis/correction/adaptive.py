@@ -53,7 +53,9 @@ def adaptive_bound(r: torch.Tensor, valid: torch.Tensor, ess_target: float, min_
     """The cap C_t of the module docstring for ratios `r` ≥ 0 (inf allowed) on the tokens where `valid` > 0.
 
     Tokens off `valid` never enter: their ratios are replaced before anything reads them. Ratios above C_max are
-    read as C_max (no cap in [C_min, C_max] tells them apart), so inf is harmless; sums run in float64.
+    read as C_max (no cap in [C_min, C_max] tells them apart), so inf is harmless. Sums run in r's dtype (float32
+    in training: the cap to ~1e-5 relative), the final quadratic in float64; the full-size temporaries are a few
+    planes of r's size, updated in place (ops.py), and there is no host synchronization.
     """
     f64 = torch.float64
     one = torch.ones(1, dtype=f64, device=r.device)  # scalars are 1-element tensors: indexing with one never syncs
@@ -61,32 +63,38 @@ def adaptive_bound(r: torch.Tensor, valid: torch.Tensor, ess_target: float, min_
     if r.numel() == 0:
         return AdaptiveBound(*(x.reshape(()) for x in (hi_cap, one, one, one * 0)))
     on = valid.reshape(-1) > 0
-    keys = torch.where(on, r.reshape(-1).clamp(max=max_bound), torch.inf).sort().values  # V first, ascending
     n = on.sum(dtype=f64).reshape(1)
-    idx = torch.arange(keys.numel(), device=r.device)
-    s = torch.where(idx < n, keys.to(f64), 0.0)  # the valid ratios, ascending, then zeros
-    s1, s2 = (torch.cat([one * 0, x.cumsum(0)]) for x in (s, s * s))  # Σ r and Σ r² of the first k, k = 0..N
+    # the valid ratios ascending, then zeros (off V: +inf sorts last, then reads as 0)
+    s = r.reshape(-1).clamp(max=max_bound).masked_fill_(~on, torch.inf).sort().values.nan_to_num_(posinf=0.0)
 
     def ess(cap: torch.Tensor) -> torch.Tensor:
-        """ESS(cap) for caps ≤ C_max, elementwise: the k ratios below the cap are kept, n − k are cut to it."""
-        k = torch.searchsorted(keys, cap.to(keys.dtype))
-        m = n - k
-        total, squares = s1[k] + m * cap, s2[k] + m * cap * cap
+        """ESS(cap), one pass: the zeros after V add nothing to either sum."""
+        w = s.clamp(max=cap.to(s.dtype))
+        total, squares = w.sum(dtype=f64), torch.dot(w, w).to(f64)
         return torch.where(squares > 0, total * total / (n * squares), 1.0)  # no weight above 0: all equal
 
     rho = ess_target
     at_max, at_min = ess(hi_cap) >= rho, ess(lo_cap) < rho
-    # The target binds: J breakpoints (valid ratios; C_max past them) keep ESS ≥ ρ, so the root lies in
-    # [s_{J−1}, s_J], where the J smallest ratios are kept and m = n − J are cut to C.
-    caps = torch.where(idx < n, keys.to(f64), hi_cap)
-    j = (ess(caps) >= rho).sum().clamp(max=keys.numel() - 1).reshape(1)
-    lo, hi = torch.cat([one * 0, s])[j], caps[j]
-    a_sum, b_sum, m = s1[j], s2[j], n - j
+    # ESS at each breakpoint C = s_j: the j smaller ratios kept, s_j and the n − 1 − j after it cut to s_j
+    # (ties cut or kept alike). Past V (s_j = 0) it reads ESS(C_max). ESS(s_j) ≥ ρ ⇔ total ≥ √(ρ n squares).
+    after = torch.arange(s.numel(), device=s.device, dtype=s.dtype).neg_().add_(n.to(s.dtype) - 1)  # n − 1 − j
+    sq = s * s
+    total, squares = s.cumsum(0).addcmul_(after, s), sq.cumsum(0).addcmul_(after, sq)
+    del after, sq
+    scale = (rho * n).to(s.dtype)
+    j = (total >= squares.mul_(scale).sqrt_()).sum().clamp(max=s.numel() - 1).reshape(1)
+    # The target binds: ESS(s_{J−1}) ≥ ρ > ESS(s_J), so C ∈ [s_{J−1}, s_J] where the J smallest ratios are kept
+    # (A = Σ, B = Σ², read back from the breakpoint sums) and m = n − J are cut to C.
+    m = n - j
+    s_j = s[j].to(f64)
+    lo = torch.where(j > 0, s[(j - 1).clamp(min=0)].to(f64), 0.0)
+    a_sum = total[j].to(f64) - m * s_j
+    b_sum = (squares[j].to(f64).square() / (rho * n) - m * s_j * s_j).clamp(min=0)
     # (A + mC)² = ρ n (B + mC²)  ⇔  a C² + b C + c = 0; b ≥ 0, so q avoids cancellation (Numerical Recipes §5.6)
     a, b, c = m * m - rho * n * m, 2 * a_sum * m, a_sum * a_sum - rho * n * b_sum
     q = -0.5 * (b + (b * b - 4 * a * c).clamp(min=0).sqrt())
     first, second = (q / a).nan_to_num(nan=-1.0), (c / q).nan_to_num(nan=-1.0)
-    root = torch.where((first >= lo) & (first <= hi), first, second)
-    root = torch.minimum(torch.maximum(root, torch.maximum(lo, lo_cap)), torch.minimum(hi, hi_cap))  # in the bracket
+    root = torch.where((first >= lo) & (first <= s_j), first, second)
+    root = torch.minimum(torch.maximum(root, torch.maximum(lo, lo_cap)), torch.minimum(s_j, hi_cap))  # in bracket
     bound = torch.where(at_max, hi_cap, torch.where(at_min, lo_cap, root))
     return AdaptiveBound(*(x.to(f64).reshape(()) for x in (bound, ess(bound), at_max, at_min)))
