@@ -48,6 +48,17 @@ class AdaptiveBound(NamedTuple):
     """1.0 where even ESS(C_min) < ρ: the cap sits at C_min, else 0.0."""
 
 
+_SAME_WIDTH_INT = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+                   torch.bfloat16: torch.int16}
+
+
+def _sorted(x: torch.Tensor) -> torch.Tensor:
+    """x ≥ 0 (+inf allowed, no NaN) in ascending order. Non-negative IEEE floats order as their bit patterns read as
+    signed integers of the same width, and torch sorts integers by radix on the CPU: 4-6x faster than its float
+    sort on 262,144 ratios (one thread); on a GPU both are radix sorts."""
+    return x.view(_SAME_WIDTH_INT[x.dtype]).sort().values.view(x.dtype)
+
+
 def adaptive_bound(r: torch.Tensor, valid: torch.Tensor, ess_target: float, min_bound: float,
                    max_bound: float) -> AdaptiveBound:
     """The cap C_t of the module docstring for ratios `r` ≥ 0 (inf allowed) on the tokens where `valid` > 0.
@@ -63,14 +74,14 @@ def adaptive_bound(r: torch.Tensor, valid: torch.Tensor, ess_target: float, min_
     if r.numel() == 0:
         return AdaptiveBound(*(x.reshape(()) for x in (hi_cap, one, one, one * 0)))
     on = valid.reshape(-1) > 0
-    n = on.sum(dtype=f64).reshape(1)
+    n = torch.count_nonzero(on).to(f64).reshape(1)  # a sum would first copy the mask to a wider dtype
     # the valid ratios ascending, then zeros (off V: +inf sorts last, then reads as 0)
-    s = r.reshape(-1).clamp(max=max_bound).masked_fill_(~on, torch.inf).sort().values.nan_to_num_(posinf=0.0)
+    s = _sorted(r.reshape(-1).clamp(max=max_bound).masked_fill_(~on, torch.inf)).nan_to_num_(posinf=0.0)
 
     def ess(cap: torch.Tensor) -> torch.Tensor:
         """ESS(cap), one pass: the zeros after V add nothing to either sum."""
         w = s.clamp(max=cap.to(s.dtype))
-        total, squares = w.sum(dtype=f64), torch.dot(w, w).to(f64)
+        total, squares = w.sum().to(f64), torch.dot(w, w).to(f64)
         return torch.where(squares > 0, total * total / (n * squares), 1.0)  # no weight above 0: all equal
 
     rho = ess_target
@@ -82,7 +93,7 @@ def adaptive_bound(r: torch.Tensor, valid: torch.Tensor, ess_target: float, min_
     total, squares = s.cumsum(0).addcmul_(after, s), sq.cumsum(0).addcmul_(after, sq)
     del after, sq
     scale = (rho * n).to(s.dtype)
-    j = (total >= squares.mul_(scale).sqrt_()).sum().clamp(max=s.numel() - 1).reshape(1)
+    j = torch.count_nonzero(total >= squares.mul_(scale).sqrt_()).clamp(max=s.numel() - 1).reshape(1)
     # The target binds: ESS(s_{J−1}) ≥ ρ > ESS(s_J), so C ∈ [s_{J−1}, s_J] where the J smallest ratios are kept
     # (A = Σ, B = Σ², read back from the breakpoint sums) and m = n − J are cut to C.
     m = n - j
