@@ -65,8 +65,9 @@ def adaptive_bound(r: torch.Tensor, valid: torch.Tensor, ess_target: float, min_
 
     Tokens off `valid` never enter: their ratios are replaced before anything reads them. Ratios above C_max are
     read as C_max (no cap in [C_min, C_max] tells them apart), so inf is harmless. Sums run in r's dtype (float32
-    in training: the cap to ~1e-5 relative), the final quadratic in float64; the full-size temporaries are a few
-    planes of r's size, updated in place (ops.py), and there is no host synchronization.
+    in training: the cap to ~1e-5 relative, tests/test_correction_adaptive.py), the final quadratic in float64;
+    the full-size temporaries are a few planes of r's size, updated in place (ops.py), and there is no host
+    synchronization.
     """
     f64 = torch.float64
     one = torch.ones(1, dtype=f64, device=r.device)  # scalars are 1-element tensors: indexing with one never syncs
