@@ -70,43 +70,48 @@ def adaptive_bound(r: torch.Tensor, valid: torch.Tensor, ess_target: float, min_
     synchronization.
     """
     f64 = torch.float64
-    one = torch.ones(1, dtype=f64, device=r.device)  # scalars are 1-element tensors: indexing with one never syncs
-    lo_cap, hi_cap = one * min_bound, one * max_bound
     if r.numel() == 0:
-        return AdaptiveBound(*(x.reshape(()) for x in (hi_cap, one, one, one * 0)))
+        one = torch.ones((), dtype=f64, device=r.device)
+        return AdaptiveBound(one * max_bound, one, one, one * 0)
     on = valid.reshape(-1) > 0
-    n = torch.count_nonzero(on).to(f64).reshape(1)  # a sum would first copy the mask to a wider dtype
+    n = torch.count_nonzero(on).to(f64)  # a sum would first copy the mask to a wider dtype
     # the valid ratios ascending, then zeros (off V: +inf sorts last, then reads as 0)
     s = _sorted(r.reshape(-1).clamp(max=max_bound).masked_fill_(~on, torch.inf)).nan_to_num_(posinf=0.0)
-
-    def ess(cap: torch.Tensor) -> torch.Tensor:
-        """ESS(cap), one pass: the zeros after V add nothing to either sum."""
-        w = s.clamp(max=cap.to(s.dtype))
-        total, squares = w.sum().to(f64), torch.dot(w, w).to(f64)
-        return torch.where(squares > 0, total * total / (n * squares), 1.0)  # no weight above 0: all equal
-
     rho = ess_target
-    at_max, at_min = ess(hi_cap) >= rho, ess(lo_cap) < rho
+
+    def ess(total: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
+        """(Σw)² / (n Σw²) from the sums; 1 where no weight is above 0 (all equal)."""
+        return torch.where(squares > 0, total * total / (n * squares), 1.0)
+
+    # ESS(C_min) and ESS(C_max), a pass each: the zeros after V add nothing to either sum
+    cut = [s.clamp(max=cap) for cap in (min_bound, max_bound)]
+    sums = torch.stack([w.sum() for w in cut] + [torch.dot(w, w) for w in cut]).to(f64)
+    del cut
+    ess_min, ess_max = ess(sums[:2], sums[2:]).unbind()
+    at_max, at_min = ess_max >= rho, (ess_min < rho) & (ess_max < rho)
     # ESS at each breakpoint C = s_j: the j smaller ratios kept, s_j and the n − 1 − j after it cut to s_j
     # (ties cut or kept alike). Past V (s_j = 0) it reads ESS(C_max). ESS(s_j) ≥ ρ ⇔ total ≥ √(ρ n squares).
     after = torch.arange(s.numel(), device=s.device, dtype=s.dtype).neg_().add_(n.to(s.dtype) - 1)  # n − 1 − j
     sq = s * s
     total, squares = s.cumsum(0).addcmul_(after, s), sq.cumsum(0).addcmul_(after, sq)
     del after, sq
-    scale = (rho * n).to(s.dtype)
-    j = torch.count_nonzero(total >= squares.mul_(scale).sqrt_()).clamp(max=s.numel() - 1).reshape(1)
+    j = torch.count_nonzero(total >= squares.mul_((rho * n).to(s.dtype)).sqrt_()).clamp(max=s.numel() - 1)
+    j = j.reshape(1)  # a 1-element index: reading s[j] needs no host synchronization
     # The target binds: ESS(s_{J−1}) ≥ ρ > ESS(s_J), so C ∈ [s_{J−1}, s_J] where the J smallest ratios are kept
     # (A = Σ, B = Σ², read back from the breakpoint sums) and m = n − J are cut to C.
-    m = n - j
-    s_j = s[j].to(f64)
-    lo = torch.where(j > 0, s[(j - 1).clamp(min=0)].to(f64), 0.0)
-    a_sum = total[j].to(f64) - m * s_j
-    b_sum = (squares[j].to(f64).square() / (rho * n) - m * s_j * s_j).clamp(min=0)
+    s_j, s_before, total_j, root_j = torch.cat([s[j], s[(j - 1).clamp(min=0)], total[j], squares[j]]).to(f64).unbind()
+    lo = torch.where(j[0] > 0, s_before, 0.0)
+    m = n - j[0]
+    a_sum = total_j - m * s_j
+    b_sum = (root_j * root_j / (rho * n) - m * s_j * s_j).clamp(min=0)
     # (A + mC)² = ρ n (B + mC²)  ⇔  a C² + b C + c = 0; b ≥ 0, so q avoids cancellation (Numerical Recipes §5.6)
     a, b, c = m * m - rho * n * m, 2 * a_sum * m, a_sum * a_sum - rho * n * b_sum
     q = -0.5 * (b + (b * b - 4 * a * c).clamp(min=0).sqrt())
     first, second = (q / a).nan_to_num(nan=-1.0), (c / q).nan_to_num(nan=-1.0)
     root = torch.where((first >= lo) & (first <= s_j), first, second)
-    root = torch.minimum(torch.maximum(root, torch.maximum(lo, lo_cap)), torch.minimum(s_j, hi_cap))  # in bracket
-    bound = torch.where(at_max, hi_cap, torch.where(at_min, lo_cap, root))
-    return AdaptiveBound(*(x.to(f64).reshape(()) for x in (bound, ess(bound), at_max, at_min)))
+    root = root.clamp(min=max(min_bound, 0.0)).maximum(lo).minimum(s_j).clamp(max=max_bound)  # in the bracket
+    bound = torch.where(at_max, max_bound, torch.where(at_min, min_bound, root))
+    # ESS(C_t): at a limit, read above; inside, segment J's sums (C_t lies in it)
+    inside = ess(a_sum + m * bound, b_sum + m * bound * bound)
+    return AdaptiveBound(bound, torch.where(at_max, ess_max, torch.where(at_min, ess_min, inside)),
+                         at_max.to(f64), at_min.to(f64))
