@@ -8,9 +8,11 @@ numpy only: the metrics run on the host on what the forward recorded.
 
     moe/routing_agreement           share of routed (token, layer) pairs with equal top-k sets
     moe/routing_agreement_layer_<i> the same share in decoder layer i (only layers with experts)
-    moe/tokens_routing_differed     share of tokens with at least one layer whose sets differ
+    moe/tokens_routing_differed     share of compared tokens with at least one layer whose sets differ
     moe/k3_routing_differed         (1/N_d) Σ (r − 1 − log r) over those tokens, log r = log π − log μ
-    moe/k3_routing_same             the same over the tokens routed alike in every layer
+    moe/k3_routing_same             the same over the compared tokens routed alike in every layer
+
+A token is compared when both routings routed it in at least one layer; the others count in none of these.
 """
 
 from __future__ import annotations
@@ -61,6 +63,12 @@ def routing_differed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (routed(a, b) & ~same_expert_sets(a, b)).any(axis=-1)
 
 
+def compared(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """(tokens,): both routings routed the token in at least one layer (vLLM does not route a sample's last
+    token: the engine never runs it through the model)."""
+    return routed(a, b).any(axis=-1)
+
+
 def k3(log_ratio: np.ndarray) -> float:
     """Mean of r − 1 − log r (NaN for no tokens); expm1 keeps it exact for |log r| near 0."""
     log_ratio = np.asarray(log_ratio, dtype=np.float64)
@@ -72,15 +80,15 @@ def routing_metrics(engine: np.ndarray, trainer: np.ndarray, log_ratio: np.ndarr
     `log_ratio` (tokens,) = log π − log μ of each token under the trainer's and the engine's policy."""
     both = routed(engine, trainer)
     same = same_expert_sets(engine, trainer)
-    differed = routing_differed(engine, trainer)
+    differed, seen = routing_differed(engine, trainer), compared(engine, trainer)
     log_ratio = np.asarray(log_ratio, dtype=np.float64)
     if log_ratio.shape != differed.shape:
         raise ValueError(f"one log-ratio per token expected: {differed.shape}, got {log_ratio.shape}")
     metrics = {
         AGREEMENT: float((same & both).sum() / both.sum()) if both.any() else float("nan"),
-        TOKENS_DIFFERED: float(differed.mean()) if differed.size else float("nan"),
+        TOKENS_DIFFERED: float(differed.sum() / seen.sum()) if seen.any() else float("nan"),
         K3_DIFFERED: k3(log_ratio[differed]),
-        K3_SAME: k3(log_ratio[~differed]),
+        K3_SAME: k3(log_ratio[seen & ~differed]),
     }
     for layer, share in enumerate(agreement_by_layer(engine, trainer)):
         if both[:, layer].any():
