@@ -32,7 +32,7 @@ from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from openrlhf_tis.errors import UsageError
-from openrlhf_tis.moe.coverage import replay_refusal
+from openrlhf_tis.moe.coverage import REPLAY_FLAG, replay_refusal
 from openrlhf_tis.moe.routing_metrics import NO_ROUTE
 from openrlhf_tis.patches._guard import reclass
 
@@ -112,7 +112,7 @@ _FORK_ROUTERS: dict[type, type[_ReplayingRouter]] = {
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def install_routing_replay(model: nn.Module, *, flag: str = "--vllm.routing_replay") -> dict[int, nn.Module]:
+def install_routing_replay(model: nn.Module, *, flag: str = REPLAY_FLAG) -> dict[int, nn.Module]:
     """Re-class every top-k router of `model` for replay; return them by decoder layer index.
 
     Refuses (UsageError naming `flag`) a dense model, an architecture whose router is not covered, and a router
