@@ -224,3 +224,40 @@ def test_another_transformers_is_refused_before_any_router_changes(monkeypatch):
     with pytest.raises(UnsupportedUpstreamError, match=r"moe/routing_replay\.py.*transformers>=5\.19,<5\.20.*5\.20\.0"):
         install_routing_replay(model)
     assert all(type(m).__name__ != "ReplayMixtralTopKRouter" for m in model.modules())
+
+
+def _router_grads(model, ids, replayed, *, backward_inside: bool) -> list[torch.Tensor]:
+    model.zero_grad()
+    routers, layers = install_routing_replay(model), model.config.num_hidden_layers
+    with replaying(routers, replayed, num_layers=layers):
+        loss = model(ids).logits.float().pow(2).mean()
+        if backward_inside:
+            loss.backward()
+    if not backward_inside:
+        loss.backward()
+    return [r.weight.grad.clone() for r in routers.values()]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_with_gradient_checkpointing_the_backward_belongs_inside_the_block(reentrant):
+    """The backward recomputes each layer's forward: inside `replaying` it routes as replayed (the gradients equal
+    those without checkpointing). After the block it would route on its own: torch's non-reentrant checkpointing
+    (OpenRLHF's default) refuses the different recomputation, the reentrant one silently gives other gradients."""
+    from torch.utils.checkpoint import CheckpointError
+
+    model, ids = _model("qwen3_moe").train(), _tokens()
+    routers, layers = install_routing_replay(model), model.config.num_hidden_layers
+    with torch.no_grad(), replaying(routers, None, num_layers=layers) as record:
+        model(ids)
+    other = _other_experts(record.trainer_choice(), model.config.num_experts)
+    plain = _router_grads(model, ids, other, backward_inside=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    inside = _router_grads(model, ids, other, backward_inside=True)
+    for a, b in zip(plain, inside, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+    if not reentrant:
+        with pytest.raises(CheckpointError):
+            _router_grads(model, ids, other, backward_inside=False)
+        return
+    outside = _router_grads(model, ids, other, backward_inside=False)
+    assert any(not torch.allclose(a, b, rtol=1e-3, atol=1e-6) for a, b in zip(plain, outside, strict=True))
