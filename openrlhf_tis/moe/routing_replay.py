@@ -142,19 +142,18 @@ def install_routing_replay(model: nn.Module, *, flag: str = REPLAY_FLAG) -> dict
 class RoutingRecord:
     """What the routers chose in the forwards inside one `replaying` block."""
 
-    routers: Mapping[int, nn.Module]
     num_layers: int
-    _routes: dict[int, _RouterRoutes] = field(default_factory=dict)
+    routes: dict[int, _RouterRoutes] = field(default_factory=dict)
 
     def trainer_choice(self) -> torch.Tensor:
         """The trainer's own top-k per (token, layer) in the last forward: (tokens, num_layers, k), NO_ROUTE in
         the slots of layers without experts."""
-        own = [routes.own for routes in self._routes.values()]
+        own = [routes.own for routes in self.routes.values()]
         if any(o is None for o in own):
             raise RuntimeError("routing replay: no forward ran inside the replaying block")
         tokens, k = own[0].shape
         choice = torch.full((tokens, self.num_layers, k), NO_ROUTE, dtype=torch.long)
-        for layer, routes in self._routes.items():
+        for layer, routes in self.routes.items():
             choice[:, layer] = routes.own.cpu()
         return choice
 
@@ -194,11 +193,11 @@ def replaying(routers: Mapping[int, nn.Module], replayed: torch.Tensor | None, *
     With gradient checkpointing the backward recomputes the forward: keep it inside the block too.
     """
     flat = None if replayed is None else _check_replayed(replayed, routers, num_layers)
-    record = RoutingRecord(routers, num_layers)
+    record = RoutingRecord(num_layers)
     for layer, router in routers.items():
         device = router.weight.device
         routes = _RouterRoutes(None if flat is None else flat[:, layer].contiguous().to(device))
-        record._routes[layer] = routes
+        record.routes[layer] = routes
         setattr(router, _STATE, routes)
     try:
         yield record
