@@ -70,3 +70,19 @@ def check_model_path(flag: str, path: str | None, *, required: bool = False) -> 
     if not hub_reachable():
         raise UsageError(flag, f"model path {path!r} does not exist, and as a hub id it is not in the local cache "
                          "and the hub cannot be reached (no network?)")
+
+
+def read_model_config(flag: str, path: str) -> dict:
+    """config.json of a model `check_model_path` accepted: a local directory's, or a hub id's (from the cache, or
+    downloaded when the hub is on)."""
+    if os.path.isdir(path):
+        config = os.path.join(path, "config.json")
+    else:
+        from huggingface_hub import hf_hub_download
+
+        try:
+            config = hf_hub_download(path, "config.json")
+        except Exception as err:  # the hub's errors have no common base beyond this
+            raise UsageError(flag, f"config.json of {path!r} cannot be read ({err})") from None
+    with open(config, encoding="utf-8") as f:
+        return json.load(f)

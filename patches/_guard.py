@@ -116,16 +116,17 @@ def swapped(owner: Any, attr: str, new: Any, *, patch: str) -> Iterator[Any]:
             setattr(owner, attr, own)
 
 
-def reclass(obj: Any, fork_class: type, *, supported: str, patch: str, overrides: tuple[str, ...] = ()) -> None:
-    """Make the live OpenRLHF object `obj` an instance of `fork_class`, keeping every attribute its constructor set.
+def reclass(obj: Any, fork_class: type, *, supported: str, patch: str, overrides: tuple[str, ...] = (),
+            distribution: str = "openrlhf") -> None:
+    """Make the live upstream object `obj` an instance of `fork_class`, keeping every attribute its constructor set.
 
     For an object upstream builds where it offers no factory: `fork_class` subclasses the exact class upstream
     built and adds or overrides methods only (its own set-up, if any, is the caller's next call). Idempotent.
-    Refuses an openrlhf outside `supported`, an object of any other class than the one `fork_class` extends, and
-    one whose class lacks a method named in `overrides` (those `fork_class` overrides: a renamed upstream method
-    would silently bypass the fork's).
+    Refuses a `distribution` (the package that defines `obj`'s class) outside `supported`, an object of any other
+    class than the one `fork_class` extends, and one whose class lacks a method named in `overrides` (those
+    `fork_class` overrides: a renamed upstream method would silently bypass the fork's).
     """
-    require_version("openrlhf", supported, patch=patch)
+    require_version(distribution, supported, patch=patch)
     if isinstance(obj, fork_class):
         return
     if type(obj) not in fork_class.__bases__:

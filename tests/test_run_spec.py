@@ -16,6 +16,7 @@ from run_spec_cases import CASES, PIN, resolve_cases
 
 from openrlhf_tis.correction import preset
 from openrlhf_tis.runs.config import (
+    ADDED_LATER,
     LEGACY_CORRECTION_KEY,
     RESUME_IGNORED,
     RunConfigMismatch,
@@ -45,6 +46,7 @@ def test_upstream_receives_what_it_did_before_the_spec(resolved, name):
     old, new = json.loads(PIN.read_text())[name], resolved[name]
     upstream_sees = {k: v for k, v in new.items() if not k.startswith(SPEC_DEST + ".") and k != STARTED}
     assert upstream_sees.pop("cluster.device") == "auto"  # the flag keeps what was asked; the decision is the spec's
+    assert {k: upstream_sees.pop(k) for k in ADDED_LATER} == ADDED_LATER  # flags added since: at what the pin did
     assert upstream_sees == {k: v for k, v in old.items() if k not in (*OLD_ONLY, STARTED)}
     assert _spec_part(new, "correction") == json.loads(old["algo.correction.resolved"])  # as the config records it
     assert _spec_part(new, "cluster")["device"] == old["cluster.device"]

@@ -117,6 +117,17 @@ def test_resume_with_different_config_refused_naming_dir_and_flag(tmp_path):
         RunWriter(tmp_path, config=_args(**{"data.prompt_dataset": "other.jsonl"}), origin=ORIGIN)
 
 
+@pytest.mark.parametrize("now, changed", [("off", {}), ("r3", {"vllm.routing_replay": [None, "r3"]})])
+def test_a_run_recorded_before_a_flag_existed_resumes_at_the_flags_neutral_value(tmp_path, now, changed):
+    check_resume(tmp_path, _args(), origin=ORIGIN)  # recorded without --vllm.routing_replay
+    if changed:
+        with pytest.raises(RunConfigMismatch, match="vllm.routing_replay"):
+            check_resume(tmp_path, _args(**{"vllm.routing_replay": now}), origin=ORIGIN)
+        return
+    record = check_resume(tmp_path, _args(**{"vllm.routing_replay": now}), origin=ORIGIN)
+    assert record["resumes"][-1]["changed"] == changed
+
+
 def test_override_accepts_and_records_the_change(tmp_path):
     check_resume(tmp_path, _args(), origin=ORIGIN)
     with pytest.warns(UserWarning, match="changed config"):

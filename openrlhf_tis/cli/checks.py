@@ -19,7 +19,8 @@ from typing import Any
 
 from openrlhf_tis.correction.config import CorrectionConfig
 from openrlhf_tis.errors import UsageError
-from openrlhf_tis.model_files import check_model_path
+from openrlhf_tis.model_files import check_model_path, read_model_config
+from openrlhf_tis.moe.coverage import REPLAY_FLAG, engine_refusal, replay_refusal
 from openrlhf_tis.prompt_files import PromptFileError, item_sources, prompt_problem, read_records, token_counts
 from openrlhf_tis.rollout.reward_calls import TIMEOUT_FLAG, check_timeout
 from openrlhf_tis.spec import RunSpec
@@ -287,6 +288,7 @@ def check_inputs(args: argparse.Namespace, spec: RunSpec) -> int | None:
 
     Returns the number of steps the run will train when the prompt files tell (`planned_steps`)."""
     check_model_path("--actor.model_name_or_path", getattr(args, "actor.model_name_or_path"), required=True)
+    check_routing_replay(args, cuda=spec.cluster.device == "cuda")
     if not getattr(args, "reward.remote_url"):
         check_model_path("--reward.model_name_or_path", getattr(args, "reward.model_name_or_path"), required=True)
     check_model_path("--critic.model_name_or_path", getattr(args, "critic.model_name_or_path"))
@@ -307,6 +309,25 @@ def check_inputs(args: argparse.Namespace, spec: RunSpec) -> int | None:
     if train.first is not None:
         probe_reward_script("--reward.remote_url", getattr(args, "reward.remote_url"), train.first, args)
     return planned_steps(args, train.records)
+
+
+def check_routing_replay(args: argparse.Namespace, *, cuda: bool) -> None:
+    """`--vllm.routing_replay r3`: refused with the reason when the rollouts cannot carry routed experts (no vLLM
+    engine, an engine that cannot return them) or the actor has no routing the trainer can replay (dense, or an
+    architecture whose router the fork does not replace); and, while the engine side is not wired, always."""
+    if getattr(args, "vllm.routing_replay") == "off":
+        return
+    if not getattr(args, "vllm.num_engines"):
+        raise UsageError(REPLAY_FLAG, "r3 replays the experts the vLLM engines chose, and this run has no engine "
+                         "(--vllm.num_engines): its rollouts carry no routed experts")
+    model = getattr(args, "actor.model_name_or_path")
+    if refusal := replay_refusal(read_model_config("--actor.model_name_or_path", model)):
+        raise UsageError(REPLAY_FLAG, f"{model}: {refusal}")
+    if refusal := engine_refusal(cuda=cuda):
+        raise UsageError(REPLAY_FLAG, refusal)
+    raise UsageError(REPLAY_FLAG, "r3 is not yet wired to the engines: the trainer's replay is built "
+                     "(openrlhf_tis/moe), the routed experts' way from vLLM through the samples to the trainer is not "
+                     "(docs/moe.md)")
 
 
 def check_flags(args: argparse.Namespace, *, cuda: bool, cluster: str) -> None:

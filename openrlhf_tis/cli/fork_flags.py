@@ -10,6 +10,7 @@ from typing import Any
 
 from openrlhf_tis.cli.cluster_device import DEVICE_FLAG, DEVICES
 from openrlhf_tis.correction.config import FLAG_PREFIX
+from openrlhf_tis.moe.coverage import COVERED_MODEL_TYPES, REPLAY_FLAG, REPLAY_MODES
 from openrlhf_tis.params import Check, param
 from openrlhf_tis.patches._guard import PatchTargetMissingError, require_version
 from openrlhf_tis.rollout.precision import (
@@ -139,6 +140,11 @@ FORK_FLAGS: tuple[ForkFlag, ...] = (
         "kernel (W6A8..W4A8), a stronger rollout mismatch for dose-response studies.")),
     ForkFlag(FP32_HEAD_FLAG, switch=True, default=DEFAULTS[FP32_HEAD_FLAG], help=(
         "Run the engines' lm_head projection in fp32 (vLLM's head_dtype override) to shrink the mismatch.")),
+    ForkFlag(REPLAY_FLAG, default="off", choices=REPLAY_MODES, help=(
+        "Mixture-of-experts routing replay: r3 makes the trainer's MoE layers use the experts the engine chose for "
+        f"each token (R3; covered: {', '.join(COVERED_MODEL_TYPES)}). The trainer side is built "
+        "(openrlhf_tis/moe); r3 is not yet wired to the engines and is refused, with the reason, before Ray "
+        "starts (docs/moe.md).")),
 )
 
 

