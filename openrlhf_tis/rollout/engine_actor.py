@@ -13,6 +13,8 @@ with the policy version it was generated with.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor as _UpstreamActorClass
@@ -22,6 +24,7 @@ from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.rollout.checkpoint import read_plan
 from openrlhf_tis.rollout.precision import engine_kwargs
 from openrlhf_tis.rollout.reward_executor import limit_reward_calls, make_rewards_loud
+from openrlhf_tis.rollout.sampling_seeds import ENGINE_SEED, REQUEST_INDEX, sample_seeds
 from openrlhf_tis.rollout.versions import VERSION_FIRST, VERSION_LAST
 from openrlhf_tis.rollout.weight_sync.receive import CPUWorkerExtension
 from openrlhf_tis.rollout.weight_sync.receive_cuda import QuantizedCUDAWorkerExtension
@@ -80,6 +83,13 @@ def is_quantized_plan(model_dir: str) -> bool:
     return plan.get("precision") == "int8" or bool(plan.get("fp8_block"))
 
 
+def _seeded(params, seed: int):
+    """A copy of vLLM's SamplingParams drawing from `seed`."""
+    params = params.clone()
+    params.seed = seed
+    return params
+
+
 class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
     async def __init__(self, *args, **kwargs):
         cuda = is_cuda_run()  # the run's device, as its driver decided (never this process's own torch.cuda)
@@ -90,7 +100,11 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         overrides |= worker_extension_override(kwargs.get("worker_extension_cls"), cuda, quantized)
         if cuda and quantized:  # read by vLLM in this process and the engine core it starts
             os.environ.setdefault(DEEP_GEMM_E8M0, "0")
+        if not cuda:  # seeded requests (rollout/sampling_seeds.py): a CPU generator cannot rewind a split prompt's draw
+            overrides["enable_chunked_prefill"] = False
         await super().__init__(*args, **{**kwargs, **overrides})
+        self._engine_seed = int(kwargs.get("seed") or 0)
+        self._requests = 0  # generate_responses calls so far, in the order the controller made them
         make_rewards_loud(self.executor)
         self._policy_version = 0  # optimizer steps in the weights this engine holds (trainer/staleness.py)
         self._last_sync_stats: list[dict] = []  # what each worker's receive returned at the last sync's end
@@ -105,16 +119,29 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         self._policy_version = int(version)
 
     async def generate_responses(self, *args, **kwargs):
-        """Upstream's, with each sample stamped with the policy versions at its start and its end.
+        """Upstream's, with a seed of its own for each sample and each sample stamped with its request's key and the
+        policy versions at its start and its end (rollout/sampling_seeds.py: what makes a run repeat).
 
-        The stamps travel as `extra_logs`, which upstream's samples generator turns into
-        `Experience.info` entries; the controller turns them into lags (trainer/staleness.py).
+        The stamps travel as `extra_logs`, which upstream's samples generator turns into `Experience.info` entries;
+        the controller puts the samples in request order by the key and turns the versions into lags
+        (trainer/staleness.py). A request whose sampling parameters already carry a seed keeps it.
         """
-        first = self._policy_version
-        outputs = await super().generate_responses(*args, **kwargs)
+        first, index = self._policy_version, self._requests
+        self._requests += 1
+        upstream = super().generate_responses
+        call = inspect.signature(upstream).bind(*args, **kwargs)
+        call.apply_defaults()
+        params, n = call.arguments["sampling_params"], call.arguments["num_samples"]
+        if params.seed is None:  # one request a sample, each with its seed; gathered in the order made
+            requests = [upstream(**{**call.arguments, "sampling_params": _seeded(params, seed), "num_samples": 1})
+                        for seed in sample_seeds(self._engine_seed, first, index, n)]
+            outputs = [output for outputs in await asyncio.gather(*requests) for output in outputs]
+        else:
+            outputs = await upstream(*call.args, **call.kwargs)
         last = self._policy_version
+        stamps = {VERSION_FIRST: first, VERSION_LAST: last, REQUEST_INDEX: index, ENGINE_SEED: self._engine_seed}
         for output in outputs:
-            output["extra_logs"] = {**(output.get("extra_logs") or {}), VERSION_FIRST: first, VERSION_LAST: last}
+            output["extra_logs"] = {**(output.get("extra_logs") or {}), **stamps}
         return outputs
 
     async def update_weight(self, name, dtype, shape, empty_cache=False):

@@ -63,6 +63,7 @@ from openrlhf_tis.trainer.step_part import (
     QueueWaitPart,
     RewardLimitPart,
     RewardScreenPart,
+    RolloutOrderPart,
     StalenessPart,
     StartEvalPart,
     StepPart,
@@ -111,8 +112,9 @@ class ForkController:
     def _choose_parts(self) -> list[StepPart]:
         """This run's parts, in the order their hooks are called (trainer/step_part.py).
 
-        The order matters where two parts share a hook: the engines know the reward's time limit before the start's
-        evaluation rolls out; the queue wait ends before the samples are screened;
+        The order matters where two parts share a hook: the samples are put in request order before any part reads
+        them (the prompt groups, dumps and metrics then repeat under the seed); the engines know the reward's time
+        limit before the start's evaluation rolls out; the queue wait ends before the samples are screened;
         the dump plan counts the samples that reward screening and the lag bound kept; the run store is rewound
         before the start's sync check and evaluation; the sync check's metrics precede the sync's cost.
         """
@@ -123,6 +125,7 @@ class ForkController:
         checker = make_sync_checker(args, self.tokenizer, self.vllm_engines, self.actor_model_group)
         reward_limit = getattr(args.reward, "timeout_s", None)
         parts = [
+            RolloutOrderPart(),
             RewardLimitPart(self.vllm_engines, reward_limit) if self.vllm_engines and reward_limit else None,
             PolicyVersionPart(self.vllm_engines) if self.vllm_engines else None,
             QueueWaitPart() if self.waits_on_rollout_queue else None,

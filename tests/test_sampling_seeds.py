@@ -1,0 +1,53 @@
+"""Seeded rollout requests and their canonical order (rollout/sampling_seeds.py): pure parts, no engine."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from openrlhf_tis.rollout.sampling_seeds import ENGINE_SEED, REQUEST_INDEX, in_request_order, sample_seeds
+
+
+def test_seeds_are_stable_distinct_and_valid():
+    seeds = sample_seeds(42, 0, 7, 8)
+    assert seeds == sample_seeds(42, 0, 7, 8)  # a function of its inputs alone
+    assert len(set(seeds)) == 8
+    assert all(0 <= s < 2**31 for s in seeds)
+    # every input moves every seed: engine, policy version (a resumed run), request index
+    others = [sample_seeds(43, 0, 7, 8), sample_seeds(42, 1, 7, 8), sample_seeds(42, 0, 8, 8)]
+    for other in others:
+        assert not set(seeds) & set(other)
+    # the first samples of a longer request are the same draws: n only says how many
+    assert sample_seeds(42, 0, 7, 3) == seeds[:3]
+    assert sample_seeds(42, 0, 7, 0) == []
+
+
+def _sample(request: int | None, engine: int | None, tag: str):
+    info = {"reward": torch.tensor([1.0])}
+    if request is not None:
+        info[REQUEST_INDEX] = torch.tensor([request])
+        info[ENGINE_SEED] = torch.tensor([engine])
+    return SimpleNamespace(info=info, tag=tag)
+
+
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 2)), min_size=1, max_size=8, unique=True),
+       st.integers(1, 4), st.randoms(use_true_random=False))
+def test_order_is_the_order_made_whatever_order_requests_finished(requests, n, rnd):
+    """Groups of n samples, one per (request, engine), arriving in any order: the result is always the same list,
+    sorted by (request index, engine), each group whole and in its own internal order."""
+    groups = [[_sample(r, e, f"{r}/{e}/{j}") for j in range(n)] for r, e in requests]
+    arrived = groups[:]
+    rnd.shuffle(arrived)
+    ordered = in_request_order([s for g in arrived for s in g])
+    expected = [f"{r}/{e}/{j}" for r, e in sorted(requests) for j in range(n)]
+    assert [s.tag for s in ordered] == expected
+    assert all(REQUEST_INDEX not in s.info and ENGINE_SEED not in s.info and "reward" in s.info for s in ordered)
+
+
+def test_unstamped_samples_keep_their_place_after_the_stamped():
+    samples = [_sample(None, None, "a"), _sample(1, 0, "c"), _sample(None, None, "b"), _sample(0, 0, "d")]
+    assert [s.tag for s in in_request_order(samples)] == ["d", "c", "a", "b"]
+    assert in_request_order([]) == []
