@@ -14,7 +14,6 @@ with the policy version it was generated with.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
 
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor as _UpstreamActorClass
@@ -129,15 +128,14 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         first, index = self._policy_version, self._requests
         self._requests += 1
         upstream = super().generate_responses
-        call = inspect.signature(upstream).bind(*args, **kwargs)
-        call.apply_defaults()
-        params, n = call.arguments["sampling_params"], call.arguments["num_samples"]
-        if params.seed is None:  # one request a sample, each with its seed; gathered in the order made
-            requests = [upstream(**{**call.arguments, "sampling_params": _seeded(params, seed), "num_samples": 1})
-                        for seed in sample_seeds(self._engine_seed, first, index, n)]
+        params = kwargs.get("sampling_params")
+        if not args and params is not None and params.seed is None:  # upstream's call: every argument by name
+            # one request a sample, each with its own seed, gathered in the order made
+            requests = [upstream(**{**kwargs, "sampling_params": _seeded(params, seed), "num_samples": 1})
+                        for seed in sample_seeds(self._engine_seed, first, index, kwargs.get("num_samples", 1))]
             outputs = [output for outputs in await asyncio.gather(*requests) for output in outputs]
         else:
-            outputs = await upstream(*call.args, **call.kwargs)
+            outputs = await upstream(*args, **kwargs)
         last = self._policy_version
         stamps = {VERSION_FIRST: first, VERSION_LAST: last, REQUEST_INDEX: index, ENGINE_SEED: self._engine_seed}
         for output in outputs:
