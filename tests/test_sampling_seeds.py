@@ -51,3 +51,38 @@ def test_unstamped_samples_keep_their_place_after_the_stamped():
     samples = [_sample(None, None, "a"), _sample(1, 0, "c"), _sample(None, None, "b"), _sample(0, 0, "d")]
     assert [s.tag for s in in_request_order(samples)] == ["d", "c", "a", "b"]
     assert in_request_order([]) == []
+
+
+def test_the_engine_sends_one_seeded_request_a_sample_and_stamps_its_key(monkeypatch):
+    """PrecisionRolloutRayActor.generate_responses over a fake upstream: n requests of one sample, each with the seed
+    sample_seeds gives, outputs in request order, every output stamped; a request already seeded passes through."""
+    import asyncio
+
+    from vllm import SamplingParams
+
+    from openrlhf_tis.rollout import engine_actor
+    from openrlhf_tis.rollout.versions import VERSION_FIRST
+
+    sent = []
+
+    async def upstream(self, *args, sampling_params=None, num_samples=1, **kwargs):
+        sent.append((sampling_params.seed, num_samples, kwargs["prompt"]))
+        return [{"seed": sampling_params.seed, "extra_logs": {}} for _ in range(num_samples)]
+
+    monkeypatch.setattr(engine_actor._UpstreamRolloutRayActor, "generate_responses", upstream)
+    actor = engine_actor.PrecisionRolloutRayActor.__new__(engine_actor.PrecisionRolloutRayActor)
+    actor._engine_seed, actor._requests, actor._policy_version = 45, 0, 3
+    params = SamplingParams(temperature=1.0, max_tokens=4)
+
+    def call(**kwargs):
+        return asyncio.run(actor.generate_responses(prompt="p", label="l", sampling_params=kwargs.get("sp", params),
+                                                    max_length=64, hf_tokenizer=None, num_samples=3))
+
+    first, second = call(), call()
+    assert [o["seed"] for o in first] == sample_seeds(45, 3, 0, 3) and [s[1] for s in sent] == [1, 1, 1, 1, 1, 1]
+    assert [o["seed"] for o in second] == sample_seeds(45, 3, 1, 3)
+    assert params.seed is None  # the caller's parameters are not touched
+    assert all(o["extra_logs"][REQUEST_INDEX] == i and o["extra_logs"][ENGINE_SEED] == 45
+               and o["extra_logs"][VERSION_FIRST] == 3 for i, outs in enumerate((first, second)) for o in outs)
+    sent.clear()
+    assert [o["seed"] for o in call(sp=SamplingParams(seed=7))] == [7, 7, 7] and sent == [(7, 3, "p")]
