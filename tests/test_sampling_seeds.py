@@ -8,21 +8,29 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from openrlhf_tis.rollout.sampling_seeds import ENGINE_SEED, REQUEST_INDEX, in_request_order, sample_seeds
+from openrlhf_tis.rollout.sampling_seeds import (
+    ENGINE_SEED,
+    REQUEST_INDEX,
+    in_request_order,
+    prompt_key,
+    sample_seeds,
+)
 
 
 def test_seeds_are_stable_distinct_and_valid():
-    seeds = sample_seeds(42, 0, 7, 8)
-    assert seeds == sample_seeds(42, 0, 7, 8)  # a function of its inputs alone
+    seeds = sample_seeds(42, 0, prompt_key("1+2=", "3"), 0, 8)
+    assert seeds == sample_seeds(42, 0, prompt_key("1+2=", "3"), 0, 8)  # a function of its inputs alone
     assert len(set(seeds)) == 8
     assert all(0 <= s < 2**31 for s in seeds)
-    # every input moves every seed: engine, policy version (a resumed run), request index
-    others = [sample_seeds(43, 0, 7, 8), sample_seeds(42, 1, 7, 8), sample_seeds(42, 0, 8, 8)]
+    # every input moves every seed: engine, policy version (a resumed run), prompt, label, occurrence
+    key = prompt_key("1+2=", "3")
+    others = [sample_seeds(43, 0, key, 0, 8), sample_seeds(42, 1, key, 0, 8), sample_seeds(42, 0, key, 1, 8),
+              sample_seeds(42, 0, prompt_key("1+3=", "3"), 0, 8), sample_seeds(42, 0, prompt_key("1+2=", "4"), 0, 8)]
     for other in others:
         assert not set(seeds) & set(other)
     # the first samples of a longer request are the same draws: n only says how many
-    assert sample_seeds(42, 0, 7, 3) == seeds[:3]
-    assert sample_seeds(42, 0, 7, 0) == []
+    assert sample_seeds(42, 0, key, 0, 3) == seeds[:3]
+    assert sample_seeds(42, 0, key, 0, 0) == []
 
 
 def _sample(request: int | None, engine: int | None, tag: str):
@@ -71,18 +79,23 @@ def test_the_engine_sends_one_seeded_request_a_sample_and_stamps_its_key(monkeyp
 
     monkeypatch.setattr(engine_actor._UpstreamRolloutRayActor, "generate_responses", upstream)
     actor = engine_actor.PrecisionRolloutRayActor.__new__(engine_actor.PrecisionRolloutRayActor)
-    actor._engine_seed, actor._requests, actor._policy_version = 45, 0, 3
+    actor._engine_seed, actor._requests, actor._policy_version, actor._asked = 45, 0, 3, {}
     params = SamplingParams(temperature=1.0, max_tokens=4)
 
-    def call(**kwargs):
-        return asyncio.run(actor.generate_responses(prompt="p", label="l", sampling_params=kwargs.get("sp", params),
+    def call(prompt="p", **kwargs):
+        return asyncio.run(actor.generate_responses(prompt=prompt, label="l", sampling_params=kwargs.get("sp", params),
                                                     max_length=64, hf_tokenizer=None, num_samples=3))
 
-    first, second = call(), call()
-    assert [o["seed"] for o in first] == sample_seeds(45, 3, 0, 3) and [s[1] for s in sent] == [1, 1, 1, 1, 1, 1]
-    assert [o["seed"] for o in second] == sample_seeds(45, 3, 1, 3)
+    key = prompt_key("p", "l")
+    first, other, second = call(), call("q"), call()
+    assert [o["seed"] for o in first] == sample_seeds(45, 3, key, 0, 3) and [s[1] for s in sent] == [1] * 9
+    assert [o["seed"] for o in second] == sample_seeds(45, 3, key, 1, 3)  # the same prompt again: its next draws
+    assert [o["seed"] for o in other] == sample_seeds(45, 3, prompt_key("q", "l"), 0, 3)
     assert params.seed is None  # the caller's parameters are not touched
     assert all(o["extra_logs"][REQUEST_INDEX] == i and o["extra_logs"][ENGINE_SEED] == 45
-               and o["extra_logs"][VERSION_FIRST] == 3 for i, outs in enumerate((first, second)) for o in outs)
+               and o["extra_logs"][VERSION_FIRST] == 3 for i, outs in enumerate((first, other, second)) for o in outs)
+    asyncio.run(actor.set_policy_version(4))  # a new version: each prompt's count starts again
+    actor._policy_version = 3
+    assert [o["seed"] for o in call()] == sample_seeds(45, 3, key, 0, 3)
     sent.clear()
     assert [o["seed"] for o in call(sp=SamplingParams(seed=7))] == [7, 7, 7] and sent == [(7, 3, "p")]

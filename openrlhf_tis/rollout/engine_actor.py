@@ -23,7 +23,7 @@ from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.rollout.checkpoint import read_plan
 from openrlhf_tis.rollout.precision import engine_kwargs
 from openrlhf_tis.rollout.reward_executor import limit_reward_calls, make_rewards_loud
-from openrlhf_tis.rollout.sampling_seeds import ENGINE_SEED, REQUEST_INDEX, sample_seeds
+from openrlhf_tis.rollout.sampling_seeds import ENGINE_SEED, REQUEST_INDEX, prompt_key, sample_seeds
 from openrlhf_tis.rollout.versions import VERSION_FIRST, VERSION_LAST
 from openrlhf_tis.rollout.weight_sync.receive import CPUWorkerExtension
 from openrlhf_tis.rollout.weight_sync.receive_cuda import QuantizedCUDAWorkerExtension
@@ -104,6 +104,7 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         await super().__init__(*args, **{**kwargs, **overrides})
         self._engine_seed = int(kwargs.get("seed") or 0)
         self._requests = 0  # generate_responses calls so far, in the order the controller made them
+        self._asked: dict[int, int] = {}  # prompt_key -> requests of it at the current policy version
         make_rewards_loud(self.executor)
         self._policy_version = 0  # optimizer steps in the weights this engine holds (trainer/staleness.py)
         self._last_sync_stats: list[dict] = []  # what each worker's receive returned at the last sync's end
@@ -115,6 +116,8 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
 
     async def set_policy_version(self, version: int) -> None:
         """Called by the controller right after a weight sync, before generation may resume."""
+        if int(version) != self._policy_version:
+            self._asked = {}
         self._policy_version = int(version)
 
     async def generate_responses(self, *args, **kwargs):
@@ -131,8 +134,12 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         params = kwargs.get("sampling_params")
         if not args and params is not None and params.seed is None:  # upstream's call: every argument by name
             # one request a sample, each with its own seed, gathered in the order made
+            key = prompt_key(kwargs.get("prompt"), kwargs.get("label"))
+            occurrence = self._asked.get(key, 0)
+            self._asked[key] = occurrence + 1
+            seeds = sample_seeds(self._engine_seed, first, key, occurrence, kwargs.get("num_samples", 1))
             requests = [upstream(**{**kwargs, "sampling_params": _seeded(params, seed), "num_samples": 1})
-                        for seed in sample_seeds(self._engine_seed, first, index, kwargs.get("num_samples", 1))]
+                        for seed in seeds]
             outputs = [output for outputs in await asyncio.gather(*requests) for output in outputs]
         else:
             outputs = await upstream(*args, **kwargs)
