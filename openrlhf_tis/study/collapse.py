@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.main_job import check_model_option
 from openrlhf_tis.pipeline.sweep import SweepResult, load_grid, recorded_cells, run_command
 from openrlhf_tis.pipeline.train_params import TrainParams
+from openrlhf_tis.runs.config import git_revision
 from openrlhf_tis.runs.heldout import read_kept_heldout
 from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.study.dose_response import cell_count, check_profile, estimate_seconds, rebuild_report, write_outputs
@@ -81,16 +81,9 @@ def check_endpoint(out: Path, endpoint: Endpoint, cells: int) -> None:
 
 
 def code_revision() -> str:
-    """The git commit this package runs from, '+dirty' when its files differ from it; 'unknown' outside git."""
-    root = Path(__file__).resolve().parents[2]
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
+    """The git commit this package runs from, '+dirty' when its tracked files differ from it (runs/config.py)."""
+    git = git_revision()
+    return f"{git['revision'] or 'unknown'}{'+dirty' if git['dirty'] else ''}"
 
 
 def check_revision(out: Path, revision: str) -> None:
