@@ -36,6 +36,6 @@ def test_two_runs_of_one_cell_repeat_step_for_step(tiny_model_dir, tmp_path):
     found = first_divergence(a, b)
     assert found.step is None, f"the runs part at step {found.step}: {found.metrics}"
     for step in range(1, STEPS + 1):
-        tokens_a, tokens_b = (query_tokens(run, steps=[step]) for run in (first, second))
+        tokens_a, tokens_b = (query_tokens(run, steps=step) for run in (first, second))
         assert len(tokens_a) > 0
         assert tokens_a["token_id"].tolist() == tokens_b["token_id"].tolist()

@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 
 from openrlhf_tis.rollout.sampling_seeds import (
     ENGINE_SEED,
-    REQUEST_INDEX,
-    in_request_order,
+    OCCURRENCE,
+    PROMPT_KEY,
+    STAMPS,
+    in_canonical_order,
     prompt_key,
     sample_seeds,
 )
@@ -33,32 +35,34 @@ def test_seeds_are_stable_distinct_and_valid():
     assert sample_seeds(42, 0, key, 0, 0) == []
 
 
-def _sample(request: int | None, engine: int | None, tag: str):
+def _sample(key: int | None, occurrence: int, engine: int, tag: str):
     info = {"reward": torch.tensor([1.0])}
-    if request is not None:
-        info[REQUEST_INDEX] = torch.tensor([request])
-        info[ENGINE_SEED] = torch.tensor([engine])
+    if key is not None:
+        info |= {PROMPT_KEY: torch.tensor([key]), OCCURRENCE: torch.tensor([occurrence]),
+                 ENGINE_SEED: torch.tensor([engine])}
     return SimpleNamespace(info=info, tag=tag)
 
 
-@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 2)), min_size=1, max_size=8, unique=True),
+@given(st.lists(st.tuples(st.integers(0, 2**56 - 1), st.integers(0, 2), st.integers(0, 2)), min_size=1, max_size=8,
+                unique=True),
        st.integers(1, 4), st.randoms(use_true_random=False))
-def test_order_is_the_order_made_whatever_order_requests_finished(requests, n, rnd):
-    """Groups of n samples, one per (request, engine), arriving in any order: the result is always the same list,
-    sorted by (request index, engine), each group whole and in its own internal order."""
-    groups = [[_sample(r, e, f"{r}/{e}/{j}") for j in range(n)] for r, e in requests]
+def test_order_is_the_same_whatever_order_requests_finished(requests, n, rnd):
+    """Groups of n samples, one per (prompt, occurrence, engine), arriving in any order: the result is always the same
+    list, sorted by those keys, each group whole and in its own internal order, the stamps removed."""
+    groups = [[_sample(k, o, e, f"{k}/{o}/{e}/{j}") for j in range(n)] for k, o, e in requests]
     arrived = groups[:]
     rnd.shuffle(arrived)
-    ordered = in_request_order([s for g in arrived for s in g])
-    expected = [f"{r}/{e}/{j}" for r, e in sorted(requests) for j in range(n)]
-    assert [s.tag for s in ordered] == expected
-    assert all(REQUEST_INDEX not in s.info and ENGINE_SEED not in s.info and "reward" in s.info for s in ordered)
+    ordered = in_canonical_order([s for g in arrived for s in g])
+    assert [s.tag for s in ordered] == [f"{k}/{o}/{e}/{j}" for k, o, e in sorted(requests) for j in range(n)]
+    assert all(not set(STAMPS) & set(s.info) and "reward" in s.info for s in ordered)
 
 
 def test_unstamped_samples_keep_their_place_after_the_stamped():
-    samples = [_sample(None, None, "a"), _sample(1, 0, "c"), _sample(None, None, "b"), _sample(0, 0, "d")]
-    assert [s.tag for s in in_request_order(samples)] == ["d", "c", "a", "b"]
-    assert in_request_order([]) == []
+    samples = [_sample(None, 0, 0, "a"), _sample(9, 0, 0, "c"), _sample(None, 0, 0, "b"), _sample(9, 0, 1, "d"),
+               _sample(2, 5, 0, "e")]
+    assert [s.tag for s in in_canonical_order(samples)] == ["e", "c", "d", "a", "b"]
+    assert in_canonical_order([]) == []
+    assert 0 <= prompt_key("x" * 1000, {"a": 1}) < 2**56  # fits an int64 info tensor
 
 
 def test_the_engine_sends_one_seeded_request_a_sample_and_stamps_its_key(monkeypatch):
@@ -79,7 +83,7 @@ def test_the_engine_sends_one_seeded_request_a_sample_and_stamps_its_key(monkeyp
 
     monkeypatch.setattr(engine_actor._UpstreamRolloutRayActor, "generate_responses", upstream)
     actor = engine_actor.PrecisionRolloutRayActor.__new__(engine_actor.PrecisionRolloutRayActor)
-    actor._engine_seed, actor._requests, actor._policy_version, actor._asked = 45, 0, 3, {}
+    actor._engine_seed, actor._policy_version, actor._asked = 45, 3, {}
     params = SamplingParams(temperature=1.0, max_tokens=4)
 
     def call(prompt="p", **kwargs):
@@ -92,8 +96,9 @@ def test_the_engine_sends_one_seeded_request_a_sample_and_stamps_its_key(monkeyp
     assert [o["seed"] for o in second] == sample_seeds(45, 3, key, 1, 3)  # the same prompt again: its next draws
     assert [o["seed"] for o in other] == sample_seeds(45, 3, prompt_key("q", "l"), 0, 3)
     assert params.seed is None  # the caller's parameters are not touched
-    assert all(o["extra_logs"][REQUEST_INDEX] == i and o["extra_logs"][ENGINE_SEED] == 45
-               and o["extra_logs"][VERSION_FIRST] == 3 for i, outs in enumerate((first, other, second)) for o in outs)
+    stamped = [(o["extra_logs"][PROMPT_KEY], o["extra_logs"][OCCURRENCE], o["extra_logs"][ENGINE_SEED],
+                o["extra_logs"][VERSION_FIRST]) for outs in (first, other, second) for o in outs]
+    assert stamped == [(key, 0, 45, 3)] * 3 + [(prompt_key("q", "l"), 0, 45, 3)] * 3 + [(key, 1, 45, 3)] * 3
     asyncio.run(actor.set_policy_version(4))  # a new version: each prompt's count starts again
     actor._policy_version = 3
     assert [o["seed"] for o in call()] == sample_seeds(45, 3, key, 0, 3)

@@ -23,7 +23,7 @@ from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.rollout.checkpoint import read_plan
 from openrlhf_tis.rollout.precision import engine_kwargs
 from openrlhf_tis.rollout.reward_executor import limit_reward_calls, make_rewards_loud
-from openrlhf_tis.rollout.sampling_seeds import ENGINE_SEED, REQUEST_INDEX, prompt_key, sample_seeds
+from openrlhf_tis.rollout.sampling_seeds import ENGINE_SEED, OCCURRENCE, PROMPT_KEY, prompt_key, sample_seeds
 from openrlhf_tis.rollout.versions import VERSION_FIRST, VERSION_LAST
 from openrlhf_tis.rollout.weight_sync.receive import CPUWorkerExtension
 from openrlhf_tis.rollout.weight_sync.receive_cuda import QuantizedCUDAWorkerExtension
@@ -103,7 +103,6 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
             overrides["enable_chunked_prefill"] = False
         await super().__init__(*args, **{**kwargs, **overrides})
         self._engine_seed = int(kwargs.get("seed") or 0)
-        self._requests = 0  # generate_responses calls so far, in the order the controller made them
         self._asked: dict[int, int] = {}  # prompt_key -> requests of it at the current policy version
         make_rewards_loud(self.executor)
         self._policy_version = 0  # optimizer steps in the weights this engine holds (trainer/staleness.py)
@@ -121,30 +120,30 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         self._policy_version = int(version)
 
     async def generate_responses(self, *args, **kwargs):
-        """Upstream's, with a seed of its own for each sample and each sample stamped with its request's key and the
-        policy versions at its start and its end (rollout/sampling_seeds.py: what makes a run repeat).
+        """Upstream's, with a seed of its own for each sample and each sample stamped with its key and the policy
+        versions at its start and its end (rollout/sampling_seeds.py: what makes a run repeat).
 
         The stamps travel as `extra_logs`, which upstream's samples generator turns into `Experience.info` entries;
-        the controller puts the samples in request order by the key and turns the versions into lags
-        (trainer/staleness.py). A request whose sampling parameters already carry a seed keeps it.
+        the controller orders the samples by the key and turns the versions into lags (trainer/staleness.py). A
+        request whose sampling parameters already carry a seed keeps it, and one not made by name (not upstream's
+        call) goes as it is.
         """
-        first, index = self._policy_version, self._requests
-        self._requests += 1
+        first = self._policy_version
         upstream = super().generate_responses
         params = kwargs.get("sampling_params")
+        key = prompt_key(kwargs.get("prompt"), kwargs.get("label"))
+        occurrence = self._asked.get(key, 0)
+        self._asked[key] = occurrence + 1
         if not args and params is not None and params.seed is None:  # upstream's call: every argument by name
-            # one request a sample, each with its own seed, gathered in the order made
-            key = prompt_key(kwargs.get("prompt"), kwargs.get("label"))
-            occurrence = self._asked.get(key, 0)
-            self._asked[key] = occurrence + 1
             seeds = sample_seeds(self._engine_seed, first, key, occurrence, kwargs.get("num_samples", 1))
             requests = [upstream(**{**kwargs, "sampling_params": _seeded(params, seed), "num_samples": 1})
-                        for seed in seeds]
+                        for seed in seeds]  # one request a sample, each with its own seed, gathered in order
             outputs = [output for outputs in await asyncio.gather(*requests) for output in outputs]
         else:
             outputs = await upstream(*args, **kwargs)
         last = self._policy_version
-        stamps = {VERSION_FIRST: first, VERSION_LAST: last, REQUEST_INDEX: index, ENGINE_SEED: self._engine_seed}
+        stamps = {VERSION_FIRST: first, VERSION_LAST: last, PROMPT_KEY: key, OCCURRENCE: occurrence,
+                  ENGINE_SEED: self._engine_seed}
         for output in outputs:
             output["extra_logs"] = {**(output.get("extra_logs") or {}), **stamps}
         return outputs

@@ -9,8 +9,10 @@ Two runs of one cell on one machine used to differ from their first step (docs/s
   draws depend on nothing another request does, not even on whether other requests (an evaluation) were made.
 - **Order.** Upstream's samples generator collects prompts' samples in the order their requests *finish*
   (`ray.wait`), which is timing; that order is the order of the replay buffer and so of the micro-batches and the
-  shuffle. The engine stamps each sample with its request's key, and the controller puts the step's samples back
-  in the order the requests were made (trainer/step_part.py RolloutOrderPart), prompt groups kept whole.
+  shuffle. Nor is the order requests *start* in on an engine fixed: Ray's async actor may begin them in any order
+  (measured: two runs' step-1 prompts were permuted). The engine therefore stamps each sample with its key (prompt,
+  occurrence, engine), which depends on no timing, and the controller sorts the step's samples by it, prompt groups
+  kept whole (trainer/step_part.py RolloutOrderPart). Any fixed order serves: the dataloader's was random already.
 
 On CPU the engines also run without chunked prefill (rollout/engine_actor.py): vLLM rewinds a seeded request's
 generator when a prompt is split across steps, which a CPU generator cannot do ("CPU Generator does not use offset").
@@ -23,13 +25,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-REQUEST_INDEX = "rollout_request"  # per-sample info key: the request's index on its engine, in the order made
+PROMPT_KEY = "rollout_prompt_key"  # per-sample info key: prompt_key of the request's prompt and label
+OCCURRENCE = "rollout_occurrence"  # ... how many requests of that prompt its engine had at that version before
 ENGINE_SEED = "rollout_engine"  # ... and its engine's seed (unique per engine: upstream gives engine i seed + i)
+STAMPS = (PROMPT_KEY, OCCURRENCE, ENGINE_SEED)
 
 
 def prompt_key(prompt: str, label: object) -> int:
-    """A prompt and its label as one 64-bit number (sha256): the content a sample's seed is keyed by."""
-    return int.from_bytes(hashlib.sha256(repr((prompt, label)).encode()).digest()[:8], "little")
+    """A prompt and its label as one 56-bit number (sha256; it travels as an int64 info tensor)."""
+    return int.from_bytes(hashlib.sha256(repr((prompt, label)).encode()).digest()[:7], "little")
 
 
 def sample_seeds(engine_seed: int, policy_version: int, prompt: int, occurrence: int, n: int) -> list[int]:
@@ -48,23 +52,21 @@ def _info_int(sample, key: str) -> int | None:
     return int(value.reshape(-1)[0].item()) if hasattr(value, "reshape") else int(value)
 
 
-def request_order(samples: Sequence) -> list[int]:
-    """The positions of `samples` sorted by (request index, engine seed): the order the requests were made, engines
-    interleaved. Stable, so a request's samples keep their order and stay together; unstamped samples keep their
-    place at the end."""
+def canonical_order(samples: Sequence) -> list[int]:
+    """The positions of `samples` sorted by their stamps (prompt key, occurrence, engine). Stable, so a request's
+    samples keep their order and stay together; unstamped samples keep their place at the end."""
     def key(position: int) -> tuple:
-        sample = samples[position]
-        index, engine = _info_int(sample, REQUEST_INDEX), _info_int(sample, ENGINE_SEED)
-        return (1, 0, 0) if index is None else (0, index, engine or 0)
+        stamps = [_info_int(samples[position], name) for name in STAMPS]
+        return (1,) if stamps[0] is None else (0, *(v or 0 for v in stamps))
 
     return sorted(range(len(samples)), key=key)
 
 
-def in_request_order(samples: list) -> list:
-    """`samples` in the order their requests were made, with the stamps removed (the actor logs every info key)."""
-    ordered = [samples[i] for i in request_order(samples)]
+def in_canonical_order(samples: list) -> list:
+    """`samples` in canonical order, with the stamps removed (the actor logs every info key)."""
+    ordered = [samples[i] for i in canonical_order(samples)]
     for sample in ordered:
         if getattr(sample, "info", None):
-            sample.info.pop(REQUEST_INDEX, None)
-            sample.info.pop(ENGINE_SEED, None)
+            for name in STAMPS:
+                sample.info.pop(name, None)
     return ordered

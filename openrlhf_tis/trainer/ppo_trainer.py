@@ -112,7 +112,7 @@ class ForkController:
     def _choose_parts(self) -> list[StepPart]:
         """This run's parts, in the order their hooks are called (trainer/step_part.py).
 
-        The order matters where two parts share a hook: the samples are put in request order before any part reads
+        The order matters where two parts share a hook: the samples are put in canonical order before any part reads
         them (the prompt groups, dumps and metrics then repeat under the seed); the engines know the reward's time
         limit before the start's evaluation rolls out; the queue wait ends before the samples are screened;
         the dump plan counts the samples that reward screening and the lag bound kept; the run store is rewound
