@@ -104,3 +104,22 @@ def test_the_engine_sends_one_seeded_request_a_sample_and_stamps_its_key(monkeyp
     assert [o["seed"] for o in call()] == sample_seeds(45, 3, key, 0, 3)
     sent.clear()
     assert [o["seed"] for o in call(sp=SamplingParams(seed=7))] == [7, 7, 7] and sent == [(7, 3, "p")]
+
+
+def test_the_data_order_is_seeded_from_the_strategy_the_controller_is_given():
+    """Two loaders built after seed_data_order with one seed shuffle alike (and unlike another seed's)."""
+    from torch.utils.data import DataLoader
+
+    from openrlhf_tis.rollout.sampling_seeds import seed_data_order
+
+    def order(seed: int, by_name: bool) -> list[int]:
+        strategy = SimpleNamespace(args=SimpleNamespace(train=SimpleNamespace(seed=seed)))
+        seed_data_order(strategy=strategy) if by_name else seed_data_order("model", strategy)
+        torch.rand(3)  # whatever the process draws between seeding and the loader's first epoch is drawn alike
+        return [int(x) for x in DataLoader(list(range(20)), batch_size=1, shuffle=True)]
+
+    assert order(7, True) == order(7, False) != order(8, True)
+    import pytest
+
+    with pytest.raises(TypeError, match="no upstream strategy"):
+        seed_data_order("model")

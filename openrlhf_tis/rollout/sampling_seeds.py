@@ -14,6 +14,12 @@ Two runs of one cell on one machine used to differ from their first step (docs/s
   occurrence, engine), which depends on no timing, and the controller sorts the step's samples by it, prompt groups
   kept whole (trainer/step_part.py RolloutOrderPart). Any fixed order serves: the dataloader's was random already.
 
+- **Data order.** Upstream's prompt loader shuffles with torch's global generator in the process that builds it
+  (the controller, or async training's sample generator), which nothing seeds there: the worker processes are
+  seeded by DeepSpeed's set-up, the controller is not, so every run drew its prompts in another order (measured:
+  the same step held other questions). `seed_data_order` seeds that process with `--train.seed` before the loader
+  is built (trainer/ppo_trainer.py).
+
 On CPU the engines also run without chunked prefill (rollout/engine_actor.py): vLLM rewinds a seeded request's
 generator when a prompt is split across steps, which a CPU generator cannot do ("CPU Generator does not use offset").
 """
@@ -70,3 +76,14 @@ def in_canonical_order(samples: list) -> list:
             for name in STAMPS:
                 sample.info.pop(name, None)
     return ordered
+
+
+def seed_data_order(*args, **kwargs) -> None:
+    """Seed this process's random generators (python, numpy, torch) with the run's `--train.seed`, found on the
+    upstream strategy among a controller's constructor arguments; the prompt loader built next shuffles by it."""
+    from transformers import set_seed
+
+    strategy = kwargs.get("strategy") or next((a for a in args if hasattr(getattr(a, "args", None), "train")), None)
+    if strategy is None:
+        raise TypeError("seed_data_order: no upstream strategy among the constructor's arguments")
+    set_seed(int(strategy.args.train.seed))

@@ -49,6 +49,7 @@ from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 from openrlhf_tis.patches._guard import require_super_chain
 from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.rollout.precision import CUDA_QUANTIZED
+from openrlhf_tis.rollout.sampling_seeds import seed_data_order
 from openrlhf_tis.runs.store import RunWriter
 from openrlhf_tis.spec import run_spec
 from openrlhf_tis.trainer.bypass import install_bypass_experience_maker
@@ -103,6 +104,7 @@ class ForkController:
     waits_on_rollout_queue = False  # async training's trainer: its steps wait on the rollout queue
 
     def __init__(self, *args, **kwargs):
+        seed_data_order(*args, **kwargs)  # before upstream builds its prompt loader (rollout/sampling_seeds.py)
         super().__init__(*args, **kwargs)
         self.samples_generator = whole_set_eval(self.samples_generator) if self.samples_generator else None
         self.parts = self._choose_parts()
@@ -261,7 +263,12 @@ class _TisTrainingActor(ForkController, TrainerSideEval, _UpstreamTrainingActor,
 
 
 class _TisGenerateSamplesActor(_UpstreamGenerateSamplesActor):
-    """Upstream's async sample generator without its own evaluation: the trainer evaluates (TrainerSideEval)."""
+    """Upstream's async sample generator without its own evaluation: the trainer evaluates (TrainerSideEval); its
+    prompt loader shuffles by the run's seed (rollout/sampling_seeds.py)."""
+
+    def __init__(self, *args, **kwargs):
+        seed_data_order(*args, **kwargs)
+        super().__init__(*args, **kwargs)
 
     def _should_eval(self, global_step):
         return False
