@@ -352,13 +352,13 @@ def on_policy(steps: int, **rewards) -> list:
 
 
 def run_sync(world: World):
-    controller = ppo_trainer._TisPPOTrainer()
+    controller = ppo_trainer._TisPPOTrainer(strategy=SimpleNamespace(args=world.args))
     controller.fit()
     return controller
 
 
 def run_async(world: World):
-    trainer = ppo_trainer._TisTrainingActor()
+    trainer = ppo_trainer._TisTrainingActor(strategy=SimpleNamespace(args=world.args))
     trainer.set_generate_kwargs({"temperature": 1.0, "n_samples_per_prompt": GROUP})
     generator = SimpleNamespace(load_state_dict=lambda state: None, fit=lambda episode, total_consumed_prompts: None)
     driver = SimpleNamespace(trainer_actor=Handle(trainer), generator_actor=Handle(generator))

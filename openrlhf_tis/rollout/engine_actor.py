@@ -13,6 +13,7 @@ with the policy version it was generated with.
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor as _UpstreamActorClass
@@ -22,6 +23,7 @@ from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.rollout.checkpoint import read_plan
 from openrlhf_tis.rollout.precision import engine_kwargs
 from openrlhf_tis.rollout.reward_executor import limit_reward_calls, make_rewards_loud
+from openrlhf_tis.rollout.sampling_seeds import ENGINE_SEED, OCCURRENCE, PROMPT_KEY, prompt_key, sample_seeds
 from openrlhf_tis.rollout.versions import VERSION_FIRST, VERSION_LAST
 from openrlhf_tis.rollout.weight_sync.receive import CPUWorkerExtension
 from openrlhf_tis.rollout.weight_sync.receive_cuda import QuantizedCUDAWorkerExtension
@@ -80,6 +82,13 @@ def is_quantized_plan(model_dir: str) -> bool:
     return plan.get("precision") == "int8" or bool(plan.get("fp8_block"))
 
 
+def _seeded(params, seed: int):
+    """A copy of vLLM's SamplingParams drawing from `seed`."""
+    params = params.clone()
+    params.seed = seed
+    return params
+
+
 class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
     async def __init__(self, *args, **kwargs):
         cuda = is_cuda_run()  # the run's device, as its driver decided (never this process's own torch.cuda)
@@ -90,7 +99,11 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         overrides |= worker_extension_override(kwargs.get("worker_extension_cls"), cuda, quantized)
         if cuda and quantized:  # read by vLLM in this process and the engine core it starts
             os.environ.setdefault(DEEP_GEMM_E8M0, "0")
+        if not cuda:  # seeded requests (rollout/sampling_seeds.py): a CPU generator cannot rewind a split prompt's draw
+            overrides["enable_chunked_prefill"] = False
         await super().__init__(*args, **{**kwargs, **overrides})
+        self._engine_seed = int(kwargs.get("seed") or 0)
+        self._asked: dict[int, int] = {}  # prompt_key -> requests of it at the current policy version
         make_rewards_loud(self.executor)
         self._policy_version = 0  # optimizer steps in the weights this engine holds (trainer/staleness.py)
         self._last_sync_stats: list[dict] = []  # what each worker's receive returned at the last sync's end
@@ -102,19 +115,37 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
 
     async def set_policy_version(self, version: int) -> None:
         """Called by the controller right after a weight sync, before generation may resume."""
+        if int(version) != self._policy_version:
+            self._asked = {}
         self._policy_version = int(version)
 
     async def generate_responses(self, *args, **kwargs):
-        """Upstream's, with each sample stamped with the policy versions at its start and its end.
+        """Upstream's, with a seed of its own for each sample and each sample stamped with its key and the policy
+        versions at its start and its end (rollout/sampling_seeds.py: what makes a run repeat).
 
-        The stamps travel as `extra_logs`, which upstream's samples generator turns into
-        `Experience.info` entries; the controller turns them into lags (trainer/staleness.py).
+        The stamps travel as `extra_logs`, which upstream's samples generator turns into `Experience.info` entries;
+        the controller orders the samples by the key and turns the versions into lags (trainer/staleness.py). A
+        request whose sampling parameters already carry a seed keeps it, and one not made by name (not upstream's
+        call) goes as it is.
         """
         first = self._policy_version
-        outputs = await super().generate_responses(*args, **kwargs)
+        upstream = super().generate_responses
+        params = kwargs.get("sampling_params")
+        key = prompt_key(kwargs.get("prompt"), kwargs.get("label"))
+        occurrence = self._asked.get(key, 0)
+        self._asked[key] = occurrence + 1
+        if not args and params is not None and params.seed is None:  # upstream's call: every argument by name
+            seeds = sample_seeds(self._engine_seed, first, key, occurrence, kwargs.get("num_samples", 1))
+            requests = [upstream(**{**kwargs, "sampling_params": _seeded(params, seed), "num_samples": 1})
+                        for seed in seeds]  # one request a sample, each with its own seed, gathered in order
+            outputs = [output for outputs in await asyncio.gather(*requests) for output in outputs]
+        else:
+            outputs = await upstream(*args, **kwargs)
         last = self._policy_version
+        stamps = {VERSION_FIRST: first, VERSION_LAST: last, PROMPT_KEY: key, OCCURRENCE: occurrence,
+                  ENGINE_SEED: self._engine_seed}
         for output in outputs:
-            output["extra_logs"] = {**(output.get("extra_logs") or {}), VERSION_FIRST: first, VERSION_LAST: last}
+            output["extra_logs"] = {**(output.get("extra_logs") or {}), **stamps}
         return outputs
 
     async def update_weight(self, name, dtype, shape, empty_cache=False):

@@ -69,8 +69,9 @@ def check_corrections(corrections: list[str]) -> None:
 
 
 def staleness_grid(out: Path, model: str, every: list[int], seeds: list[int],
-                   corrections: tuple[str, ...] = CORRECTIONS, combined: bool = True, steps: int = STEPS) -> dict:
-    """The sweep grid (module docstring): the main job's parameters at STEPS steps and LR, one table per seed and
+                   corrections: tuple[str, ...] = CORRECTIONS, combined: bool = True, steps: int = STEPS,
+                   lr: float = LR) -> dict:
+    """The sweep grid (module docstring): the main job's parameters at `steps` steps and `lr`, one table per seed and
     setting, seed-major. `corrections` (a subset of CORRECTIONS) and `combined` (the INT8 cells) narrow it, so
     extra seeds go to the comparisons that decide the answer under the very cell names the full grid gives."""
     spec = study_grid(out, model, cells={"none": ("off",)}, seeds=(1,), steps=steps)
@@ -80,7 +81,7 @@ def staleness_grid(out: Path, model: str, every: list[int], seeds: list[int],
     both = tuple(c for c in COMBINED if c in corrections) if combined else ()
 
     def table(precision: dict, cadence: int, corrections: tuple[str, ...], seed: int) -> dict:
-        return {**precision, "sync_every": [cadence], "lr": [LR], "correction": list(corrections), "seed": [seed]}
+        return {**precision, "sync_every": [cadence], "lr": [lr], "correction": list(corrections), "seed": [seed]}
 
     spec["grid"] = [t for seed in seeds for t in (
         table(bf16, 1, ("off",), seed),

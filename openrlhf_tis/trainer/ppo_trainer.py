@@ -49,6 +49,7 @@ from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 from openrlhf_tis.patches._guard import require_super_chain
 from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.rollout.precision import CUDA_QUANTIZED
+from openrlhf_tis.rollout.sampling_seeds import seed_data_order
 from openrlhf_tis.runs.store import RunWriter
 from openrlhf_tis.spec import run_spec
 from openrlhf_tis.trainer.bypass import install_bypass_experience_maker
@@ -63,6 +64,7 @@ from openrlhf_tis.trainer.step_part import (
     QueueWaitPart,
     RewardLimitPart,
     RewardScreenPart,
+    RolloutOrderPart,
     StalenessPart,
     StartEvalPart,
     StepPart,
@@ -102,6 +104,7 @@ class ForkController:
     waits_on_rollout_queue = False  # async training's trainer: its steps wait on the rollout queue
 
     def __init__(self, *args, **kwargs):
+        seed_data_order(*args, **kwargs)  # before upstream builds its prompt loader (rollout/sampling_seeds.py)
         super().__init__(*args, **kwargs)
         self.samples_generator = whole_set_eval(self.samples_generator) if self.samples_generator else None
         self.parts = self._choose_parts()
@@ -111,8 +114,9 @@ class ForkController:
     def _choose_parts(self) -> list[StepPart]:
         """This run's parts, in the order their hooks are called (trainer/step_part.py).
 
-        The order matters where two parts share a hook: the engines know the reward's time limit before the start's
-        evaluation rolls out; the queue wait ends before the samples are screened;
+        The order matters where two parts share a hook: the samples are put in canonical order before any part reads
+        them (the prompt groups, dumps and metrics then repeat under the seed); the engines know the reward's time
+        limit before the start's evaluation rolls out; the queue wait ends before the samples are screened;
         the dump plan counts the samples that reward screening and the lag bound kept; the run store is rewound
         before the start's sync check and evaluation; the sync check's metrics precede the sync's cost.
         """
@@ -123,6 +127,7 @@ class ForkController:
         checker = make_sync_checker(args, self.tokenizer, self.vllm_engines, self.actor_model_group)
         reward_limit = getattr(args.reward, "timeout_s", None)
         parts = [
+            RolloutOrderPart(),
             RewardLimitPart(self.vllm_engines, reward_limit) if self.vllm_engines and reward_limit else None,
             PolicyVersionPart(self.vllm_engines) if self.vllm_engines else None,
             QueueWaitPart() if self.waits_on_rollout_queue else None,
@@ -258,7 +263,12 @@ class _TisTrainingActor(ForkController, TrainerSideEval, _UpstreamTrainingActor,
 
 
 class _TisGenerateSamplesActor(_UpstreamGenerateSamplesActor):
-    """Upstream's async sample generator without its own evaluation: the trainer evaluates (TrainerSideEval)."""
+    """Upstream's async sample generator without its own evaluation: the trainer evaluates (TrainerSideEval); its
+    prompt loader shuffles by the run's seed (rollout/sampling_seeds.py)."""
+
+    def __init__(self, *args, **kwargs):
+        seed_data_order(*args, **kwargs)
+        super().__init__(*args, **kwargs)
 
     def _should_eval(self, global_step):
         return False

@@ -42,6 +42,7 @@ from openrlhf_tis.metric_names import (
     SYNC_CHECK_SECONDS,
     SYNC_WEIGHTS_SECONDS,
 )
+from openrlhf_tis.rollout.sampling_seeds import in_canonical_order
 from openrlhf_tis.runs.store import RunWriter
 from openrlhf_tis.runs.tokens import select_samples, should_dump
 from openrlhf_tis.spec import DumpPlan, RunSpec
@@ -153,6 +154,14 @@ class StalenessPart(PendingMetrics):
     def end_step(self, status: dict) -> None:
         status.pop(LAG, None)
         super().end_step(status)
+
+
+class RolloutOrderPart(StepPart):
+    """The step's samples in an order no timing decides (rollout/sampling_seeds.py), not the order they finished in:
+    the replay buffer, its micro-batches and its shuffle then repeat under the seed."""
+
+    def before_step(self, samples: list, step: int) -> list:
+        return in_canonical_order(samples)
 
 
 class QueueWaitPart(PendingMetrics):

@@ -159,3 +159,57 @@ def t_band(columns: np.ndarray, level: float = LEVEL) -> tuple[np.ndarray, np.nd
         sd = np.nanstd(x, axis=1, ddof=1)
         half = student_t.ppf(0.5 + level / 2.0, n - 1) * sd / np.sqrt(n)  # NaN where n < 2 (df <= 0)
     return mean, mean - half, mean + half
+
+
+def rate_interval(falls: int, runs: int, level: float = LEVEL) -> Interval:
+    """The share of runs that fell, with its exact (Clopper–Pearson) interval from scipy.stats.binomtest."""
+    from scipy.stats import binomtest
+
+    if runs == 0:
+        return Interval(float("nan"), float("nan"), float("nan"), 0)
+    ci = binomtest(falls, runs).proportion_ci(confidence_level=level, method="exact")
+    return Interval(falls / runs, float(ci.low), float(ci.high), runs)
+
+
+def fisher_p(falls_a: int, runs_a: int, falls_b: int, runs_b: int) -> float:
+    """Two-sided p of Fisher's exact test that two arms fall equally often (scipy.stats.fisher_exact)."""
+    from scipy.stats import fisher_exact
+
+    return float(fisher_exact([[falls_a, runs_a - falls_a], [falls_b, runs_b - falls_b]]).pvalue)
+
+
+def _fisher_rejects(n: int, alpha: float) -> np.ndarray:
+    """rejects[a, b]: Fisher's two-sided test rejects at `alpha` for a falls of n in one arm and b of n in the other.
+
+    Conditional on the a + b = t falls, a is hypergeometric; the two-sided p sums the probabilities of every table
+    no more likely than the one seen (scipy's definition, with its relative tolerance 1e-7)."""
+    from scipy.stats import hypergeom
+
+    rejects = np.zeros((n + 1, n + 1), dtype=bool)
+    for t in range(2 * n + 1):
+        a = np.arange(max(0, t - n), min(n, t) + 1)
+        pmf = hypergeom.pmf(a, 2 * n, t, n)
+        p = (pmf[None, :] <= pmf[:, None] * (1 + 1e-7)).astype(float) @ pmf
+        rejects[a, t - a] = p <= alpha
+    return rejects
+
+
+def fisher_power(rate_a: float, rate_b: float, n: int, alpha: float = 1.0 - LEVEL) -> float:
+    """The chance that Fisher's exact test at two-sided `alpha` finds two arms of n runs apart when they fall with
+    probabilities `rate_a` and `rate_b`: exact, summed over every pair of outcomes (scipy.stats.binom)."""
+    from scipy.stats import binom
+
+    k = np.arange(n + 1)
+    return float(binom.pmf(k, n, rate_a) @ _fisher_rejects(n, alpha) @ binom.pmf(k, n, rate_b))
+
+
+def runs_for_power(rate_a: float, rate_b: float, power: float = POWER, alpha: float = 1.0 - LEVEL,
+                   most: int = 200) -> int | None:
+    """The fewest runs per arm at which `fisher_power` reaches `power` (None: not within `most`, e.g. equal rates).
+    Fisher's power is not monotone in n (the test is discrete), so this is the first n that reaches it."""
+    if rate_a == rate_b:
+        return None
+    for n in range(2, most + 1):
+        if fisher_power(rate_a, rate_b, n, alpha) >= power:
+            return n
+    return None

@@ -1,0 +1,223 @@
+"""`python -m openrlhf_tis.study.collapse`: the collapse-regime study (scripts/collapse_study.sh; docs/study.md).
+
+Where must correction pay? Not at the staleness study's learning rate, where no run fails, so no endpoint about
+failure has anything to count. This study trains where stale, uncorrected runs can fall: the staleness study's
+recipe (the main job's task and model, bf16 rollouts, weights synced every K-th step) at a larger learning rate.
+Per seed and learning rate three arms: the reference (synced every step, uncorrected: what the learning rate does
+by itself), K uncorrected, and K with each correction asked for (TIS by default).
+
+**The endpoint is fixed before any cell runs.** A run *fell* when its kept policy's held-out gain (pass@1 after −
+before, heldout_kept.json) is below `--fall_below` (default 0.1: every reference run at the staleness study's
+learning rate gained 0.2 or more, the untrained policy scores ≈ 0.3, so a gain under 0.1 is a run that did not learn
+the task). It is written to `endpoint.json` with the primary test (Fisher's exact test of K uncorrected against each
+correction, two-sided, α = 0.05) and the runs per arm the study plans; a later sitting that asks for another
+endpoint, or a folder holding cells but no endpoint, is refused naming the flag. The code revision is recorded in
+`revision.json` the same way: cells of another revision are refused (start a new `--out`).
+
+The report (`collapse.md`, beside the sweep's report) gives per arm the runs, the falls with an exact 95% interval,
+the mean gain with its t interval; the primary comparisons with Fisher's p; and the runs per arm that 80% power
+needs at the rates seen (an arm with fewer runs than the plan asks for is flagged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from openrlhf_tis.correction.config import PRESETS
+from openrlhf_tis.params import ParameterError
+from openrlhf_tis.pipeline.main_job import check_model_option
+from openrlhf_tis.pipeline.sweep import SweepResult, load_grid, recorded_cells, run_command
+from openrlhf_tis.pipeline.train_params import TrainParams
+from openrlhf_tis.runs.config import git_revision
+from openrlhf_tis.runs.heldout import read_kept_heldout
+from openrlhf_tis.runs.layout import atomic_write
+from openrlhf_tis.study.dose_response import cell_count, check_profile, estimate_seconds, rebuild_report, write_outputs
+from openrlhf_tis.study.staleness import staleness_grid
+from openrlhf_tis.viz.stats import fisher_p, rate_interval, runs_for_power, t_interval
+
+LRS = (1e-4,)
+EVERY = 8
+SEEDS = tuple(range(1, 7))
+STEPS = 24
+CORRECTIONS = ("tis",)  # beside K uncorrected, always run
+FALL_BELOW = 0.1
+PLANNED_RUNS = 6  # the pilot's runs per arm; the powered study sets its own from the pilot's rates
+ENDPOINT_FILE = "endpoint.json"
+REVISION_FILE = "revision.json"
+REPORT_FILE = "collapse.md"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """The primary endpoint and test, fixed in writing before the study's first cell."""
+
+    fall_below: float
+    runs_per_arm: int
+    metric: str = "kept policy's held-out gain (pass@1 after - before, heldout_kept.json)"
+    test: str = "Fisher's exact test, two-sided, alpha 0.05: K uncorrected against each correction"
+
+
+def check_endpoint(out: Path, endpoint: Endpoint, cells: int) -> None:
+    """Write the endpoint on a new study; refuse, naming the flag, one that differs from what is written or a folder
+    whose cells ran before any endpoint was fixed."""
+    path = out / ENDPOINT_FILE
+    if not path.is_file():
+        if cells:
+            raise ParameterError(f"--out {out}: {cells} cells ran before an endpoint was fixed ({path} is missing): "
+                                 "an endpoint given after cells exist is not one; start a new --out")
+        atomic_write(path, (json.dumps(asdict(endpoint), indent=1) + "\n").encode())
+        return
+    fixed = json.loads(path.read_text())
+    for field, flag in (("fall_below", "--fall_below"), ("runs_per_arm", "--runs_per_arm")):
+        if fixed.get(field) != getattr(endpoint, field):
+            raise ParameterError(f"{flag} {getattr(endpoint, field)}: the study under {out} fixed {field} = "
+                                 f"{fixed.get(field)} before its cells ran ({path}); keep it, or start a new --out")
+
+
+def code_revision() -> str:
+    """The git commit this package runs from, '+dirty' when its tracked files differ from it (runs/config.py)."""
+    git = git_revision()
+    return f"{git['revision'] or 'unknown'}{'+dirty' if git['dirty'] else ''}"
+
+
+def check_revision(out: Path, revision: str) -> None:
+    """Record the revision of a new study; refuse a sitting of another revision (one revision per study)."""
+    path = out / REVISION_FILE
+    if not path.is_file():
+        atomic_write(path, (json.dumps({"revision": revision}, indent=1) + "\n").encode())
+        return
+    fixed = json.loads(path.read_text()).get("revision")
+    if fixed != revision:
+        raise ParameterError(f"--out {out}: its cells ran on code revision {fixed}, this is {revision}: one revision "
+                             "per study; start a new --out (or run from a clone at that revision)")
+
+
+def collapse_grid(out: Path, model: str, lrs: list[float], every: int, seeds: list[int],
+                  corrections: tuple[str, ...], steps: int) -> dict:
+    """Seed-major, then learning rate: the reference, K uncorrected and K with each correction, per (seed, lr)."""
+    arms = ("off", *corrections)
+    specs = [staleness_grid(out, model, [every], [seed], arms, combined=False, steps=steps, lr=lr)
+             for seed in seeds for lr in lrs]
+    return {"base": specs[0]["base"], "grid": [table for spec in specs for table in spec["grid"]]}
+
+
+def arm_outcomes(result: SweepResult, fall_below: float) -> dict[tuple[float, int, str], list[float]]:
+    """(lr, K, correction) -> the kept-policy gain of each finished run (runs without a kept score left out)."""
+    arms: dict[tuple[float, int, str], list[float]] = {}
+    for cell in result.results:
+        if cell.status == "failed":
+            continue
+        kept = read_kept_heldout(cell.run_dir)
+        if kept is None:
+            continue
+        params = TrainParams(**cell.cell.params)
+        arms.setdefault((params.lr, params.sync_every, params.correction), []).append(
+            kept.after.pass1 - kept.before.pass1)
+    return arms
+
+
+def _name(arm: tuple[float, int, str]) -> str:
+    lr, every, correction = arm
+    return f"lr {lr:g}, " + ("reference (K = 1)" if every == 1 else f"K = {every}, {correction}")
+
+
+def collapse_markdown(arms: dict[tuple[float, int, str], list[float]], endpoint: Endpoint) -> str:
+    """The arms' fall rates and gains, the primary comparisons and the runs 80% power needs (module docstring)."""
+    if not arms:
+        return "(no run finished with a kept-policy score)"
+    lines = [f"Endpoint (fixed before the first cell): a run fell when its {endpoint.metric} < {endpoint.fall_below}."
+             f" Primary test: {endpoint.test}. Planned runs per arm: {endpoint.runs_per_arm}.", "",
+             "| arm | runs | fell | fall rate [95% exact] | mean gain [95% t] |", "|---|---|---|---|---|"]
+    for arm in sorted(arms, key=lambda a: (a[0], a[1] != 1, a[2] != "off", a[2])):
+        gains = np.asarray(arms[arm])
+        falls = int((gains < endpoint.fall_below).sum())
+        rate, gain = rate_interval(falls, len(gains)), t_interval(gains)
+        short = " (fewer than planned)" if len(gains) < endpoint.runs_per_arm else ""
+        lines.append(f"| {_name(arm)} | {len(gains)}{short} | {falls} | {rate.estimate:.2f} "
+                     f"[{rate.low:.2f}, {rate.high:.2f}] | {gain.estimate:+.3f} [{gain.low:+.3f}, {gain.high:+.3f}] |")
+    lines += ["", "| comparison | falls | Fisher p | runs per arm for 80% power at these rates |", "|---|---|---|---|"]
+    for (lr, every, correction), gains in sorted(arms.items()):
+        if correction == "off":
+            continue
+        base = arms.get((lr, every, "off"))
+        if base is None:
+            continue
+        a, b = (int((np.asarray(g) < endpoint.fall_below).sum()) for g in (base, gains))
+        needed = runs_for_power(a / len(base), b / len(gains))
+        lines.append(f"| {_name((lr, every, 'off'))} vs {correction} | {a}/{len(base)} vs {b}/{len(gains)} | "
+                     f"{fisher_p(a, len(base), b, len(gains)):.3f} | {needed if needed else 'not within 200'} |")
+    return "\n".join(lines)
+
+
+def write_collapse_report(out: Path) -> str:
+    """collapse.md from every cell recorded under `out`, by the endpoint written there; returned too."""
+    endpoint = Endpoint(**json.loads((out / ENDPOINT_FILE).read_text()))
+    text = collapse_markdown(arm_outcomes(recorded_cells(out), endpoint.fall_below), endpoint)
+    atomic_write(out / REPORT_FILE, (text + "\n").encode())
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m openrlhf_tis.study.collapse", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="the study's folder (task, grid, cells, endpoint, report)")
+    parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), 'tiny' or a directory")
+    parser.add_argument("--lrs", type=float, nargs="+", default=list(LRS), help="learning rates (default 1e-4)")
+    parser.add_argument("--every", type=int, default=EVERY, help=f"the sync cadence K >= 2 (default {EVERY})")
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="training seeds (default 1..6)")
+    parser.add_argument("--corrections", nargs="+", default=list(CORRECTIONS), choices=[p for p in PRESETS
+                        if p != "off"], help="corrections beside K uncorrected (default tis)")
+    parser.add_argument("--steps", type=int, default=STEPS, help=f"steps per cell (default {STEPS})")
+    parser.add_argument("--fall_below", type=float, default=FALL_BELOW,
+                        help=f"the endpoint: a run fell when its kept gain is below this (default {FALL_BELOW}); "
+                        "fixed in endpoint.json by the first sitting")
+    parser.add_argument("--runs_per_arm", type=int, default=PLANNED_RUNS,
+                        help=f"runs per arm the study plans (default {PLANNED_RUNS}); fixed like the endpoint")
+    parser.add_argument("--dry_run", action="store_true", help="check every cell, print the grid, run nothing")
+    parser.add_argument("--report", action="store_true", help="rebuild the reports from the cells, run nothing")
+    args = parser.parse_args(argv)
+    out = Path(args.out).expanduser().resolve()
+    if args.report:
+        rebuild_report(parser, out, report_title(out))
+        print(write_collapse_report(out))
+        return
+    check_model_option(parser, args.model)
+    if args.every < 2:
+        parser.error(f"--every must be 2 or more (1 is the reference, always run), got {args.every}")
+    if args.steps < 1 or args.runs_per_arm < 2 or not 0 < args.fall_below < 1:
+        parser.error("--steps must be >= 1, --runs_per_arm >= 2 and --fall_below in (0, 1)")
+    if len(set(args.seeds)) < len(args.seeds) or len(set(args.lrs)) < len(args.lrs) or min(args.lrs) <= 0:
+        parser.error("--seeds and --lrs: each once, learning rates > 0")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        grid = collapse_grid(out, args.model, args.lrs, args.every, args.seeds, tuple(args.corrections), args.steps)
+        check_profile(out, TrainParams(**grid["base"]))
+        grid_file = out / "study_grid.json"
+        grid_file.write_text(json.dumps(grid, indent=1))
+        load_grid(grid_file)
+        if not args.dry_run:
+            check_endpoint(out, Endpoint(args.fall_below, args.runs_per_arm), len(recorded_cells(out).results))
+            check_revision(out, code_revision())
+    except ParameterError as err:
+        parser.error(str(err))
+    print(f"[collapse] {cell_count(grid)} cells of {args.steps} steps at lr {args.lrs}, K = {args.every}, seeds "
+          f"{args.seeds}; all cells ≈ {estimate_seconds(grid) / 60:.0f} min (finished cells skip); grid {grid_file}",
+          file=sys.stderr)
+    if args.dry_run:
+        return
+    result = run_command(parser.prog, grid_file, out, report_title(out), whole_folder=True)
+    print(write_collapse_report(out))
+    write_outputs(result, out)
+
+
+def report_title(out: Path) -> str:
+    return f"Collapse-regime study {out.name}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""The collapse-regime study's grid, endpoint, revision and report (study/collapse.py); nothing trains."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from scipy.stats import fisher_exact
+
+from openrlhf_tis.params import ParameterError
+from openrlhf_tis.pipeline.sweep import load_grid
+from openrlhf_tis.study import collapse
+
+
+def test_the_grid_is_seed_major_then_lr_with_the_reference_beside_each_pair(tmp_path):
+    collapse.main(["--out", str(tmp_path / "c"), "--model", "tiny", "--dry_run", "--lrs", "1e-4", "1.5e-4",
+                   "--seeds", "3", "4", "--corrections", "tis", "token_mis"])
+    cells = [(c.params["seed"], c.params["lr"], c.params["sync_every"], c.params["correction"])
+             for c in load_grid(tmp_path / "c" / "study_grid.json")]
+    arms = [(1, "off"), (8, "off"), (8, "tis"), (8, "token_mis")]
+    assert cells == [(s, lr, k, c) for s in (3, 4) for lr in (1e-4, 1.5e-4) for k, c in arms]
+    assert not (tmp_path / "c" / collapse.ENDPOINT_FILE).exists()  # a dry run fixes nothing
+
+
+def test_the_endpoint_is_fixed_by_the_first_sitting_and_refused_once_cells_exist(tmp_path):
+    out = tmp_path / "c"
+    out.mkdir()
+    with pytest.raises(ParameterError, match="3 cells ran before an endpoint was fixed"):
+        collapse.check_endpoint(out, collapse.Endpoint(0.1, 6), cells=3)
+    collapse.check_endpoint(out, collapse.Endpoint(0.1, 6), cells=0)
+    assert json.loads((out / collapse.ENDPOINT_FILE).read_text())["fall_below"] == 0.1
+    collapse.check_endpoint(out, collapse.Endpoint(0.1, 6), cells=5)  # the same endpoint: a later sitting goes on
+    with pytest.raises(ParameterError, match=r"--fall_below 0.2: .* fixed fall_below = 0.1"):
+        collapse.check_endpoint(out, collapse.Endpoint(0.2, 6), cells=5)
+    with pytest.raises(ParameterError, match=r"--runs_per_arm 23: .* fixed runs_per_arm = 6"):
+        collapse.check_endpoint(out, collapse.Endpoint(0.1, 23), cells=5)
+
+
+def test_one_code_revision_per_study(tmp_path):
+    collapse.check_revision(tmp_path, "abc")
+    collapse.check_revision(tmp_path, "abc")
+    with pytest.raises(ParameterError, match="its cells ran on code revision abc, this is def"):
+        collapse.check_revision(tmp_path, "def")
+    assert collapse.code_revision() != ""
+
+
+def test_report_counts_falls_by_the_endpoint_and_tests_them_with_fisher():
+    arms = {(1e-4, 1, "off"): [0.3, 0.4, 0.35, 0.2],
+            (1e-4, 8, "off"): [0.05, -0.1, 0.3, 0.0],  # 3 of 4 below 0.1
+            (1e-4, 8, "tis"): [0.2, 0.3, 0.09, 0.4]}  # 1 of 4
+    text = collapse.collapse_markdown(arms, collapse.Endpoint(0.1, 6))
+    assert "| lr 0.0001, K = 8, off | 4 (fewer than planned) | 3 | 0.75 [" in text
+    assert "| lr 0.0001, reference (K = 1) | 4 (fewer than planned) | 0 | 0.00 [0.00, 0.60] |" in text
+    p = fisher_exact([[3, 1], [1, 3]]).pvalue
+    assert f"| lr 0.0001, K = 8, off vs tis | 3/4 vs 1/4 | {p:.3f} |" in text
+    assert collapse.collapse_markdown({}, collapse.Endpoint(0.1, 6)).startswith("(no run")
+
+
+def test_bad_arguments_are_refused_naming_the_flag(tmp_path, capsys):
+    for extra, fault in ((["--every", "1"], "--every must be 2 or more"),
+                         (["--fall_below", "1.5"], "--fall_below in (0, 1)"),
+                         (["--lrs", "1e-4", "1e-4"], "--seeds and --lrs: each once")):
+        with pytest.raises(SystemExit):
+            collapse.main(["--out", str(Path(tmp_path) / "c"), "--model", "tiny", "--dry_run", *extra])
+        assert fault in capsys.readouterr().err
