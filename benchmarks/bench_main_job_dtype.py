@@ -1,4 +1,4 @@
-"""The main job's training step in each trainer dtype on this CPU, side by side (issue 43: the trainer's profile).
+"""The main job's training step in each trainer dtype on this CPU, side by side (the trainer's profile for the studies).
 
 Why: bench_train_dtype.py times a bare forward+backward; what decides the CPU default is the whole step the main
 job runs (rollout, π_old forward, PPO update through DeepSpeed, weight sync). This runs the main job's recipe

@@ -100,10 +100,11 @@ UPSTREAM_SCHEMES = {"off": {},
 """The presets upstream's PolicyLoss computes too, and the PolicyLoss arguments that make it do so (with its
 default band [0.5, 5], which config.from_upstream maps too)."""
 GOALS = {"time": 2.0, "kernels": 2.0, "memory": 1.25, "step": 1.02}
+"""The correction's cost goals for the eager loss + metrics against upstream's PolicyLoss, and for a training step
+(docs/correction.md)."""
 REQUANTIZED = {"fp8": ("rollout/fp8_max_rel_error", 1 / 16), "int8": ("rollout/int8_max_rel_error", 0.5 / 127)}
 """The metric of each quantized rollout's re-quantization and its bound: e4m3's half step (2^-4, relative), the 8-bit
 grid's half step of the row's largest weight (0.5/127)."""
-"""Issue 28's goals for the eager loss + metrics against upstream's PolicyLoss, and for a training step."""
 
 
 @dataclass

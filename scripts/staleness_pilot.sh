@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The staleness axis's pilot (issue 43; docs/study.md "The staleness axis"): the precision study's recipe (the main
+# The staleness axis's pilot (docs/study.md "The staleness axis"): the precision study's recipe (the main
 # job's task, SmolLM2-135M, bf16 trainer and rollouts, 24 steps, seed 1) with the weights synced after every 8th step
 # only (--vllm.sync_every 8: lags 0..7, each measured by mismatch_by_lag/k3_lag_<k>), uncorrected and with TIS, at
 # each learning rate in OPENRLHF_TIS_PILOT_LRS (default: the recipe's 2e-5). A learning rate other than the recipe's

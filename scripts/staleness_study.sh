@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The staleness study (issue 43; docs/study.md "The staleness axis"), sized by its pilot
+# The staleness study (docs/study.md "The staleness axis"), sized by its pilot
 # (results/study/staleness-pilot-avx512): the main job's task and model, bf16 trainer, 24 steps, learning rate 6e-5,
 # where weights synced after every 8th step give a stale k3 of 0.15 a token on average (the precision doses' range)
 # and cost the kept policy nearly all of the reference's gain on the pilot's seed.

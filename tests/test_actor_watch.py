@@ -1,4 +1,4 @@
-"""An actor of the run dead of an error ends the driver in one line naming it (cli/actor_watch.py, issue 44): upstream
+"""An actor of the run dead of an error ends the driver in one line naming it (cli/actor_watch.py): upstream
 waited on the dead vLLM engine's peers until the driver was killed (244 s in the report). The decision and the line
 are checked on Ray's own death-cause messages, the wake-up of the main thread without Ray, and the whole path on a real
 run whose engine's constructor raises."""

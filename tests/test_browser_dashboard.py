@@ -153,7 +153,7 @@ def test_dashboard_in_headless_chromium(server, driver):
 @pytest.mark.browser
 @pytest.mark.timeout(300)
 def test_the_first_screen_is_the_runs_table(server, driver):
-    """Issue 44: the page opened on a tab bar with no tab selected over an empty box, and once the runs tab was
+    """Regression: the page opened on a tab bar with no tab selected over an empty box, and once the runs tab was
     clicked the table's headers sat right-aligned over left-aligned cells."""
     url, root, log = server
     for step in (1, 2):

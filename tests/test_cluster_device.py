@@ -110,7 +110,7 @@ def test_cuda_refuses_what_its_weight_sync_cannot_serve_with_one_message(valid_a
     cluster_of(GPU_CLUSTER)
     stderr = refused(valid_argv + extra, capsys)
     line = error_line(stderr)
-    # the device decision is said first, so the refusal reads as one about a CUDA run (issue 44)
+    # the device decision is said first, so the refusal reads as one about a CUDA run
     assert stderr.split("[openrlhf_tis] ", 1)[1].startswith("CUDA run (--cluster.device auto): ")
     assert line.startswith(f"{flag}: no {asked} on CUDA ({GPU_CLUSTER}): ")
     assert "casts the trainer's bf16 tensors straight into the engine's parameters" in line  # why

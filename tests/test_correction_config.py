@@ -259,8 +259,8 @@ def test_a_field_named_without_effect_changes_nothing_and_is_read_elsewhere():
 
 
 @pytest.mark.parametrize(("name", "overrides", "unused"), [
-    ("off", {"upper": 3.0}, "upper"),  # issue 32: no weight, so no cap
-    ("tis", {"veto_sides": "low"}, "veto_sides"),  # issue 32: no veto threshold, so no sides
+    ("off", {"upper": 3.0}, "upper"),  # no weight, so no cap
+    ("tis", {"veto_sides": "low"}, "veto_sides"),  # no veto threshold, so no sides
     ("tis", {"lower": 0.5}, "lower"),
     ("tis", {"normalize_scope": "local"}, "normalize_scope"),
     ("off", {"denominator": "kept"}, "denominator"),

@@ -1,6 +1,6 @@
 """What the correction's metrics cost, and the compiled metrics pass that is the default on CUDA.
 
-Issue 28's goals, against upstream's PolicyLoss (OpenRLHF 0.11.2) on the same batch: the loss with every
+The correction's cost goals, against upstream's PolicyLoss (OpenRLHF 0.11.2) on the same batch: the loss with every
 metric at most 1.25× its peak memory, and at most 2× its kernel launches with the metrics pass compiled (the
 CUDA default; eagerly each operation is one launch). The compiled pass must leave training untouched: the
 weights and masks stay eager and bit-identical, only the metrics' last bits may move.

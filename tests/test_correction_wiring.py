@@ -1,4 +1,5 @@
-"""Token TIS wired end to end, against an independent float64 reference (the audit of issue 20).
+"""Token TIS wired end to end, against an independent float64 reference (the audit of why TIS
+trailed uncorrected training in the first CPU study, docs/correction.md).
 
 A real OpenRLHF `Actor` around a small Qwen2 is trained one step by the fork's actor trainer on rollouts of
 a second, perturbed copy of it (the stand-in for an INT8 engine, μ). The rollouts go through upstream's own

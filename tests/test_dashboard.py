@@ -66,7 +66,7 @@ def test_missing_then_empty_then_populated_root(tmp_path):
     board.reload()  # a run that appeared after the page opened
     assert board.notice.value == "" and board.tabs.layout.display is None
     assert list(board.table["run"]) == ["a"] and board.explorer.steps == [1]
-    assert board.tabs.selected_index == 0  # the runs tab, not no tab (issue 44)
+    assert board.tabs.selected_index == 0  # the runs tab, not no tab (a regression)
 
 
 def test_a_file_as_root_is_a_notice(tmp_path):
@@ -119,7 +119,7 @@ def test_reload_follows_a_run_in_progress(root):
 
 
 def test_the_comparison_is_drawn_when_its_tab_is_opened_and_once_per_reload(root, monkeypatch):
-    """Issue 32: the page drew the compare tab (~5.6 s of matplotlib) before anything showed."""
+    """Regression: the page drew the compare tab (~5.6 s of matplotlib) before anything showed."""
     from openrlhf_tis.pipeline import dashboard_app
 
     drawn = []
@@ -172,7 +172,7 @@ def test_notebook_runs_under_papermill(root, tmp_path):
 
 
 def test_the_notebook_intro_names_the_folder_not_the_parameter():
-    """Issue 44: the page's intro said `root` (the parameter's name, shown nowhere on the page) for the folder."""
+    """Regression: the page's intro said `root` (the parameter's name, shown nowhere on the page) for the folder."""
     intro = nbformat.read(notebook_path("dashboard"), as_version=4).cells[0]
     assert "`root`" not in intro.source and "folder" in intro.source
 
@@ -205,7 +205,7 @@ def _get(port: int, host: str, path: str = "/") -> int:
 
 @pytest.mark.timeout(300)
 def test_the_server_answers_local_host_headers_only(root, tmp_path):
-    """Issue 44: `Host: evil.example.com` got the page (200), so a DNS-rebinding page could read the runs."""
+    """Regression: `Host: evil.example.com` got the page (200), so a DNS-rebinding page could read the runs."""
     port = free_port()
     kernel = f"/api/kernels/{uuid.uuid4()}"  # no such kernel: 404 once past the Host check
     with served(_dashboard_argv(root, port), port, tmp_path / "log", jupyter_env(tmp_path / "jupyter"), tmp_path):
@@ -218,7 +218,7 @@ def test_the_server_answers_local_host_headers_only(root, tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("background", [False, True], ids=["foreground", "background-job"])
 def test_one_sigint_stops_the_server(root, tmp_path, background):
-    """Issue 44: SIGINTs left a dashboard started in the background running (only SIGTERM stopped it)."""
+    """Regression: SIGINTs left a dashboard started in the background running (only SIGTERM stopped it)."""
     port = free_port()
     argv = _dashboard_argv(root, port, background)
     with served(argv, port, tmp_path / "log", jupyter_env(tmp_path / "jupyter"), tmp_path) as server:

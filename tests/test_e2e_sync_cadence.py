@@ -1,4 +1,4 @@
-"""A run with a known lag (issue 43): `--vllm.sync_every 2` on the tiny model, 3 steps, through Ray, DeepSpeed and
+"""A run with a known lag: `--vllm.sync_every 2` on the tiny model, 3 steps, through Ray, DeepSpeed and
 vLLM. The engines get the weights after step 2 only, so step 1 and step 3 train on lag-0 samples and step 2 on
 samples one version behind π_old; the metrics split the mismatch by that lag, and the sync check runs on the sync
 that happened."""

@@ -4,7 +4,7 @@ a vLLM-CPU engine with processed log-probs, on a tiny random-weight model built 
 killed mid-way (SIGKILL to its process group) and resumed from upstream's checkpoint, so the same
 run also proves the run store survives a kill and a resume without duplicated or missing steps.
 
-The same two launches check who owns a run directory (issue 21): a second start into the live run's directory is
+The same two launches check who owns a run directory: a second start into the live run's directory is
 refused, a stale Ray address file does not capture either run, and the killed run leaves no Ray process behind. A
 copy of the finished run is then started over (`--logger.run_dir_overwrite`) and killed after its first step: its
 checkpoint directory still holds the first run's, which a resume refuses."""

@@ -1,5 +1,5 @@
 """The GPU recipes (scripts/gpu/) are files a user edits and runs: each builds a command line the training CLI
-accepts on the cluster it is written for (issue 40).
+accepts on the cluster it is written for.
 
 Each recipe runs for real under bash, with the programs it calls (python, ray, srun, scontrol, sleep) replaced by
 stand-ins on PATH that record their arguments; the training command line it would run is then parsed and checked

@@ -1,4 +1,4 @@
-"""No run is wasted (issue 13): every input that can be checked without Ray is refused before it starts,
+"""No run is wasted: every input that can be checked without Ray is refused before it starts,
 in one line naming the flag or file; run directories are never overwritten by accident; the calibration
 command and the run-store readers turn bad input into clear errors."""
 
@@ -81,7 +81,7 @@ def test_json_csv_and_parquet_files_are_read_whole(valid_argv, tmp_path, capsys)
     (["--algo.dynamic_filtering_enable", "--rollout.n_samples_per_prompt", "2", "--algo.dynamic_filtering_range",
       "1", "0"], "--algo.dynamic_filtering_range", "LOW < HIGH"),
     (["--rollout.vllm_generate_batch_size", "2048"], "--rollout.vllm_generate_batch_size", "--train.async_enable"),
-    (["--data.max_samples", "0"], "--data.max_samples", "must be >= 1, got 0"),  # issue 32: Ray started
+    (["--data.max_samples", "0"], "--data.max_samples", "must be >= 1, got 0"),  # regression: Ray started
     (["--data.max_samples", "-5"], "--data.max_samples", "must be >= 1, got -5"),
 ])
 def test_batch_arithmetic_is_refused_before_ray(valid_argv, capsys, extra, flag, expected):
@@ -156,7 +156,7 @@ def test_reward_script_that_fails_to_import_is_refused(valid_argv, tmp_path, cap
 
 
 def test_the_start_says_it_imports_the_reward_script_before_it_does(valid_argv, tmp_path, capsys):
-    """A script that takes a minute to import must not leave the console silent (issue 32)."""
+    """A script that takes a minute to import must not leave the console silent (a regression)."""
     path = tmp_path / "slow_reward.py"
     path.write_text("import sys\nprint('IMPORTING', file=sys.stderr)\n\n\n"
                     "def reward_func(queries, prompts, labels):\n    return {'rewards': [0.0]}\n")

@@ -2,7 +2,7 @@
 through the real training CLI (Ray + DeepSpeed + vLLM, tiny model, 8 steps), then compare.ipynb into a
 self-contained HTML report; the sweep notebook re-runs it and skips the finished cell.
 
-The sweep's first run is stopped by Ctrl-C in its first cell (issue 21): it stops the training before it exits,
+The sweep's first run is stopped by Ctrl-C in its first cell: it stops the training before it exits,
 says so in one line, and the next run finishes the cell afresh, keeping the interrupted attempt."""
 
 from __future__ import annotations

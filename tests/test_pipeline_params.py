@@ -156,7 +156,7 @@ def test_json_grids_work_too(tmp_path):
 
 
 def test_cells_equal_by_value_run_once_under_the_first_name(tmp_path, capsys):
-    """`lr = [1, 1.0]` is one learning rate (issue 44): one cell, and the console says which spelling was dropped."""
+    """`lr = [1, 1.0]` is one learning rate: one cell, and the console says which spelling was dropped."""
     grid = _grid(tmp_path, '[grid]\nlr = [1, 1.0, 2]\nseed = [1, 2]\n')
     assert [c.name for c in load_grid(grid)] == ["lr=1,seed=1", "lr=1,seed=2", "lr=2,seed=1", "lr=2,seed=2"]
     err = capsys.readouterr().err
@@ -194,7 +194,7 @@ def test_a_bad_grid_is_refused_naming_the_file_and_key(tmp_path, text, fault):
 
 
 @pytest.mark.parametrize("text, fault", [
-    # issue 32: each passed the grid check, and its cell failed 40 s later inside the training CLI
+    # regression: each passed the grid check, and its cell failed 40 s later inside the training CLI
     ('[base]\nrollout_precision = "int8"\n[grid]\nint8_weight_bits = ["6", "3"]\n',
      # now refused by the grid's own parameter check, in the CLI's words, with no command line built
      "cell int8_weight_bits=3: int8_weight_bits = '3': --vllm.int8_weight_bits: invalid choice: '3'"),
@@ -227,7 +227,7 @@ assert sys.stderr.name == sys.argv[1]
 
 def test_checking_a_training_command_leaves_the_console_quiet_even_in_a_kernel(tmp_path):
     """The first check imports upstream's CLI, hence DeepSpeed: its accelerator warning and its op probe's compiler
-    errors (`ld: cannot find -laio` where libaio is missing) reached the console of a main job or a sweep (issue 32)."""
+    errors (`ld: cannot find -laio` where libaio is missing) reached the console of a main job or a sweep."""
     import subprocess
     import sys
 

@@ -1,5 +1,5 @@
 """A run's placement is compared with its cluster before Ray places anything (cli/placement.py): upstream waits for
-its placement groups with no time limit, so a cluster too small for them hung the driver in silence (issue 44)."""
+its placement groups with no time limit, so a cluster too small for them hung the driver in silence."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 44: the prompt rows upstream would fail on at the first step, or cut, refused before Ray starts in one line
+"""The prompt rows upstream would fail on at the first step, or cut, refused before Ray starts in one line
 naming the flag, the file and the row: an empty or unusable prompt, a dataset directory upstream cannot load, a
 prompt with no room for a response within --data.max_len."""
 

@@ -1,4 +1,4 @@
-"""A reward that never returns or returns what upstream cannot use stops with a message (issue 44):
+"""A reward that never returns or returns what upstream cannot use stops with a message:
 `--reward.timeout_s` bounds every reward_func call, in the try-out before Ray starts and on the engines, and every
 result must hold one number per query; either failure names the script, the prompt and the limit or the value."""
 

@@ -1,4 +1,4 @@
-"""Bad rewards never train silently (issue 13): `--reward.nonfinite fail|drop` on NaN/inf rewards, and a
+"""Bad rewards never train silently: `--reward.nonfinite fail|drop` on NaN/inf rewards, and a
 reward function that raises fails the run with its own exception and traceback."""
 
 from __future__ import annotations

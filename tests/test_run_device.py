@@ -1,4 +1,4 @@
-"""The run's device is decided once, by the driver, and every other process obeys it (issue 40).
+"""The run's device is decided once, by the driver, and every other process obeys it.
 
 A Ray worker that asks its own `torch.cuda` anything before Ray gives it its GPU initialises CUDA on every GPU of its
 node (all ranks then land on GPU 0), and a driver on a CPU-only head that decides from its own hardware applies the

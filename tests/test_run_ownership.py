@@ -1,4 +1,4 @@
-"""No run trains on the wrong weights, no two runs share a directory (issue 21), checked without Ray: the run
+"""No run trains on the wrong weights, no two runs share a directory, checked without Ray: the run
 directory's lock against a second live process, checkpoint identity, planned steps, output locations, the
 sweep's interrupted cells, RAY_ADDRESS, and the smaller one-line refusals."""
 
@@ -135,7 +135,7 @@ class _Started(Exception):
 
 def test_resuming_a_finished_run_says_there_is_nothing_to_do_and_exits_0_before_ray(valid_argv, tmp_path, capsys,
                                                                                     monkeypatch):
-    """Issue 32: it went through the whole start-up (143 s) and a held-out pass to train nothing."""
+    """Regression: it went through the whole start-up (143 s) and a held-out pass to train nothing."""
     final = tmp_path / "final"
     argv = valid_argv + ["--ckpt.output_dir", str(final), "--ckpt.path", str(tmp_path / "ckpt")]
     path = finished_run(argv)  # two logged steps; one prompt in a rollout batch: one planned step
@@ -453,7 +453,7 @@ def test_an_explicit_lower_bound_that_tis_ignores_is_refused(valid_argv, capsys)
 
 @pytest.mark.parametrize("flags, fault", [
     (["--train.no_such_flag", "3"], "unrecognized arguments: --train.no_such_flag 3"),
-    # issue 32: refused only after the notebook had started (52 s), by the training CLI
+    # regression: refused only after the notebook had started (52 s), by the training CLI
     (["--train.async_max_lag", "1"], "--train.async_max_lag: applies to async training only; add --train.async_enable"),
 ])
 def test_a_bad_training_flag_through_the_main_job_fails_at_once_in_one_line(tmp_path, flags, fault):
@@ -466,7 +466,7 @@ def test_a_bad_training_flag_through_the_main_job_fails_at_once_in_one_line(tmp_
     assert errors == [errors[-1]] and errors[-1].startswith("main_job: error: training CLI flags: "), proc.stderr
     assert fault in errors[-1] and "usage:" not in proc.stderr
     assert not (tmp_path / "runs").exists()  # nothing was started
-    # DeepSpeed, imported with upstream's parser, says nothing on the console (issue 32)
+    # DeepSpeed, imported with upstream's parser, says nothing on the console
     assert "Setting accelerator" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     print(f"refused after {time.monotonic() - start:.1f} s")
 

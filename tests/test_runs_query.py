@@ -290,7 +290,7 @@ def test_cli_list_and_show(runs, capsys, tmp_path):
 
 
 def test_show_names_each_place_it_looked_at_once(tmp_path, capsys):
-    """Issue 32: `show` on an empty directory named the same path twice."""
+    """Regression: `show` on an empty directory named the same path twice."""
     empty = tmp_path / "empty"
     empty.mkdir()
     assert runs_cli.main(["show", str(empty)]) == 2

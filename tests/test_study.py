@@ -94,7 +94,7 @@ def test_an_unknown_dose_or_bad_step_count_is_refused_before_anything_runs(tmp_p
     for argv, flag in ((["--doses", "none", "w3a8"], "--doses"), (["--steps", "0"], "--steps"),
                        (["--async_queues", "0", "-1"], "--async_queues"),
                        (["--corrections", "nope"], "--corrections"),
-                       # issue 32: the dry run printed an estimate for a model that does not exist
+                       # regression: the dry run printed an estimate for a model that does not exist
                        (["--model", str(tmp_path / "nonexistent"), "--dry_run"],
                         f"--model {tmp_path / 'nonexistent'}: must be 'tiny', 'default' or a model directory")):
         with pytest.raises(SystemExit) as err:

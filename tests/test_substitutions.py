@@ -1,15 +1,25 @@
-"""patches/README.md's table is the list of every substitution of upstream behaviour, wherever it lives (issue 41).
+"""patches/README.md's table is the list of every substitution of upstream behaviour, wherever it lives.
 
 The package and patches/ are scanned for the ways the fork substitutes upstream code (below, `scan_substitutions`);
 each place found must be named in the table's `where` column, and every place the table names must exist. The
-guard helpers themselves (patches/_guard.py) are the mechanism, not a substitution: their call sites are scanned.
-The guards the table names refuse an upstream they were not written for, naming the fork file to review.
+guard helpers themselves (patches/_guard.py) are the mechanism, not a substitution: their call sites are scanned,
+and so is every place that checks upstream with a guard, since a guard is there because something of upstream is
+relied on or changed. The kinds, each with a sample below: the helpers' substitutions (`replace`, `swapped`,
+`reclass`, import hooks); assignments to upstream modules and classes, by statement or `setattr`; a function of ours
+assigned over an object's method; `__class__` / `__bases__`; `sys.modules`; `runpy`; a fork class placed below an
+upstream one in a class's bases, and its methods that rely on upstream's `super()` call; a component upstream's
+constructor built, replaced on the live object (`self.X`, read from upstream's installed source); a value upstream
+reads set and restored around one call (`finally`); a patch wired in from the fork's code; a guard, or a guard's
+error raised by hand. The guards the table names refuse an upstream they were not written for, naming the fork file
+to review.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
+import importlib.util
 import re
 import sys
 import textwrap
@@ -30,7 +40,15 @@ UPSTREAM_PACKAGES = {"openrlhf", "vllm", "torch", "deepspeed", "transformers", "
 """Top-level packages whose attributes the fork must not assign outside the table."""
 SUBSTITUTING_HELPERS = {"replace", "add", "swapped", "reclass", "after_import", "around_import"}
 """Helpers of patches/_guard.py and patches/_import_hooks.py that change upstream objects or imports."""
+GUARDS = {"require_version", "require_super_chain"}
+"""Guards of patches/_guard.py: a place that checks upstream before it relies on or changes it is a substitution's."""
+GUARD_ERRORS = {"PatchTargetMissingError", "PatchConflictError", "UnsupportedUpstreamError"}
+"""Raised by hand outside the helpers, one of these is a hand-written guard: its place is a substitution's too."""
 HELPER_MODULES = ("_guard", "_import_hooks")
+PATCH_PACKAGE = "openrlhf_tis.patches"
+PATCH_ENTRY = "apply_platform_patches"
+"""The documented way in to the platform patches (patches/README.md's first paragraph). Any other call from the fork
+into a patch module wires that patch in at the caller's place, which the table must name."""
 CODE_RUNNERS = {("runpy", "run_module"), ("runpy", "run_path"), ("importlib", "reload")}
 CLASS_SURGERY = {"__class__", "__bases__"}
 
@@ -55,6 +73,86 @@ def _defined_in(node: ast.AST) -> set[str]:
             and (not isinstance(node, ast.Module) or n in node.body)}
 
 
+def _assigned(node: ast.AST) -> list[ast.AST]:
+    """The targets a statement assigns (`a.b = c = ...`, `a.b: T = ...`), tuples unpacked."""
+    targets = [*node.targets] if isinstance(node, ast.Assign) else [node.target] if isinstance(
+        node, ast.AnnAssign) else []
+    flat = []
+    while targets:
+        target = targets.pop()
+        if isinstance(target, (ast.Tuple, ast.List)):
+            targets.extend(target.elts)
+        else:
+            flat.append(target)
+    return flat
+
+
+def _self_attributes(cls: ast.ClassDef) -> set[tuple[str, str]]:
+    """(method, X) for each `self.X` that a method of `cls` assigns."""
+    return {(method.name, t.attr) for method in cls.body if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for n in ast.walk(method) for t in _assigned(n)
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+
+
+def _super_method(node: ast.AST) -> str | None:
+    """M when `node` is a call `super().M(...)`."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Call):
+        called = node.func.value.func
+        return node.func.attr if isinstance(called, ast.Name) and called.id == "super" else None
+    return None
+
+
+def _calls_super(function: ast.AST) -> bool:
+    return any(_super_method(n) for n in ast.walk(function))
+
+
+@functools.cache
+def _upstream_module(module: str) -> tuple[ast.Module, bool] | None:
+    """An installed upstream module's syntax tree (and whether it is a package), read without importing it."""
+    top, *rest = module.split(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]).joinpath(*rest)
+    for file, package in ((path.with_suffix(".py"), False), (path / "__init__.py", True)):
+        if file.is_file():
+            return ast.parse(file.read_text(encoding="utf-8")), package
+    return None
+
+
+def _imported(tree: ast.Module, module: str, package: bool) -> dict[str, tuple[str, str]]:
+    """`from m import X as Y` in `module`: Y -> (absolute m, X)."""
+    names = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            base = module.split(".")[:len(module.split(".")) + package - node.level] if node.level else []
+            source = ".".join([*base, *([node.module] if node.module else [])])
+            names.update({alias.asname or alias.name: (source, alias.name) for alias in node.names})
+    return names
+
+
+@functools.cache
+def upstream_attributes(module: str, name: str) -> frozenset[tuple[str, str]]:
+    """(method, X) for the attributes (`self.X = ...`) that upstream class `module.name` and its upstream bases set,
+    read from the installed source. Bases written as a dotted path (`nn.Module`) are not followed."""
+    found = _upstream_module(module)
+    if found is None:
+        return frozenset()
+    tree, package = found
+    imported = _imported(tree, module, package)
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
+    if cls is None:  # re-exported from where it is defined
+        origin = imported.get(name)
+        return upstream_attributes(*origin) if origin and origin[0] != module else frozenset()
+    attributes = set(_self_attributes(cls))
+    for base in cls.bases:
+        if isinstance(base, ast.Name):
+            origin = imported.get(base.id, (module, base.id))
+            if origin[0].split(".")[0] in UPSTREAM_PACKAGES and origin != (module, name):
+                attributes |= upstream_attributes(*origin)
+    return frozenset(attributes)
+
+
 class _Scanner(ast.NodeVisitor):
     """Collects (file, place) for each substitution in one module; a place is `function`, `Class.method` or
     `Class` (nested functions count as the function they are defined in)."""
@@ -66,10 +164,17 @@ class _Scanner(ast.NodeVisitor):
         self.helper_names: set[str] = set()  # SUBSTITUTING_HELPERS as imported here
         self.helper_modules: set[str] = set()  # `_guard` / `_import_hooks` imported as modules
         self.local_functions: list[set[str]] = [_defined_in(tree)]  # the functions each scope defines
+        self.functions: list[ast.AST] = []  # the function statements being visited, outermost first
         self.fork_classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+        self.upstream_classes: dict[str, tuple[str, str]] = {}  # name -> (upstream module, class) it stands for
+        self.guard_errors: set[str] = set()  # GUARD_ERRORS as imported here
+        self.patch_modules: set[str] = set()  # patch modules (and the patch package) imported by the fork
+        self.patch_functions: set[str] = set()  # functions imported from a patch module by the fork
+        self.module_names: set[str] = set()  # names bound by `import x` of any module (`sys`, `os`, ...)
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 for alias in node.names:
+                    self.module_names.add(alias.asname or alias.name.split(".")[0])
                     if alias.name.split(".")[0] in UPSTREAM_PACKAGES:
                         self.upstream_names.add(alias.asname or alias.name.split(".")[0])
             elif isinstance(node, ast.ImportFrom):
@@ -78,10 +183,18 @@ class _Scanner(ast.NodeVisitor):
                     bound = alias.asname or alias.name
                     if module.split(".")[0] in UPSTREAM_PACKAGES and node.level == 0:
                         self.upstream_names.add(bound)
-                    elif module.split(".")[-1] in HELPER_MODULES and alias.name in SUBSTITUTING_HELPERS:
+                        self.upstream_classes[bound] = (module, alias.name)
+                    elif module.split(".")[-1] in HELPER_MODULES and alias.name in SUBSTITUTING_HELPERS | GUARDS:
                         self.helper_names.add(bound)
+                    elif module.split(".")[-1] in HELPER_MODULES and alias.name in GUARD_ERRORS:
+                        self.guard_errors.add(bound)
                     elif alias.name in HELPER_MODULES:
                         self.helper_modules.add(bound)
+                    elif node.level == 0 and PATCH_PACKAGE in (module, f"{module}.{alias.name}"):
+                        self.patch_modules.add(bound)  # `from openrlhf_tis.patches import x`, or the package
+                    elif node.level == 0 and module.startswith(f"{PATCH_PACKAGE}.") and (
+                            module.split(".")[-1] not in HELPER_MODULES):
+                        self.patch_functions.add(bound)  # `from openrlhf_tis.patches.x import f`
                     elif module.split(".")[0] == "openrlhf_tis" or node.level:
                         self.fork_classes.add(bound)
         # module-level names derived from upstream ones (`_Upstream = ray_actor_class(UpstreamClass)`)
@@ -90,6 +203,38 @@ class _Scanner(ast.NodeVisitor):
                     _root(arg) in self.upstream_names for arg in node.value.args):
                 self.upstream_names.update(t.id for t in node.targets if isinstance(t, ast.Name))
                 self.fork_classes.difference_update(t.id for t in node.targets if isinstance(t, ast.Name))
+                origin = next((self.upstream_classes[a.id] for a in node.value.args
+                               if isinstance(a, ast.Name) and a.id in self.upstream_classes), None)
+                if origin:
+                    self.upstream_classes.update((t.id, origin) for t in node.targets if isinstance(t, ast.Name))
+        self._read_classes(tree)
+
+    def _read_classes(self, tree: ast.Module) -> None:
+        """What the module's class statements combine: for each fork class, the attributes that the upstream classes
+        it is built with set (its upstream bases, and those of any class here that has it among its bases); and
+        the methods, calling super(), of a fork class placed below an upstream one (they run only while upstream's
+        override calls super(): the class-order trick)."""
+        classes = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+        bases = {name: [_root(b) for b in node.bases] for name, node in classes.items()}
+
+        def fork_bases(name: str) -> set[str]:  # the classes defined here that `name` is built on, itself included
+            return {name}.union(*(fork_bases(b) for b in bases[name] if b in classes and b != name))
+
+        def upstream_of(name: str) -> set[tuple[str, str]]:
+            return {self.upstream_classes[b] for c in fork_bases(name) for b in bases[c] if b in self.upstream_classes}
+
+        self.upstream_attributes: dict[str, frozenset[tuple[str, str]]] = {}
+        for name in classes:
+            partners = set().union(*(upstream_of(d) for d in classes if name in fork_bases(d)))
+            self.upstream_attributes[name] = frozenset().union(*(upstream_attributes(*u) for u in partners))
+        self.below_upstream: set[str] = set()  # `Class.method` places that rely on upstream's super() chain
+        for name in classes:
+            first = next((i for i, b in enumerate(bases[name]) if b in self.upstream_names), None)
+            for below in bases[name][first + 1:] if first is not None else []:
+                if below in classes:
+                    self.below_upstream.update(
+                        f"{below}.{f.name}" for f in classes[below].body
+                        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and _calls_super(f))
 
     def _place(self) -> str:
         """The scope's first function, with its class when it is a method; a class statement: the class."""
@@ -120,8 +265,12 @@ class _Scanner(ast.NodeVisitor):
         self.scope.pop()
 
     def visit_FunctionDef(self, node) -> None:
+        if self.scope and self.scope[-1][0] == "class" and f"{self.scope[-1][1]}.{node.name}" in self.below_upstream:
+            self.hits.add(f"{self.scope[-1][1]}.{node.name}")
         self.local_functions.append(_defined_in(node))
+        self.functions.append(node)
         self._scoped(node, "def", node.name)
+        self.functions.pop()
         self.local_functions.pop()
 
     visit_AsyncFunctionDef = visit_FunctionDef
@@ -138,8 +287,47 @@ class _Scanner(ast.NodeVisitor):
             return True
         return False
 
+    def _replaces_upstream_component(self, target: ast.AST) -> bool:
+        """`self.X = ...` in a fork class's method M, where X is an attribute the upstream classes it is built with
+        set: a component upstream built, replaced on the live object. Not when only upstream's own M sets X and the
+        fork's M does not first run upstream's (`super().M(...)` as a statement of its own): then the override sets
+        it instead of upstream, as any override does."""
+        classes = [name for kind, name in self.scope if kind == "class"]
+        if not (classes and self.functions and isinstance(target, ast.Attribute)
+                and isinstance(target.value, ast.Name) and target.value.id == "self"):
+            return False
+        method = self.functions[-1]
+        setters = {m for m, x in self.upstream_attributes.get(classes[-1], ()) if x == target.attr}
+        runs_upstream_first = any(isinstance(n, ast.Expr) and _super_method(n.value) == method.name
+                                  for n in method.body)
+        return bool(setters - {method.name}) or (bool(setters) and runs_upstream_first)
+
     def visit_Assign(self, node: ast.Assign) -> None:
-        if any(self._substitutes(t, node.value) for t in node.targets):
+        if any(self._substitutes(t, node.value) or self._replaces_upstream_component(t) for t in _assigned(node)):
+            self._hit()
+        self.generic_visit(node)
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        if node.value is not None and self._replaces_upstream_component(node.target):
+            self._hit()
+        self.generic_visit(node)
+
+    def visit_Try(self, node: ast.Try) -> None:
+        """An object's attribute set, then restored in `finally`: `_guard.swapped` written out (a value upstream
+        reads, changed for one call). A module's attribute (`sys.stderr`) is not an upstream object, nor is the fork
+        object's own state (`self.X`; an upstream attribute of self is caught as a replaced component)."""
+        restored = {_dotted(t) for n in node.finalbody for t in _assigned(n) if isinstance(t, ast.Attribute)
+                    and _root(t) not in self.module_names and _dotted(t.value) != "self"}
+        function = self.functions[-1] if self.functions else node
+        changed = {_dotted(t) for n in ast.walk(function) for t in _assigned(n)
+                   if isinstance(t, ast.Attribute) and not any(n is f for f in node.finalbody)}
+        if restored & changed:
+            self._hit()
+        self.generic_visit(node)
+
+    def visit_Raise(self, node: ast.Raise) -> None:
+        if isinstance(node.exc, ast.Call) and isinstance(node.exc.func, ast.Name) and (
+                node.exc.func.id in self.guard_errors):
             self._hit()
         self.generic_visit(node)
 
@@ -153,6 +341,9 @@ class _Scanner(ast.NodeVisitor):
             self._hit()
         elif tuple(name.rsplit(".", 1)) in CODE_RUNNERS:
             self._hit()
+        elif (isinstance(func, ast.Name) and func.id in self.patch_functions) or (
+                isinstance(func, ast.Attribute) and _root(func) in self.patch_modules and func.attr != PATCH_ENTRY):
+            self._hit()  # a patch wired in by the fork, at this place
         elif name in ("sys.modules.update", "sys.modules.setdefault"):
             self._hit()
         elif name == "setattr" and len(node.args) == 3:
@@ -297,11 +488,119 @@ SAMPLE = textwrap.dedent("""
             return Above
 """)
 
+SAMPLE_OF_CONTROL_FLOW = textwrap.dedent("""
+    import sys
+
+    from openrlhf.trainer.ppo_trainer import BasePPOTrainer, PPOTrainer
+    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+
+    from openrlhf_tis import patches
+    from openrlhf_tis.patches import rollout_engine
+    from openrlhf_tis.patches._guard import PatchTargetMissingError, require_version
+    from openrlhf_tis.patches.upstream_cli import upstream_parser
+
+
+    def checks_upstream():
+        require_version("openrlhf", "==0.11.2", patch="sample")
+
+
+    def refuses_upstream():
+        raise PatchTargetMissingError("sample")
+
+
+    def refuses_the_input(value):
+        raise ValueError(value)
+
+
+    def wires_a_patch_in(path):
+        rollout_engine.apply(path)
+
+
+    def uses_a_patched_parser():
+        return upstream_parser()
+
+
+    def applies_the_platform_patches():
+        patches.apply_platform_patches("cpu")
+
+
+    def changes_a_value_upstream_reads_for_one_call(args):
+        chunk = args.rollout.batch_size
+        args.rollout.batch_size = 64
+        try:
+            return chunk
+        finally:
+            args.rollout.batch_size = chunk
+
+
+    def swaps_a_stream():
+        stream = sys.stderr
+        sys.stderr = sys.__stderr__
+        try:
+            return stream
+        finally:
+            sys.stderr = stream
+
+
+    class Controller:
+        def __init__(self):
+            super().__init__()
+            self.samples_generator = None
+            self.parts = []
+
+        def scoped(self, value):
+            self.pending = value
+            try:
+                return value
+            finally:
+                self.pending = None
+
+
+    class Hooks(BasePPOTrainer):
+        def broadcast_to_vllm(self):
+            super().broadcast_to_vllm()
+
+        def plain(self):
+            return self
+
+
+    class Combined(Controller, PPOTrainer, Hooks):
+        pass
+
+
+    class LossReplaced(ActorPPOTrainer):
+        def setup(self):
+            self.actor_loss_fn = None
+
+
+    class Override(ActorPPOTrainer):
+        def __init__(self, *args):
+            self.actor_loss_fn = None
+""")
+"""Each kind of control flow by substitution: placed in `Controller.__init__`, replacing the sample generator that
+upstream's PPOTrainer.__init__ built; the class-order hook below upstream's PPOTrainer; a loss replaced after
+upstream's set-up; guards; a patch wired in; a value upstream reads, changed for one call. And what is none: the
+documented entry to the platform patches, a plain error, a module attribute swapped, the fork's own attributes, an
+override that sets an attribute instead of upstream's same method."""
+
 
 def test_the_scan_finds_each_kind_of_substitution_and_nothing_else():
     assert scan_source(SAMPLE) == {
         "module_attribute", "instance_method", "by_setattr", "helper", "class_surgery", "runs_upstream_main",
         "stands_in_for_a_module", "Below"}
+    assert scan_source(SAMPLE_OF_CONTROL_FLOW) == {
+        "checks_upstream", "refuses_upstream", "wires_a_patch_in", "uses_a_patched_parser",
+        "changes_a_value_upstream_reads_for_one_call", "Controller.__init__", "Hooks.broadcast_to_vllm", "Combined",
+        "LossReplaced.setup"}
+
+
+def test_upstream_attributes_are_read_from_upstreams_source():
+    """Where the installed openrlhf sets what the fork replaces (ppo_trainer.py's PPOTrainer.__init__; ppo_actor.py's
+    ActorPPOTrainer.__init__), and that a re-exported class is followed to its definition."""
+    assert ("__init__", "samples_generator") in upstream_attributes("openrlhf.trainer.ppo_trainer", "PPOTrainer")
+    assert ("__init__", "actor_loss_fn") in upstream_attributes("openrlhf.trainer.ray.ppo_actor", "ActorPPOTrainer")
+    assert upstream_attributes("openrlhf.models", "Actor") == upstream_attributes("openrlhf.models.actor", "Actor")
+    assert ("__init__", "model") in upstream_attributes("openrlhf.models", "Actor")
 
 
 # ── the guards refuse an upstream they were not written for, naming the fork file ─────────────────────────

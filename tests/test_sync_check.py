@@ -1,7 +1,7 @@
 """The sync check on a real W4A8 vLLM-CPU engine: a coarse but correct sync passes, real failures do not.
 
 The engine-vs-trainer gap of a correct W4A8 sync is the quantization itself, so a fixed tolerance stopped
-healthy runs (issue 20). SyncRule judges against the gap measured when both sides held the same weights,
+healthy runs. SyncRule judges against the gap measured when both sides held the same weights,
 and against whether the engine moved when the trainer did. The trainer here is the HF model in fp32 (the
 DeepSpeed actor's forward, log-softmax of logits / temperature); the failures are the ones docs/design.md §5
 lists: a sync that never reaches the engine, float weights cast unscaled into int8 parameters, NaN weights.

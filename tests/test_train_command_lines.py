@@ -1,6 +1,6 @@
 """The exact command lines a notebook's parameters become, token by token and in order: the training command and the
 held-out evaluation of the kept policy. Written out by hand from the commands pipeline/train.py built before the
-parameters became one typed object (issue 30), so that change, and any later one, keeps them identical."""
+parameters became one typed object (params.py), so that change, and any later one, keeps them identical."""
 
 from __future__ import annotations
 

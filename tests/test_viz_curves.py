@@ -119,7 +119,7 @@ def test_comparison_shows_only_the_flags_that_differ(tmp_path):
 
 
 def test_runs_recorded_before_and_after_the_run_spec_are_one_setting(tmp_path):
-    """A study resumed under a version that records the run spec (issue 41) keeps its settings whole: the legacy
+    """A study resumed under a version that records the run spec (cli/resolve.py) keeps its settings whole: the legacy
     record (the decided device in `cluster.device`, the machine, the resolved correction) and the spec's (the asked
     device in `cluster.device`, the decision in `fork.spec.*`) describe the same experiment. A device that differs
     still differs."""
@@ -222,7 +222,7 @@ def test_the_run_report_draws_each_figure_once_and_names_the_scored_policy(tmp_p
 
 
 def test_the_run_report_has_the_kept_policys_score_that_the_console_prints(tmp_path):
-    """Issue 32: the table had the rollout engine's held-out score but not the kept policy's."""
+    """Regression: the table had the rollout engine's held-out score but not the kept policy's."""
     import json
 
     from openrlhf_tis.pipeline.main_job import describe

@@ -164,7 +164,7 @@ def test_paired_p_value_and_detectable_effect_of_three_pairs_by_hand():
     shortcut = (_t2_quantile(0.975) + _t2_quantile(0.80)) * s / math.sqrt(3.0)
     assert mde == pytest.approx(0.1635, abs=1e-4) and mde > 1.05 * shortcut
     assert _power_from_nct(shortcut, s, 3) == pytest.approx(0.766, abs=1e-3)
-    assert detectable_effect(0.09, 3) == pytest.approx(0.2938, abs=1e-4)  # issue 43's spread: 0.29 by the shortcut
+    assert detectable_effect(0.09, 3) == pytest.approx(0.2938, abs=1e-4)  # 0.29 by the shortcut
 
 
 def test_two_pairs_by_hand_and_too_few_pairs_or_no_spread_give_nan():

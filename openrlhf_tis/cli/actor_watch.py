@@ -1,4 +1,4 @@
-"""The driver stops, naming the cause, when an actor of its run dies of an error (issue 44).
+"""The driver stops, naming the cause, when an actor of its run dies of an error.
 
 Upstream's train() waits on Ray futures with no time limit, and not always on the actor that died: a vLLM engine whose
 constructor raised (a KV cache larger than the node's free memory) left the policy actor waiting for it at the weight

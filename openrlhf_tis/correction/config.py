@@ -437,7 +437,8 @@ class CorrectionConfig:
             return "nonfinite", f"token drops single tokens, which still enter {ratio}; use sequence"
         return None
 
-    # ── serialization (travels to Ray workers inside the argument namespace) ──
+    # ── serialization: config.json records the correction as `to_dict` gives it (runs/config.py). The workers get
+    # the object itself, inside the run spec (spec/run_spec.py), not its JSON ──
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON values. Without an adaptive bound its three fields are left out (`from_dict` restores
         their defaults): a fixed-bound config records what it did before they existed, so its runs resume."""
@@ -449,6 +450,7 @@ class CorrectionConfig:
         return d
 
     def to_json(self) -> str:
+        """`to_dict` as one JSON text; with `from_json`, the round trip the tests hold every preset to."""
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
@@ -461,6 +463,7 @@ class CorrectionConfig:
 
     @classmethod
     def from_json(cls, text: str) -> CorrectionConfig:
+        """The config `to_json` wrote (the tests' round trip; a run reads its correction from the run spec)."""
         return cls.from_dict(json.loads(text))
 
 

@@ -1,4 +1,4 @@
-"""One call of a reward script's `reward_func`: bounded in time, and its result checked (issue 44).
+"""One call of a reward script's `reward_func`: bounded in time, and its result checked.
 
 Upstream calls `reward_func(queries, prompts, labels)` with no time limit, so a script that never returns stalls
 the rollout, and with it the whole run, without a word. It also takes whatever the call returns: three values or a

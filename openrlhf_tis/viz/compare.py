@@ -76,7 +76,7 @@ def _comparable(value: Any) -> str:
 
 
 def as_experiment(config: Mapping[str, Any]) -> dict[str, Any]:
-    """A run's recorded config as the experiment it ran, so runs recorded before and after the run spec (issue 41)
+    """A run's recorded config as the experiment it ran, so runs recorded before and after the run spec (cli/resolve.py)
     that ran the same experiment read the same: `cluster.device` is the device the run decided (the spec's since
     then; before, the flag's value itself), and what restates other keys or describes the machine is left out (the
     run spec's record, `fork.spec.*`, and before it the resolved correction, follow from the flags and the device;

@@ -7,7 +7,7 @@ metrics.jsonl: the possibly quantized rollout policy; second, labelled). A setti
 its seeds with a t-interval over seeds and, where every run wrote per-question scores, a paired bootstrap
 over seeds × questions (viz/stats.py); `shown` applies the study's rule to both. Each comparison between settings
 also says what it could have seen (the difference detectable at 80% power from its own spread) and whether its
-"shown" survives Holm's adjustment over every comparison the table makes (issue 43: among 13 independent tests at
+"shown" survives Holm's adjustment over every comparison the table makes (among 13 independent tests at
 α = 0.05 chance alone gives at least one "shown" half the time).
 """
 

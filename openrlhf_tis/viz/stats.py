@@ -13,7 +13,7 @@ A claim is `shown` only when every interval that could be computed excludes the 
 central and noncentral, come from scipy.stats rather than code of our own: a well-kept library is checked over far
 more of (p, df) than our tests could be.
 
-What a comparison could have seen, and what survives the number of comparisons made (issue 43):
+What a comparison could have seen, and what survives the number of comparisons made (docs/study.md):
 - `t_test_p`: the two-sided p-value of the paired t-test whose interval `t_interval` draws (p < 0.05 exactly
   when that 95% interval excludes 0).
 - `detectable_effect`: the smallest true difference δ the paired t-test finds with 80% power at two-sided
