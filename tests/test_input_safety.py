@@ -5,6 +5,7 @@ command and the run-store readers turn bad input into clear errors."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -217,6 +218,46 @@ def test_a_start_that_never_trained_blocks_nothing(valid_argv):
     assert (path / "config.json").is_file()
     train_ppo_ray.parse(valid_argv + ["--train.seed", "7"], cpu=True)  # the corrected command
     assert read_run_config(path)["config"]["train.seed"] == 7
+
+
+def test_a_model_directory_as_run_dir_is_refused_and_left_byte_identical(valid_argv, tiny_model_dir, tmp_path,
+                                                                         capsys):
+    """A copied HF model (its config.json, no metrics.jsonl) was taken for a start that never trained and its
+    config.json replaced by the run's before Ray started."""
+    from transformers import AutoConfig
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    line = error_line(refused(with_value(valid_argv, "--logger.run_dir", str(model)), capsys))
+    assert line == (f"--logger.run_dir: {model} holds a config.json that no run of this fork wrote (a model's or a "
+                    "project's directory?); it is left untouched: choose a new or empty --logger.run_dir")
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before  # not one file added, changed or removed
+    assert AutoConfig.from_pretrained(model).vocab_size == AutoConfig.from_pretrained(tiny_model_dir).vocab_size
+    overwrite = with_value(valid_argv, "--logger.run_dir", str(model)) + ["--logger.run_dir_overwrite"]
+    assert "no run of this fork wrote" in error_line(refused(overwrite, capsys))
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+
+
+@pytest.mark.parametrize("strays", [{"metrics.jsonl": '{"step": 1}\n'}, {"config.json": "not json"},
+                                    {"config.json": '{"fingerprint": "x", "config": {}}'}])
+def test_run_store_files_the_fork_cannot_vouch_for_are_refused_and_kept(valid_argv, capsys, strays):
+    path = run_dir(valid_argv)
+    path.mkdir()
+    for name, text in strays.items():
+        (path / name).write_text(text)
+    line = error_line(refused(valid_argv + ["--logger.run_dir_overwrite"], capsys))
+    assert line.startswith(f"--logger.run_dir: {path} holds ") and line.endswith("choose a new or empty "
+                                                                                 "--logger.run_dir")
+    assert {p.name: p.read_text() for p in path.iterdir()} == strays
+
+
+def test_a_directory_with_unrelated_files_only_is_a_new_run_and_they_stay(valid_argv):
+    path = run_dir(valid_argv)
+    path.mkdir()
+    (path / "notes.txt").write_text("mine")
+    train_ppo_ray.parse(valid_argv, cpu=True)
+    assert (path / "notes.txt").read_text() == "mine" and read_run_config(path)["resumes"] == []
 
 
 def test_run_dir_that_cannot_be_a_directory_is_refused(valid_argv, tmp_path, capsys):

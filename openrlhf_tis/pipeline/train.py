@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 from openrlhf_tis.cli.cluster_device import ClusterResources, decide_device, read_cluster, requested_device
 from openrlhf_tis.cli.lifetime import PARENT_ENV, stop_process_tree
-from openrlhf_tis.cli.run_dir import lock_owner
+from openrlhf_tis.cli.run_dir import check_fork_made, lock_owner
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline import heldout
@@ -138,6 +138,10 @@ def run_training(
     if owner is not None:  # checked here too, so a second start never truncates the live run's train.log
         raise TrainingFailed(f"{run_dir} is in use by another run (pid {owner}); wait for it to end, stop it, "
                              "or choose another run_dir")
+    try:  # before train.log is written there: a model's or a project's directory is left as it was
+        check_fork_made(run_dir)
+    except UsageError as err:
+        raise TrainingFailed(str(err)) from None
     log_path = run_dir / LOG_FILE
     with open(log_path, "w") as log:
         model = resolve_model(params.model, cache or run_dir.parent / ".models", log)
