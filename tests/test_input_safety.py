@@ -68,6 +68,25 @@ def test_json_csv_and_parquet_files_are_read_whole(valid_argv, tmp_path, capsys)
     train_ppo_ray.parse(argv + ["--data.label_key", "answer", "--logger.run_dir_overwrite"], cpu=True)
 
 
+@pytest.mark.parametrize("name, body", [
+    ("p.jsonl", '{"input": "1 + 1?", "label": "2"}\n{"input": "2 + 2?", "label": "4"}\n'),
+    ("p.json", '[{"input": "1 + 1?", "label": "2"}]'),
+    ("p.csv", "input,label\none,two\n"),
+])
+def test_a_file_with_a_utf8_bom_is_read_as_upstreams_loader_reads_it(valid_argv, tmp_path, name, body):
+    """Windows editors write a BOM; `datasets` (upstream's loader, the reference here) reads past it."""
+    from datasets import load_dataset
+
+    from openrlhf_tis.prompt_files import prompt_records
+
+    path = tmp_path / name
+    path.write_bytes(b"\xef\xbb\xbf" + body.encode())
+    upstream = load_dataset("csv" if name.endswith(".csv") else "json", data_files=str(path), split="train",
+                            cache_dir=str(tmp_path / "cache"))
+    assert [record for _, record in prompt_records(str(path))] == upstream.to_list()
+    train_ppo_ray.parse(with_value(valid_argv, "--data.prompt_dataset", str(path)), cpu=True)
+
+
 # --- batch arithmetic and sampling choices -------------------------------------------------------------
 
 @pytest.mark.parametrize(("extra", "flag", "expected"), [
@@ -109,6 +128,20 @@ def _upstream_refuses(argv: list[str], monkeypatch) -> bool:
     except _UpstreamAccepted:
         return False
     raise AssertionError("upstream neither refused nor started")
+
+
+@pytest.mark.parametrize("flag, value, never", [("--ckpt.save_steps", "0", True), ("--ckpt.save_steps", "-3", True),
+                                               ("--eval.steps", "0", True), ("--logger.logging_steps", "0", False),
+                                               ("--logger.logging_steps", "-1", False)])
+def test_a_step_cadence_upstream_would_divide_by_zero_with_is_refused(valid_argv, capsys, flag, value, never):
+    """`--ckpt.save_steps 0` passed and the run died after step 1 with ZeroDivisionError (upstream: step % N)."""
+    line = error_line(refused(valid_argv + [flag, value], capsys))
+    assert line == f"{flag}: must be >= 1 (every N steps){' or -1 (never)' if never else ''}, got {value}"
+
+
+def test_step_cadences_upstream_takes_pass(valid_argv):
+    train_ppo_ray.parse(valid_argv + ["--ckpt.save_steps", "-1", "--eval.steps", "3", "--logger.logging_steps", "2"],
+                        cpu=True)
 
 
 @pytest.mark.parametrize("estimator", ["group_norm", "rloo", "reinforce_baseline", "dr_grpo", "reinforce", "gae"])

@@ -17,7 +17,13 @@ from _support import error_line, execute_prompts, refused, with_value
 from openrlhf.utils.agent import SingleTurnAgentExecutor
 
 from openrlhf_tis.cli import train_ppo_ray
-from openrlhf_tis.rollout.reward_calls import DEFAULT_TIMEOUT_S, default_executor_threads
+from openrlhf_tis.rollout.reward_calls import (
+    DEFAULT_TIMEOUT_S,
+    MAX_TIMEOUT_S,
+    call_within,
+    call_within_async,
+    default_executor_threads,
+)
 from openrlhf_tis.rollout.reward_executor import (
     LoudRewardExecutor,
     RewardFunctionError,
@@ -189,3 +195,16 @@ def test_the_limit_reaches_the_engines_before_the_first_rollout(monkeypatch, tmp
     assert not limit_reward_calls(object(), 7.5)  # a user's agent executor: no reward_func of ours
     with pytest.raises(ValueError, match="> 0"):
         limit_reward_calls(_loud(_script(tmp_path, "return {'rewards': 1.0}\n")), 0)
+
+
+def test_a_limit_too_large_to_wait_on_is_refused_naming_the_flag_and_the_range(valid_argv, capsys):
+    """1e12 s overflowed inside the limit (threading's TIMEOUT_MAX) and was reported as the reward script's fault."""
+    line = error_line(refused(valid_argv + ["--reward.timeout_s", "1e12"], capsys))
+    assert line == f"--reward.timeout_s: must be at most {MAX_TIMEOUT_S:.0f} s (a week), got 1000000000000.0"
+
+
+def test_the_largest_accepted_limit_is_one_every_wait_takes():
+    import asyncio
+
+    assert call_within(lambda x: x + 1, (1,), MAX_TIMEOUT_S) == 2
+    assert asyncio.run(call_within_async(lambda x: x + 1, (1,), MAX_TIMEOUT_S)) == 2

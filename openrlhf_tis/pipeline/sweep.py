@@ -46,6 +46,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from openrlhf_tis.cli.lifetime import take_sigint
 from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.params import ParameterError, ParamObject, param
 from openrlhf_tis.pipeline.execute import export_html
@@ -373,6 +374,7 @@ def finish(result: SweepResult) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    take_sigint()
     parser = argparse.ArgumentParser(prog="openrlhf-tis-sweep", description=__doc__.split("\n")[0])
     parser.add_argument("grid", help="grid file (TOML or JSON with tables base and grid)")
     parser.add_argument("out_dir", help="output directory (cells/, report.ipynb, report.html)")
