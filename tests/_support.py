@@ -253,6 +253,12 @@ def engine_input_scales(llm) -> dict[str, float]:
 
 RAY = Path(sys.executable).with_name("ray")
 SETTLE_S = 5  # how long a started head must stay up before it is used
+# Ray's fixed windows for a head's dashboard, which `ray job submit` needs: `ray start` gives up when the dashboard has
+# not published its address within 60 s, and the dashboard when one of its nine module processes is not ready within
+# 30 s. At a load of 10-14 on 2 cores the head died this way three times in a row (the dashboard's last log line:
+# "Loaded 9 subprocess modules"); like the agents' window in RAY_START_ENV, they get a generous bound instead.
+DASHBOARD_START_ENV = {"RAY_DASHBOARD_STARTUP_TIMEOUT_S": "300",
+                       "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "300"}
 
 
 def machine_load() -> str:
@@ -270,11 +276,11 @@ def ray_head(options: list[str], env: dict[str, str], log: Path, ready: Callable
     never `ray stop`, which stops every Ray cluster of the machine's user.
 
     Started as the product starts Ray (cli/ray_cluster.py: its agents given RAY_START_ENV's longer registration
-    window) and, like init_local_ray, started again, up to STARTUP_TRIES times, when it dies before it is up: on a
-    loaded machine the raylet misses Ray's fixed 30 s window, a process waiting for it gives up, or the dashboard
-    dies while loading its modules, each ending `ray start` with its own last log line, so any death during start-up
-    counts. A failure says the machine's load. `ray`: the command (a test stands a fake in). Its logs are copied
-    beside `log` (kept for a failure message)."""
+    window; its dashboard DASHBOARD_START_ENV's) and, like init_local_ray, started again, up to STARTUP_TRIES times,
+    when it dies before it is up: on a loaded machine the raylet misses Ray's fixed 30 s window, a process waiting for
+    it gives up, or the dashboard dies while loading its modules, each ending `ray start` with its own last log line,
+    so any death during start-up counts. A failure says the machine's load. `ray`: the command (a test stands a fake
+    in). Its logs are copied beside `log` (kept for a failure message)."""
     from openrlhf_tis.cli.ray_cluster import RAY_START_ENV, STARTUP_TRIES
 
     for attempt in range(1, STARTUP_TRIES + 1):
@@ -283,7 +289,8 @@ def ray_head(options: list[str], env: dict[str, str], log: Path, ready: Callable
         argv = [str(ray), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
                 "--temp-dir", temp_dir, "--disable-usage-stats", *options]
         with log.open("wb") as out:
-            head = subprocess.Popen(argv, env={**RAY_START_ENV, **env}, stdout=out, stderr=subprocess.STDOUT,
+            head = subprocess.Popen(argv, env={**RAY_START_ENV, **DASHBOARD_START_ENV, **env}, stdout=out,
+                                    stderr=subprocess.STDOUT,
                                     start_new_session=True)
         try:
             deadline = time.monotonic() + timeout

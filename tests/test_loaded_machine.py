@@ -13,13 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
-from _support import SETTLE_S, machine_load, ray_head
+from _support import DASHBOARD_START_ENV, SETTLE_S, machine_load, ray_head
 
-from openrlhf_tis.cli.ray_cluster import STARTUP_TRIES
+from openrlhf_tis.cli.ray_cluster import RAY_START_ENV, STARTUP_TRIES
 
 FAKE_RAY = """#!/bin/sh
-# one line per start; the first $FAKE_FAILS starts die as a loaded head's dashboard did, the next one comes up
-echo "$@" >> "$FAKE_STARTS"
+# one line per start (the start-up windows it was given, then its arguments); the first $FAKE_FAILS starts die as a
+# loaded head's dashboard did, the next one comes up
+echo "$RAY_agent_register_timeout_ms $RAY_DASHBOARD_STARTUP_TIMEOUT_S $@" >> "$FAKE_STARTS"
 if [ "$(/usr/bin/wc -l < "$FAKE_STARTS")" -le "$FAKE_FAILS" ]; then
   echo "loading the dashboard's subprocess modules"
   exit 1
@@ -46,6 +47,8 @@ def test_a_head_that_dies_while_starting_is_started_again_whatever_it_said(tmp_p
     with ray_head([], env, tmp_path / "head.log", lambda: True, timeout=60, ray=_fake_ray(tmp_path)) as address:
         starts = _starts(tmp_path)
         assert len(starts) == 2  # the first died with a line none of Ray's "late" signs names
+        assert starts[1].split()[:2] == [RAY_START_ENV["RAY_agent_register_timeout_ms"],
+                                         DASHBOARD_START_ENV["RAY_DASHBOARD_STARTUP_TIMEOUT_S"]]
         port = starts[1].split("--port ")[1].split()[0]
         assert address == f"127.0.0.1:{port}"
     err = capsys.readouterr().err
