@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from _support import DASHBOARD_START_ENV, SETTLE_S, machine_load, ray_head
+from _support import DASHBOARD_START_ENV, HEAD_TRIES, SETTLE_S, machine_load, ray_head
 
-from openrlhf_tis.cli.ray_cluster import RAY_START_ENV, STARTUP_TRIES
+from openrlhf_tis.cli.ray_cluster import RAY_START_ENV
 
 FAKE_RAY = """#!/bin/sh
 # one line per start (the start-up windows it was given, then its arguments); the first $FAKE_FAILS starts die as a
@@ -52,21 +52,21 @@ def test_a_head_that_dies_while_starting_is_started_again_whatever_it_said(tmp_p
         port = starts[1].split("--port ")[1].split()[0]
         assert address == f"127.0.0.1:{port}"
     err = capsys.readouterr().err
-    assert f"ray start exited with 1 during start-up (try 1 of {STARTUP_TRIES}, load average " in err
+    assert f"ray start exited with 1 during start-up (try 1 of {HEAD_TRIES}, load average " in err
     assert "starting it again" in err
 
 
 def test_a_head_that_never_starts_fails_after_the_bounded_tries_saying_the_load(tmp_path):
-    env = {"FAKE_STARTS": str(tmp_path / "starts"), "FAKE_FAILS": str(STARTUP_TRIES + 5)}
+    env = {"FAKE_STARTS": str(tmp_path / "starts"), "FAKE_FAILS": str(HEAD_TRIES + 5)}
     start = time.monotonic()
     with pytest.raises(AssertionError) as failure:
         with ray_head([], env, tmp_path / "head.log", lambda: True, timeout=60, ray=_fake_ray(tmp_path)):
             raise AssertionError("the head must not be yielded")
-    assert len(_starts(tmp_path)) == STARTUP_TRIES
+    assert len(_starts(tmp_path)) == HEAD_TRIES
     message = str(failure.value)
-    assert message.startswith(f"ray start exited with 1 during start-up on each of {STARTUP_TRIES} tries (load average")
+    assert message.startswith(f"ray start exited with 1 during start-up on each of {HEAD_TRIES} tries (load average")
     assert f"on {os.cpu_count()} cores)" in message and "subprocess modules" in message
-    assert time.monotonic() - start < STARTUP_TRIES * (SETTLE_S + 30)
+    assert time.monotonic() - start < HEAD_TRIES * (SETTLE_S + 30)
 
 
 def test_the_load_is_said_as_three_averages_and_the_cores():
