@@ -64,7 +64,7 @@ def _json_records(path: str) -> Iterator[tuple[int | None, Any]]:
 
     Hugging Face's json loader takes all three forms, so a .json file is tried whole first.
     """
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a leading BOM is read past, as `datasets`' json builder does
         text = f.read()
     if path.lower().endswith(".json") and text.lstrip()[:1] in ("[", "{"):
         try:
@@ -85,13 +85,13 @@ def _json_records(path: str) -> Iterator[tuple[int | None, Any]]:
 def _text_records(path: str) -> Iterator[tuple[int | None, Any]]:
     """One {"text": line} per line, as `datasets`' text builder reads a .txt file in a directory (blank lines kept:
     each is an empty prompt there)."""
-    with open(path, encoding="utf-8") as f:  # universal newlines, as the builder reads it
+    with open(path, encoding="utf-8") as f:  # universal newlines, a BOM kept in line 1: as the builder reads it
         yield from ((number, {"text": line.rstrip("\n")}) for number, line in enumerate(f, 1))
 
 
 def _table_records(path: str) -> Iterator[tuple[int | None, Any]]:
     if path.lower().endswith(".csv"):
-        with open(path, newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # as pandas, `datasets`' csv builder, reads a BOM
             yield from ((None, row) for row in csv.DictReader(f))  # a quoted field may span lines: rows count
         return
     import pyarrow.parquet as pq

@@ -23,7 +23,7 @@ from papermill import execute_notebook
 
 from openrlhf_tis.dashboard import cli as dashboard
 from openrlhf_tis.pipeline.dashboard_app import Dashboard
-from openrlhf_tis.pipeline.execute import KERNEL, notebook_path
+from openrlhf_tis.pipeline.execute import KERNEL, KERNEL_START_S, notebook_path
 from openrlhf_tis.runs import RunWriter, TokenDumpWriter
 
 
@@ -163,7 +163,8 @@ def test_bad_port_is_a_usage_error(tmp_path, capsys, port):
 def test_notebook_runs_under_papermill(root, tmp_path):
     """The page's notebook, with the root injected as the command injects it: the runs table is in its widgets."""
     notebook = dashboard.prepare_notebook(root, tmp_path)
-    out = execute_notebook(notebook, tmp_path / "out.ipynb", kernel_name=KERNEL, progress_bar=False)
+    out = execute_notebook(notebook, tmp_path / "out.ipynb", kernel_name=KERNEL, progress_bar=False,
+                           start_timeout=KERNEL_START_S)
     state = out.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
     values = [str(w["state"].get("value", "")) for w in state.values()]
     table = next(v for v in values if "mm-runs" in v)

@@ -92,8 +92,6 @@ def run(tiny_model_dir, tmp_path_factory):
     # The cluster's processes, hence the job's driver, run `python` from this venv and import this checkout.
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    # Each dashboard module gets 30 s to start by default; on a loaded 2-core machine some took longer.
-    env["RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT"] = str(START_S)
     with ray_cluster(env, work / "ray_head.log") as address:
         # env_vars the job sets that the fork sets too (upstream's README passes a runtime env the same way)
         job_env = json.dumps({"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",

@@ -5,6 +5,7 @@ command and the run-store readers turn bad input into clear errors."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,25 @@ def test_json_csv_and_parquet_files_are_read_whole(valid_argv, tmp_path, capsys)
     train_ppo_ray.parse(argv + ["--data.label_key", "answer", "--logger.run_dir_overwrite"], cpu=True)
 
 
+@pytest.mark.parametrize("name, body", [
+    ("p.jsonl", '{"input": "1 + 1?", "label": "2"}\n{"input": "2 + 2?", "label": "4"}\n'),
+    ("p.json", '[{"input": "1 + 1?", "label": "2"}]'),
+    ("p.csv", "input,label\none,two\n"),
+])
+def test_a_file_with_a_utf8_bom_is_read_as_upstreams_loader_reads_it(valid_argv, tmp_path, name, body):
+    """Windows editors write a BOM; `datasets` (upstream's loader, the reference here) reads past it."""
+    from datasets import load_dataset
+
+    from openrlhf_tis.prompt_files import prompt_records
+
+    path = tmp_path / name
+    path.write_bytes(b"\xef\xbb\xbf" + body.encode())
+    upstream = load_dataset("csv" if name.endswith(".csv") else "json", data_files=str(path), split="train",
+                            cache_dir=str(tmp_path / "cache"))
+    assert [record for _, record in prompt_records(str(path))] == upstream.to_list()
+    train_ppo_ray.parse(with_value(valid_argv, "--data.prompt_dataset", str(path)), cpu=True)
+
+
 # --- batch arithmetic and sampling choices -------------------------------------------------------------
 
 @pytest.mark.parametrize(("extra", "flag", "expected"), [
@@ -108,6 +128,20 @@ def _upstream_refuses(argv: list[str], monkeypatch) -> bool:
     except _UpstreamAccepted:
         return False
     raise AssertionError("upstream neither refused nor started")
+
+
+@pytest.mark.parametrize("flag, value, never", [("--ckpt.save_steps", "0", True), ("--ckpt.save_steps", "-3", True),
+                                               ("--eval.steps", "0", True), ("--logger.logging_steps", "0", False),
+                                               ("--logger.logging_steps", "-1", False)])
+def test_a_step_cadence_upstream_would_divide_by_zero_with_is_refused(valid_argv, capsys, flag, value, never):
+    """`--ckpt.save_steps 0` passed and the run died after step 1 with ZeroDivisionError (upstream: step % N)."""
+    line = error_line(refused(valid_argv + [flag, value], capsys))
+    assert line == f"{flag}: must be >= 1 (every N steps){' or -1 (never)' if never else ''}, got {value}"
+
+
+def test_step_cadences_upstream_takes_pass(valid_argv):
+    train_ppo_ray.parse(valid_argv + ["--ckpt.save_steps", "-1", "--eval.steps", "3", "--logger.logging_steps", "2"],
+                        cpu=True)
 
 
 @pytest.mark.parametrize("estimator", ["group_norm", "rloo", "reinforce_baseline", "dr_grpo", "reinforce", "gae"])
@@ -217,6 +251,46 @@ def test_a_start_that_never_trained_blocks_nothing(valid_argv):
     assert (path / "config.json").is_file()
     train_ppo_ray.parse(valid_argv + ["--train.seed", "7"], cpu=True)  # the corrected command
     assert read_run_config(path)["config"]["train.seed"] == 7
+
+
+def test_a_model_directory_as_run_dir_is_refused_and_left_byte_identical(valid_argv, tiny_model_dir, tmp_path,
+                                                                         capsys):
+    """A copied HF model (its config.json, no metrics.jsonl) was taken for a start that never trained and its
+    config.json replaced by the run's before Ray started."""
+    from transformers import AutoConfig
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    line = error_line(refused(with_value(valid_argv, "--logger.run_dir", str(model)), capsys))
+    assert line == (f"--logger.run_dir: {model} holds a config.json that no run of this fork wrote (a model's or a "
+                    "project's directory?); it is left untouched: choose a new or empty --logger.run_dir")
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before  # not one file added, changed or removed
+    assert AutoConfig.from_pretrained(model).vocab_size == AutoConfig.from_pretrained(tiny_model_dir).vocab_size
+    overwrite = with_value(valid_argv, "--logger.run_dir", str(model)) + ["--logger.run_dir_overwrite"]
+    assert "no run of this fork wrote" in error_line(refused(overwrite, capsys))
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+
+
+@pytest.mark.parametrize("strays", [{"metrics.jsonl": '{"step": 1}\n'}, {"config.json": "not json"},
+                                    {"config.json": '{"fingerprint": "x", "config": {}}'}])
+def test_run_store_files_the_fork_cannot_vouch_for_are_refused_and_kept(valid_argv, capsys, strays):
+    path = run_dir(valid_argv)
+    path.mkdir()
+    for name, text in strays.items():
+        (path / name).write_text(text)
+    line = error_line(refused(valid_argv + ["--logger.run_dir_overwrite"], capsys))
+    assert line.startswith(f"--logger.run_dir: {path} holds ") and line.endswith("choose a new or empty "
+                                                                                 "--logger.run_dir")
+    assert {p.name: p.read_text() for p in path.iterdir()} == strays
+
+
+def test_a_directory_with_unrelated_files_only_is_a_new_run_and_they_stay(valid_argv):
+    path = run_dir(valid_argv)
+    path.mkdir()
+    (path / "notes.txt").write_text("mine")
+    train_ppo_ray.parse(valid_argv, cpu=True)
+    assert (path / "notes.txt").read_text() == "mine" and read_run_config(path)["resumes"] == []
 
 
 def test_run_dir_that_cannot_be_a_directory_is_refused(valid_argv, tmp_path, capsys):

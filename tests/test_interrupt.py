@@ -183,3 +183,24 @@ def test_a_process_tree_that_ignores_sigterm_is_killed_after_the_timeout(tmp_pat
     assert 1.0 <= time.monotonic() - start < 10
     assert parent.wait(timeout=5) == -signal.SIGKILL and not _alive(child)
     parent.stdout.close()
+
+
+@pytest.mark.parametrize("module", ["openrlhf_tis.cli.train_ppo_ray", "openrlhf_tis.pipeline.main_job",
+                                    "openrlhf_tis.pipeline.sweep", "openrlhf_tis.study.dose_response",
+                                    "openrlhf_tis.dashboard.cli"])
+def test_a_command_started_with_sigint_ignored_takes_it_back(module):
+    """A shell script starts its background jobs with SIGINT ignored, and Python then installs no handler: `kill -INT`
+    of a training or a sweep started that way did nothing. Each command's main takes SIGINT back first thing."""
+    probe = textwrap.dedent(f"""
+        import signal, sys
+        from {module} import main
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # inherited, as from `cmd &` in a script
+        try:
+            main(["--help"])
+        except SystemExit:
+            pass
+        sys.stderr.write(f"handler: {{signal.getsignal(signal.SIGINT) is signal.default_int_handler}}\\n")
+    """)
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert "handler: True" in proc.stderr, proc.stderr[-3000:]

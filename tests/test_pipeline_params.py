@@ -13,7 +13,7 @@ from openrlhf_tis.params import ParameterError, ParamObject, param, positive
 from openrlhf_tis.pipeline.execute import NOTEBOOKS
 from openrlhf_tis.pipeline.notebooks import NOTEBOOK_SOURCES
 from openrlhf_tis.pipeline.sweep import Cell, load_grid
-from openrlhf_tis.pipeline.train import resolve_prompts
+from openrlhf_tis.pipeline.train import check_training_command, resolve_prompts
 from openrlhf_tis.pipeline.train_params import TrainParams
 
 
@@ -207,12 +207,29 @@ def test_a_bad_grid_is_refused_naming_the_file_and_key(tmp_path, text, fault):
      "effect here"),
     ('[grid]\nprompts_per_step = [3]\nsamples_per_prompt = [1]\nextra_args = [["--train.batch_size", "4"]]\n',
      "--train.batch_size: 4 is not a multiple of --train.micro_batch_size (3)"),
+    # a cell that trained into X, showed "training steps 0/3" and was recorded complete (a rerun skipped it)
+    ('[grid]\nseed = [1]\nextra_args = [["--logger.run_dir", "X"]]\n',
+     'cell seed=1,extra_args=["--logger.run_dir", "X"]: training CLI flags: extra_args sets --logger.run_dir: the '
+     "sweep sets it for each cell"),
+    ('[base]\nextra_args = ["--ckpt.pa=elsewhere"]\n[grid]\nseed = [1]\n',  # as argparse reads an abbreviation
+     "cell seed=1: training CLI flags: extra_args sets --ckpt.path: the job derives it from run_dir"),
+    ('[grid]\nextra_args = [["--ckpt.load_enable"]]\n', "extra_args sets --ckpt.load_enable: the sweep resumes an "
+     "interrupted cell itself"),
+    ('[grid]\nextra_args = [["--logger.run_dir_overwrite"]]\n', "extra_args sets --logger.run_dir_overwrite"),
 ])
 def test_a_cell_the_training_cli_would_refuse_fails_the_grid_check(tmp_path, text, fault):
     grid = _grid(tmp_path, text)
     with pytest.raises(ParameterError) as err:
         load_grid(grid)
     assert str(err.value).startswith(f"grid file {grid}, cell ") and fault in str(err.value), str(err.value)
+
+
+def test_a_job_refuses_extra_args_that_move_its_run_and_keeps_a_resume():
+    """A notebook or the main job reads metrics, checkpoint and kept model where run_dir puts them."""
+    for flag in ("--logger.run_dir", "--ckpt.output_dir"):
+        with pytest.raises(ParameterError, match=f"extra_args sets {flag}: the job derives it from run_dir"):
+            check_training_command(TrainParams.checked({"extra_args": [flag, "elsewhere"]}))
+    check_training_command(TrainParams.checked({"extra_args": ["--ckpt.save_steps", "1", "--ckpt.load_enable"]}))
 
 
 KERNEL_LIKE = """

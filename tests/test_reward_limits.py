@@ -17,7 +17,13 @@ from _support import error_line, execute_prompts, refused, with_value
 from openrlhf.utils.agent import SingleTurnAgentExecutor
 
 from openrlhf_tis.cli import train_ppo_ray
-from openrlhf_tis.rollout.reward_calls import DEFAULT_TIMEOUT_S, default_executor_threads
+from openrlhf_tis.rollout.reward_calls import (
+    DEFAULT_TIMEOUT_S,
+    MAX_TIMEOUT_S,
+    call_within,
+    call_within_async,
+    default_executor_threads,
+)
 from openrlhf_tis.rollout.reward_executor import (
     LoudRewardExecutor,
     RewardFunctionError,
@@ -189,3 +195,106 @@ def test_the_limit_reaches_the_engines_before_the_first_rollout(monkeypatch, tmp
     assert not limit_reward_calls(object(), 7.5)  # a user's agent executor: no reward_func of ours
     with pytest.raises(ValueError, match="> 0"):
         limit_reward_calls(_loud(_script(tmp_path, "return {'rewards': 1.0}\n")), 0)
+
+
+def test_a_limit_too_large_to_wait_on_is_refused_naming_the_flag_and_the_range(valid_argv, capsys):
+    """1e12 s overflowed inside the limit (threading's TIMEOUT_MAX) and was reported as the reward script's fault."""
+    line = error_line(refused(valid_argv + ["--reward.timeout_s", "1e12"], capsys))
+    assert line == f"--reward.timeout_s: must be at most {MAX_TIMEOUT_S:.0f} s (a week), got 1000000000000.0"
+
+
+def test_the_largest_accepted_limit_is_one_every_wait_takes():
+    import asyncio
+
+    assert call_within(lambda x: x + 1, (1,), MAX_TIMEOUT_S) == 2
+    assert asyncio.run(call_within_async(lambda x: x + 1, (1,), MAX_TIMEOUT_S)) == 2
+
+
+# --- an HTTP reward server ------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def reward_server():
+    """A local reward server whose answer the test picks: `ok` (one reward), `hang` (never answers until the test
+    ends), `error` (HTTP 500) or `bad` (three rewards for one query). Yields (url, set_mode, requests seen)."""
+    import http.server
+    import json
+    import threading
+
+    state = {"mode": "ok"}
+    seen: list[dict] = []
+    release = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            if state["mode"] == "hang":
+                release.wait(120)
+                return
+            if state["mode"] == "error":
+                self.send_error(500, "reward model crashed")
+                return
+            body = json.dumps({"rewards": [1.0] * (3 if state["mode"] == "bad" else 1)}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/get_reward", lambda mode: state.update(mode=mode), seen
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_reward_server_is_asked_before_ray_as_the_engines_ask_it(valid_argv, reward_server):
+    url, _, seen = reward_server
+    train_ppo_ray.parse(with_value(valid_argv, "--reward.remote_url", url), cpu=True)
+    # conftest's first record; no --data.label_key, so upstream's label is ''
+    assert seen == [{"query": ["1 + 1?"], "prompts": ["1 + 1?"], "labels": [""]}]
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("hang", "did not return within 2 s (raise --reward.timeout_s if it needs longer)"),
+    ("error", "answered HTTP 500 reward model crashed"),
+    ("bad", "returned 3 rewards for 1 query"),
+])
+def test_a_reward_server_that_cannot_serve_is_refused_before_ray(valid_argv, reward_server, capsys, mode, expected):
+    url, set_mode, _ = reward_server
+    set_mode(mode)
+    t0 = time.monotonic()
+    line = error_line(refused(with_value(valid_argv, "--reward.remote_url", url) + ["--reward.timeout_s", "2"],
+                              capsys))
+    assert time.monotonic() - t0 < 30
+    assert line.startswith(f"--reward.remote_url: the reward server {url} on prompt {PROMPT} (label '') "), line
+    assert expected in line, line
+
+
+def test_a_reward_server_nobody_runs_is_refused_naming_it(valid_argv, capsys):
+    from _support import free_port
+
+    url = f"http://127.0.0.1:{free_port()}/get_reward"
+    line = error_line(refused(with_value(valid_argv, "--reward.remote_url", url), capsys))
+    assert line.startswith(f"--reward.remote_url: reward server {url} cannot be reached: "), line
+    assert line.endswith("start it, or check the URL")
+
+
+def test_an_engine_stops_waiting_for_a_silent_server_at_the_limit(reward_server, tokenizer):
+    """Upstream's own bound is 180 s a try and five tries: the rollout sat at 'Generate samples 0/4' for minutes."""
+    url, set_mode, _ = reward_server
+    set_mode("hang")
+    executor = SingleTurnAgentExecutor(url)
+    assert make_rewards_loud(executor) and limit_reward_calls(executor, 1)
+    t0 = time.monotonic()
+    (failed,) = execute_prompts(executor, tokenizer, ["what is 2 + 2?"])
+    assert time.monotonic() - t0 < 20
+    assert isinstance(failed, RewardFunctionError), failed
+    assert str(failed).startswith(f"the reward server {url} on prompt ") and "did not return within 1 s" in str(failed)

@@ -99,6 +99,18 @@ def test_a_notebook_start_into_a_live_run_leaves_its_log_alone(tmp_path):
     assert (run / "train.log").read_text() == "the live run's log"
 
 
+def test_a_notebook_start_into_a_model_directory_writes_nothing_there(tiny_model_dir, tmp_path):
+    from openrlhf_tis.pipeline.train import TrainingFailed, run_training
+    from openrlhf_tis.pipeline.train_params import TrainParams
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    with pytest.raises(TrainingFailed, match="holds a config.json that no run of this fork wrote"):
+        run_training(TrainParams.checked({"run_dir": str(model)}, where="test"))
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+
+
 # --- checkpoints belong to one history ------------------------------------------------------------------
 
 def _checkpoint(ckpt, step: int, run_id: str | None) -> None:

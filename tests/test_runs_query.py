@@ -289,6 +289,32 @@ def test_cli_list_and_show(runs, capsys, tmp_path):
     assert runs_cli.main(["show", "missing", "--root", str(root)]) == 2
 
 
+@pytest.mark.parametrize("name", ["[bold]a", "\x1b[2J", "a\x07"])
+def test_run_names_are_printed_as_text_never_as_markup_or_terminal_codes(tmp_path, capsys, name):
+    """`show 'runs/[/bold]'` crashed (rich markup), a folder `[bold]a` was listed as `a`, and one holding escape
+    sequences (clear the screen, ring the bell) reached the terminal raw."""
+    root = tmp_path / "runs"
+    RunWriter(root / name, config={"seed": 1}).append_metrics(1, {"loss": 1.0})
+    shown = name.replace("\x1b", "\\x1b").replace("\x07", "\\x07")
+    assert runs_cli.main(["list", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert f"│ {shown} " in out and "\x1b" not in out and "\x07" not in out
+    assert runs_cli.main(["show", name, "--root", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert out.split()[0] == shown and "\x1b" not in out and "\x07" not in out
+    assert runs_cli.main(["show", "runs/[/bold]", "--root", str(root)]) == 2
+    assert capsys.readouterr().out.startswith("no run directory at runs/[/bold] or ")
+
+
+def test_a_symlink_loop_lists_each_run_once(tmp_path):
+    root = tmp_path / "runs"
+    RunWriter(root / "a", config={"seed": 1}).append_metrics(1, {"loss": 1.0})
+    (root / "more").mkdir()
+    (root / "more" / "loop").symlink_to(root)  # runs/more/loop/more/loop/... -> runs
+    (root / "latest").symlink_to(root / "a")
+    assert list(list_runs(root)["run"]) == ["a"]
+
+
 def test_show_names_each_place_it_looked_at_once(tmp_path, capsys):
     """Regression: `show` on an empty directory named the same path twice."""
     empty = tmp_path / "empty"

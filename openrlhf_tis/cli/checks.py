@@ -340,6 +340,7 @@ def check_flags(args: argparse.Namespace, *, cuda: bool, cluster: str) -> None:
         raise UsageError("--vllm.sync_check_steps", "must be >= 0 (0 disables the check)")
     if getattr(args, "vllm.sync_check_tolerance") <= 0:
         raise UsageError("--vllm.sync_check_tolerance", "must be > 0")
+    check_cadences(args)
     try:
         check_timeout(getattr(args, "reward.timeout_s"))
     except ValueError as err:
@@ -350,6 +351,19 @@ def check_flags(args: argparse.Namespace, *, cuda: bool, cluster: str) -> None:
     check_async(args)
     check_batches(args)
     check_cli_precision(args, cuda=cuda, cluster=cluster)
+
+
+CADENCE_FLAGS = {"--ckpt.save_steps": True, "--eval.steps": True, "--logger.logging_steps": False}
+"""Upstream's every-N-steps flags (it divides the step by them) -> whether -1 is its "never" for that flag."""
+
+
+def check_cadences(args: argparse.Namespace) -> None:
+    """Every N steps needs N >= 1 (or upstream's -1, never): 0 passed upstream's parser and ended the run with a
+    ZeroDivisionError after its first step; a negative N other than -1 would save or evaluate on a whim."""
+    for flag, never in CADENCE_FLAGS.items():
+        value = getattr(args, flag[2:])
+        if value < 1 and not (never and value == -1):
+            raise UsageError(flag, f"must be >= 1 (every N steps){' or -1 (never)' if never else ''}, got {value}")
 
 
 def check_async(args: argparse.Namespace) -> None:

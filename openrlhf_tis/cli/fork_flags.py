@@ -102,9 +102,10 @@ FORK_FLAGS: tuple[ForkFlag, ...] = (
         "A NaN/inf reward from --reward.remote_url: fail the step naming the samples and the reward script "
         "(default), or drop the prompt groups holding one and train on the rest (counted in reward/dropped_samples).")),
     ForkFlag(TIMEOUT_FLAG, type=float, default=DEFAULT_TIMEOUT_S, help=(
-        "Seconds one call of a --reward.remote_url script's reward_func may take, in the try-out on the first prompt "
-        "before Ray starts and for each sample during training; past it the start is refused, or the run stops, "
-        "naming the script, the prompt and the limit. Must be > 0. Reward servers (HTTP) keep upstream's timeout.")),
+        "Seconds one call of a --reward.remote_url script's reward_func, or one request to a reward server (HTTP, "
+        "upstream's retries included), may take, in the try-out on the first prompt before Ray starts and for each "
+        "sample during training; past it the start is refused, or the run stops, naming the script or server, the "
+        "prompt and the limit. Must be > 0 and at most a week.")),
     ForkFlag("--train.async_max_lag", type=int, help=(
         "Async training only: drop every prompt group holding a sample whose rollout policy is more than N "
         "steps older than the policy it trains (counted in staleness/dropped_samples); default no bound. "

@@ -7,16 +7,23 @@ the way upstream calls it (one query; the prompt formatted by upstream's own `pr
 the chat template when `--data.apply_chat_template`), with the prompt as its own query: no response yet.
 The call is bounded by `--reward.timeout_s` and its result checked as the engines check it during training
 (rollout/reward_calls.py), so a script that never returns or returns what upstream cannot use is refused here.
+
+An `http://` or `https://` reward server is asked the same way, with the request upstream's engines send (a JSON
+POST of `query`, `prompts`, `labels`, one query), within the same limit: one that cannot be reached, answers an
+HTTP error or no JSON, does not answer in time, or answers what upstream cannot use is refused before Ray starts.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import os
 import sys
 import traceback
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,9 +76,50 @@ def reward_values(result: Any) -> torch.Tensor:
     return torch.as_tensor(result["rewards"], dtype=torch.float64).reshape(-1)
 
 
+def _post_json(url: str, payload: Mapping[str, Any], timeout_s: float) -> Any:
+    """POST `payload` as JSON to `url`; its answer parsed as JSON (ValueError when it is none)."""
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+        return json.loads(answer.read())
+
+
+def probe_reward_server(flag: str, url: str, record: Mapping[str, Any], args: argparse.Namespace) -> None:
+    """Refuse an HTTP reward server that cannot be reached, answers an error or no JSON, does not answer within
+    `--reward.timeout_s`, or answers no usable reward for `record`, asked as upstream's engines ask it."""
+    prompt, label = formatted_prompt(record, args)
+    timeout_s = getattr(args, "reward.timeout_s")
+    where = describe_call(f"the reward server {url}", prompt, label)
+    payload = {"query": [prompt], "prompts": [prompt], "labels": [label]}
+    print(f"[openrlhf_tis] {flag}: asking {url} for the reward of the first prompt ...", file=sys.stderr, flush=True)
+    try:
+        result = call_within(_post_json, (url, payload, timeout_s), timeout_s)
+    except (RewardCallTimeout, TimeoutError):
+        raise UsageError(flag, timeout_message(where, timeout_s)) from None
+    except urllib.error.HTTPError as err:
+        raise UsageError(flag, f"{where} answered HTTP {err.code} {err.reason}") from None
+    except urllib.error.URLError as err:
+        if isinstance(err.reason, TimeoutError):
+            raise UsageError(flag, timeout_message(where, timeout_s)) from None
+        raise UsageError(flag, f"reward server {url} cannot be reached: {err.reason}; start it, or check the URL") \
+            from None
+    except ValueError as err:
+        raise UsageError(flag, f"{where} answered no JSON ({err})") from None
+    except OSError as err:
+        raise UsageError(flag, f"reward server {url} cannot be reached: {err}; start it, or check the URL") from None
+    try:
+        check_reward_result(result, queries=1)
+    except RewardResultError as err:
+        raise UsageError(flag, result_message(where, err, result)) from None
+
+
 def probe_reward_script(flag: str, url: str | None, record: Mapping[str, Any], args: argparse.Namespace) -> None:
     """Refuse a local reward script that cannot be imported or called on `record`, returns no usable reward, or does
-    not return within `--reward.timeout_s` (its call is abandoned on a daemon thread: rollout/reward_calls.py)."""
+    not return within `--reward.timeout_s` (its call is abandoned on a daemon thread: rollout/reward_calls.py); an
+    HTTP reward server is asked instead (probe_reward_server)."""
+    if url and url.startswith(("http://", "https://")):
+        probe_reward_server(flag, url, record, args)
+        return
     if not url or not url.split(",")[0].endswith(".py"):
         return
     path = url.split(",")[0]  # upstream calls the first script only

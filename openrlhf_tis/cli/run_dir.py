@@ -7,6 +7,10 @@ checkpoint exists: without one upstream silently starts at step 0 and the store 
 `--logger.run_dir_overwrite` erases the run store's files and starts over. A directory without steps
 is a start that never trained: its config.json (written before Ray starts) is replaced.
 
+Only files the fork wrote are ever replaced or erased: a directory whose config.json is not a run record
+(a model's directory, a project's) or that holds metrics or token dumps without one is refused before
+anything is written there.
+
 A run directory belongs to one live run: the start takes an exclusive `flock` on `<run_dir>/.lock` (its
 pid inside) and holds it until the process ends, so the kernel releases it however the run ends (kill -9
 included) and a second start into the same directory is refused while the first lives. A resume loads a
@@ -24,7 +28,7 @@ import sys
 from pathlib import Path
 
 from openrlhf_tis.errors import UsageError
-from openrlhf_tis.runs.config import RUN_ID_KEY, RunConfigMismatch, check_resume
+from openrlhf_tis.runs.config import RUN_ID_KEY, RunConfigMismatch, check_resume, is_run_record, read_run_config
 from openrlhf_tis.runs.identity import foreign_checkpoint, repair_empty_latest
 from openrlhf_tis.runs.layout import CONFIG_FILE, METRICS_FILE, TOKENS_DIR, token_files
 from openrlhf_tis.runs.reader import last_logged_step
@@ -125,11 +129,31 @@ def lock_owner(run_dir: Path) -> str | None:
     return None
 
 
+def check_fork_made(run_dir: Path) -> None:
+    """UsageError naming the flag when `run_dir` holds run-store files the fork cannot vouch for: a config.json that
+    is no run record, or metrics / token dumps without one. A new, empty or otherwise unrelated directory passes."""
+    config = run_dir / CONFIG_FILE
+    if config.exists() or config.is_symlink():
+        try:
+            record = read_run_config(run_dir)
+        except (ValueError, OSError):
+            record = None
+        if not is_run_record(record):
+            raise UsageError(FLAG, f"{run_dir} holds a {CONFIG_FILE} that no run of this fork wrote (a model's or a "
+                             f"project's directory?); it is left untouched: choose a new or empty {FLAG}")
+        return
+    strays = [name for name in (METRICS_FILE, TOKENS_DIR) if (run_dir / name).exists()]
+    if strays:
+        raise UsageError(FLAG, f"{run_dir} holds {' and '.join(strays)} but no run {CONFIG_FILE}, so it is not a run "
+                         f"directory this fork can vouch for; they are left untouched: choose a new or empty {FLAG}")
+
+
 def erase_run_store(run_dir: Path) -> None:
-    """Remove what the run store wrote (config, metrics, token dumps); other files (checkpoints, logs) stay."""
-    for name in (CONFIG_FILE, METRICS_FILE):
-        (run_dir / name).unlink(missing_ok=True)
+    """Remove what the run store wrote (metrics, token dumps, config); other files (checkpoints, logs) stay.
+    config.json goes last: it is what marks the directory as the fork's (check_fork_made) until the rest is gone."""
+    (run_dir / METRICS_FILE).unlink(missing_ok=True)
     shutil.rmtree(run_dir / TOKENS_DIR, ignore_errors=True)
+    (run_dir / CONFIG_FILE).unlink(missing_ok=True)
 
 
 def open_run_dir(args: argparse.Namespace, planned_steps: int | None = None) -> None:
@@ -140,6 +164,7 @@ def open_run_dir(args: argparse.Namespace, planned_steps: int | None = None) -> 
     """
     run_dir = Path(getattr(args, "logger.run_dir"))
     _check_writable(run_dir)
+    check_fork_made(run_dir)  # before the lock: a refused directory gets no .lock either
     lock_run_dir(run_dir)
     last = last_logged_step(run_dir) or 0
     dumps = token_files(run_dir)

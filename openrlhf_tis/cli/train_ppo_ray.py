@@ -30,7 +30,7 @@ from openrlhf_tis.cli.cluster_device import (
     requested_device,
 )
 from openrlhf_tis.cli.fork_flags import add_fork_arguments
-from openrlhf_tis.cli.lifetime import die_with_parent
+from openrlhf_tis.cli.lifetime import die_with_parent, take_sigint
 from openrlhf_tis.cli.placement import check_cluster_fits
 from openrlhf_tis.cli.ray_address import ADDRESS_VAR
 from openrlhf_tis.cli.ray_cluster import CPU_ENV, start_ray
@@ -138,6 +138,7 @@ def go_offline() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    take_sigint()
     die_with_parent()
     try:
         cluster = read_cluster()

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import tempfile
 from pathlib import Path
 
+from openrlhf_tis.cli.lifetime import take_sigint
 from openrlhf_tis.dashboard.voila_server import HOST, port_in_use, serve_local, voila_env
 from openrlhf_tis.pipeline.execute import notebook_path
 
@@ -50,16 +50,6 @@ def prepare_notebook(root: str | os.PathLike, directory: str | os.PathLike) -> P
     return target
 
 
-def stop_on_sigint() -> None:
-    """Make SIGINT raise KeyboardInterrupt, which Voilà's event loop takes as "stop" (kernels shut down, then exit).
-
-    Python installs that handler only where SIGINT was not ignored when it started, and a shell starts a script's
-    background job (`openrlhf-tis-dashboard runs/ &`) with SIGINT ignored: `kill -INT` then did nothing, and only
-    SIGTERM (which Voilà handles itself) stopped the server.
-    """
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
 def serve(root: str, port: int) -> None:
     """Serve the dashboard over `root` on HOST:`port` until SIGINT or SIGTERM."""
     os.environ["JUPYTER_PATH"] = voila_env()["JUPYTER_PATH"]  # read by Voilà's template lookup
@@ -70,11 +60,11 @@ def serve(root: str, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    take_sigint()  # KeyboardInterrupt is what Voilà's event loop takes as "stop" (kernels shut down, then exit)
     args = build_parser().parse_args(argv)
     if port_in_use(args.port):
         print(f"{PROG}: error: port {args.port} on {HOST} is in use (choose another with --port)", file=sys.stderr)
         raise SystemExit(2)
-    stop_on_sigint()
     try:
         serve(args.root, args.port)
     except KeyboardInterrupt:  # before Voilà's loop runs, or a second Ctrl-C while its kernels shut down

@@ -20,6 +20,11 @@ KERNEL = "python3"  # ipykernel's own spec: the interpreter that runs papermill,
 # The kernel listens on loopback TCP and warns about it at every start, on the console of whoever runs a notebook
 # (the main job's, among others); errors still show.
 KERNEL_ARGS = ["--IPKernelApp.log_level=ERROR"]
+# How long a kernel may take to answer after its start. papermill's 60 s default is a readiness wait that a loaded
+# 2-core machine (a test suite, a run beside it) can miss: the kernel imports numpy, torch's helpers and ipywidgets
+# before it answers. Like the longer agent window Ray gets (cli/ray_cluster.RAY_START_ENV), a generous bound, not
+# a hang: a kernel that never starts still fails, naming the notebook.
+KERNEL_START_S = 300
 
 
 def notebook_path(name: str) -> Path:
@@ -42,7 +47,7 @@ def execute(name: str, output: str | os.PathLike, parameters: Mapping[str, Any],
     output.parent.mkdir(parents=True, exist_ok=True)
     papermill.execute_notebook(os.fspath(notebook_path(name)), os.fspath(output), parameters=dict(parameters),
                                kernel_name=KERNEL, cwd=os.fspath(cwd or output.parent), progress_bar=progress,
-                               log_output=False, extra_arguments=KERNEL_ARGS)
+                               log_output=False, extra_arguments=KERNEL_ARGS, start_timeout=KERNEL_START_S)
     return output
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from openrlhf_tis.cli.cluster_device import DEVICE_DEST, DEVICE_FLAG, ClusterResources, decide_device, read_cluster
+from openrlhf_tis.cli.lifetime import take_sigint
 from openrlhf_tis.cpu_features import native_bf16
 from openrlhf_tis.demo.task import write_task
 from openrlhf_tis.errors import UsageError
@@ -185,6 +186,7 @@ def describe(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    take_sigint()
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="main_job", description=__doc__.split("\n")[0],
                                      epilog="Any other --flag goes to the training CLI (train_ppo_ray) and wins.")

@@ -46,12 +46,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from openrlhf_tis.cli.lifetime import take_sigint
 from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.params import ParameterError, ParamObject, param
 from openrlhf_tis.pipeline.execute import export_html
 from openrlhf_tis.pipeline.failure import notebook_error
 from openrlhf_tis.pipeline.interrupt import EXIT_CODE, Interrupted, execute_stoppable, kept, resumable, stopped
-from openrlhf_tis.pipeline.train import check_training_command
+from openrlhf_tis.pipeline.train import RUN_DIR_FLAGS, check_training_command
 from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.runs.config import run_started, utc_now
 from openrlhf_tis.runs.layout import atomic_write, unique_dir_name
@@ -60,6 +61,11 @@ GRID_TABLES = ("base", "grid")
 STATUS_FILE = "status.json"
 STOP_FILE = "STOP"  # OUT/STOP: end the sweep after the cell in flight
 _PER_CELL = ("run_dir",)  # set by the sweep for each cell, never by the grid
+SWEEP_FLAGS = {**RUN_DIR_FLAGS,
+               "--logger.run_dir": "the sweep sets it for each cell",
+               "--ckpt.load_enable": "the sweep resumes an interrupted cell itself",
+               "--logger.run_dir_overwrite": "the sweep starts a failed cell afresh itself"}
+"""Flags a cell's extra_args must not set, and why: the sweep decides where each cell runs and whether it resumes."""
 MAX_CELLS = 1000  # more is a typo or a job for another tool: one CPU cell trains for minutes
 CHECK_S = 0.06  # measured: checking one cell (its parameters and training command) on a 2-core EPYC
 
@@ -172,7 +178,7 @@ def check_cell(params: dict[str, Any], where: str) -> None:
     checks: pipeline/train.py `check_training_command`); raises ParameterError naming `where` and the fault."""
     checked = TrainParams.checked(params, where=where)
     try:
-        check_training_command(checked)
+        check_training_command(checked, owned=SWEEP_FLAGS)
     except ParameterError as err:
         raise ParameterError(f"{where}: {err}") from None
 
@@ -368,6 +374,7 @@ def finish(result: SweepResult) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    take_sigint()
     parser = argparse.ArgumentParser(prog="openrlhf-tis-sweep", description=__doc__.split("\n")[0])
     parser.add_argument("grid", help="grid file (TOML or JSON with tables base and grid)")
     parser.add_argument("out_dir", help="output directory (cells/, report.ipynb, report.html)")

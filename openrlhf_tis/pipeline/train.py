@@ -9,18 +9,19 @@ with the kernel even when the kernel is killed rather than interrupted (cli/life
 
 from __future__ import annotations
 
+import argparse
 import os
 import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
 from openrlhf_tis.cli.cluster_device import ClusterResources, decide_device, read_cluster, requested_device
 from openrlhf_tis.cli.lifetime import PARENT_ENV, stop_process_tree
-from openrlhf_tis.cli.run_dir import lock_owner
+from openrlhf_tis.cli.run_dir import check_fork_made, lock_owner
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline import heldout
@@ -97,12 +98,29 @@ def heldout_cache_dir() -> Path:
     return Path(os.environ.get("OPENRLHF_TIS_CACHE", Path.home() / ".cache" / "openrlhf_tis")).expanduser() / "heldout"
 
 
-def check_training_command(params: TrainParams, cluster: ClusterResources | None = None) -> None:
+RUN_DIR_FLAGS = {flag: "the job derives it from run_dir (set run_dir instead)"
+                 for flag in ("--logger.run_dir", "--ckpt.path", "--ckpt.output_dir")}
+"""Flags extra_args must not set, and why: the job reads the run's metrics, checkpoint and kept model where run_dir
+puts them, so a run trained elsewhere would show no step and be recorded complete."""
+_UNSET = object()
+
+
+def owned_flag_given(parser: argparse.ArgumentParser, extra_args: list[str], owned: Mapping[str, str]) -> str | None:
+    """The first flag of `owned` that `extra_args` sets, as the training CLI's parser reads them (abbreviations and
+    `--flag=value` included); None when they set none."""
+    unset = argparse.Namespace(**{flag[2:]: _UNSET for flag in owned})
+    parsed, _ = parser.parse_known_args(list(extra_args), unset)
+    return next((flag for flag in owned if getattr(parsed, flag[2:]) is not _UNSET), None)
+
+
+def check_training_command(params: TrainParams, cluster: ClusterResources | None = None,
+                           owned: Mapping[str, str] = RUN_DIR_FLAGS) -> None:
     """The training CLI's own checks of what its flags decide (cli/checks.py `check_flags`: batch sizes, async,
     rollout precision, correction, ...) on the command line that checked `params` become, before any file is
     written or process started, so a refusal costs seconds instead of a notebook's start-up. What needs the job's
     files (the model, built later for 'tiny'; the prompt file, written later) is left to the CLI itself. Raises
-    ParameterError naming the flag. `cluster`: the run's (cli/cluster_device.py ClusterResources), read when None."""
+    ParameterError naming the flag. `cluster`: the run's (cli/cluster_device.py ClusterResources), read when None.
+    `owned`: flags extra_args must not set (flag -> why), the caller's own: the job's, or a sweep's."""
     from openrlhf_tis import patches
     from openrlhf_tis.cli.train_ppo_ray import build_parser, parse_flags
 
@@ -118,6 +136,8 @@ def check_training_command(params: TrainParams, cluster: ClusterResources | None
         parser = build_parser()
         parser.error = error
         parse_flags(parser, argv, cluster)
+        if (flag := owned_flag_given(parser, params.extra_args, owned)) is not None:
+            error(f"extra_args sets {flag}: {owned[flag]}")
     except UsageError as err:
         raise ParameterError(f"training CLI flags: {err}") from None
 
@@ -138,6 +158,10 @@ def run_training(
     if owner is not None:  # checked here too, so a second start never truncates the live run's train.log
         raise TrainingFailed(f"{run_dir} is in use by another run (pid {owner}); wait for it to end, stop it, "
                              "or choose another run_dir")
+    try:  # before train.log is written there: a model's or a project's directory is left as it was
+        check_fork_made(run_dir)
+    except UsageError as err:
+        raise TrainingFailed(str(err)) from None
     log_path = run_dir / LOG_FILE
     with open(log_path, "w") as log:
         model = resolve_model(params.model, cache or run_dir.parent / ".models", log)

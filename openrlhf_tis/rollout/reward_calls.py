@@ -49,9 +49,14 @@ def short_repr(value: Any) -> str:
     return _short.repr(value)
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""A week: longer than any run, and well within what the waits below accept (threading's TIMEOUT_MAX, about 292
+years on Linux, where 1e12 s overflowed inside the limit and was reported as the reward script's failure)."""
+
+
 def check_timeout(seconds: Any) -> float:
-    """`seconds` as a limit: a finite number > 0 (ValueError otherwise). There is no "no limit": a call that never
-    returns is exactly what the limit is for; a slow reward gets a large value instead."""
+    """`seconds` as a limit: a finite number in (0, MAX_TIMEOUT_S] (ValueError otherwise). There is no "no limit": a
+    call that never returns is exactly what the limit is for; a slow reward gets a large value instead."""
     try:
         limit = float(seconds)
     except (TypeError, ValueError):
@@ -59,6 +64,8 @@ def check_timeout(seconds: Any) -> float:
     if not (math.isfinite(limit) and limit > 0):
         raise ValueError(f"must be a finite number of seconds > 0, got {seconds!r} (there is no 'no limit': give a "
                          "large value for a reward that needs long)")
+    if limit > MAX_TIMEOUT_S:
+        raise ValueError(f"must be at most {MAX_TIMEOUT_S:.0f} s (a week), got {seconds!r}")
     return limit
 
 

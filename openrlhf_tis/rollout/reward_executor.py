@@ -109,13 +109,19 @@ class LoudRewardExecutor(SingleTurnAgentExecutor):
         return await _recording(self._checked_http(queries_list, prompts_list, labels_list))
 
     async def _checked_http(self, queries_list, prompts_list, labels_list) -> list:
-        """Upstream's HTTP call (its own timeout and retries), each server's answer checked like a function's.
+        """Upstream's HTTP call (its retries) within `reward_timeout_s` in all, each server's answer checked like a
+        function's. Upstream's own bound is 180 s a try, five tries: a server that never answers held the rollout at
+        "Generate samples 0/N" for 15 minutes, then the sample went on without a reward.
 
         The rollout sends one query a call, so each answer is for one query; with several the count is not checked.
         """
-        results = await super()._fetch_rewards_via_http(queries_list, prompts_list, labels_list)
         where = describe_call(f"the reward server {', '.join(self.reward_endpoints)}", prompts_list[0],
                               labels_list[0])
+        try:
+            results = await asyncio.wait_for(super()._fetch_rewards_via_http(queries_list, prompts_list, labels_list),
+                                             self.reward_timeout_s)
+        except TimeoutError:
+            raise RewardFunctionError(timeout_message(where, self.reward_timeout_s)) from None
         for result in results:
             _check(result, where, queries=1 if len(queries_list) == 1 else None)
         return results

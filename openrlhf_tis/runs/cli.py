@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import warnings
 from collections.abc import Sequence
@@ -21,12 +22,21 @@ from typing import Any
 import pandas as pd
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from openrlhf_tis.runs.layout import is_run_dir
 from openrlhf_tis.runs.reader import list_runs
 from openrlhf_tis.runs.summary import summary
 
 _BARS = "▁▂▃▄▅▆▇█"
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def plain(text: Any, style: str = "") -> Text:
+    """`text` from the disk or the command line (a folder name, a path, a metric key) as the terminal shows it
+    literally: rich reads no markup in it (`runs/[/bold]` crashed `show`), and control characters (a terminal's
+    escape sequences) are written as \\xNN instead of being sent to the terminal."""
+    return Text(_CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text)), style=style)
 
 
 def sparkline(values: Sequence[float], width: int = 32) -> str:
@@ -68,12 +78,12 @@ def cmd_list(root: str, console: Console) -> int:
     try:
         runs = list_runs(root)
     except (FileNotFoundError, NotADirectoryError) as err:
-        console.print(f"[red]{err}[/red]", highlight=False, soft_wrap=True)
+        console.print(plain(err, "red"), soft_wrap=True)
         return 2
     if runs.empty:
-        console.print(f"no runs under {root}")
+        console.print(Text.assemble("no runs under ", plain(root)))
         return 0
-    table = Table(title=f"runs under {root}")
+    table = Table(title=Text.assemble("runs under ", plain(root)))
     table.add_column("run", min_width=8, overflow="fold")
     for column in ("created (UTC)", "steps", "last", "dumps", "dump size", "revision"):
         table.add_column(column, justify="left" if column in ("created (UTC)", "revision") else "right", no_wrap=True)
@@ -82,7 +92,8 @@ def cmd_list(root: str, console: Console) -> int:
         created = row.created.replace("T", " ")[:16] if isinstance(row.created, str) else "-"
         revision = row.revision[:8] if isinstance(row.revision, str) else "-"
         last = str(int(row.last_step)) if pd.notna(row.last_step) else "-"
-        table.add_row(row.run, created, str(row.steps), last, str(row.token_steps), _bytes(row.token_bytes), revision)
+        table.add_row(plain(row.run), created, str(row.steps), last, str(row.token_steps), _bytes(row.token_bytes),
+                      revision)
     console.print(table)
     return 0
 
@@ -104,13 +115,13 @@ def _not_found(run: str, root: str) -> str:
 def cmd_show(run: str, root: str, as_json: bool, console: Console) -> int:
     run_dir = next((c for c in _candidates(run, root) if is_run_dir(c)), None)
     if run_dir is None:
-        console.print(f"[red]{_not_found(run, root)}[/red]", highlight=False, soft_wrap=True)
+        console.print(plain(_not_found(run, root), "red"), soft_wrap=True)
         return 2
     info = summary(run_dir)
     if as_json:
         print(json.dumps(info, indent=1, default=str))
         return 0
-    console.print(f"[bold]{info['run']}[/bold]  {info['path']}")
+    console.print(Text.assemble(plain(info["run"], "bold"), "  ", plain(info["path"])))
     console.print(f"steps {info['steps']}" + (f" of {info['planned_steps']}" if info["planned_steps"] else "")
                   + f" ({_fmt(info['first_step'])}..{_fmt(info['last_step'])}"
                   + (f", {info['missing_steps']} missing" if info["missing_steps"] else "") + ")"
@@ -126,12 +137,13 @@ def cmd_show(run: str, root: str, as_json: bool, console: Console) -> int:
         if series is None:
             table.add_row(f"{label}\n[dim]not logged[/dim]", "-", "-", "-", "")
         elif "values" in series:
-            table.add_row(f"{label}\n[dim]{series['key']}[/dim]", _fmt(series["first"], 3), _fmt(series["last"], 3),
-                          _fmt(series["slope"], 2), sparkline(series["values"], 20))
+            table.add_row(Text.assemble(f"{label}\n", plain(series["key"], "dim")), _fmt(series["first"], 3),
+                          _fmt(series["last"], 3), _fmt(series["slope"], 2), sparkline(series["values"], 20))
         else:
-            table.add_row(f"{label}\n[dim]{series['source']}[/dim]", "-", _fmt(series["last"], 3), "-", "")
+            table.add_row(Text.assemble(f"{label}\n", plain(series["source"], "dim")), "-", _fmt(series["last"], 3),
+                          "-", "")
     if kept := info.get("held_out_kept"):  # first = base model, last = the saved final model
-        table.add_row(f"held-out pass1\n[dim]{kept['label']}[/dim]", _fmt(kept["pass1_before"], 3),
+        table.add_row(Text.assemble("held-out pass1\n", plain(kept["label"], "dim")), _fmt(kept["pass1_before"], 3),
                       _fmt(kept["pass1_after"], 3), "-", "")
     console.print(table)
     tokens = info.get("tokens")
@@ -169,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             code = cmd_show(args.run, args.root, args.json, console)
     for warning in caught:
-        errors.print(f"[yellow]warning:[/yellow] {warning.message}", highlight=False)
+        errors.print(Text.assemble(("warning:", "yellow"), " ", plain(warning.message)))
     return code
 
 

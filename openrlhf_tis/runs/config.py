@@ -223,6 +223,17 @@ def read_run_config(run_dir: str | os.PathLike) -> dict[str, Any] | None:
         raise ValueError(f"{path}: corrupt run config ({err})") from err
 
 
+RECORD_KEYS = ("fingerprint", "config", "resumes")
+"""What every config.json the fork ever wrote holds (check_resume): how a run directory is told from a model's
+directory or a project's, whose config.json must never be replaced or erased."""
+
+
+def is_run_record(record: Any) -> bool:
+    """Whether `record` (a parsed config.json) is one the fork wrote."""
+    return isinstance(record, dict) and all(key in record for key in RECORD_KEYS) and \
+        isinstance(record["config"], dict)
+
+
 def _dump(record: Mapping[str, Any]) -> bytes:
     return (json.dumps(record, indent=1, sort_keys=False, allow_nan=True) + "\n").encode()
 

@@ -30,11 +30,13 @@ _SKIP_DIRS = {TOKENS_DIR, "ckpt", "checkpoints", "wandb", "tensorboard", "__pyca
 
 
 def find_runs(root: str | os.PathLike, max_depth: int = 3) -> list[Path]:
-    """Run directories at or below `root` (not descending into a run, nor deeper than `max_depth`)."""
+    """Run directories at or below `root` (not descending into a run, nor deeper than `max_depth`), each once: a
+    directory reached again through a symlink (a loop, or a link to a run) is not listed or walked again."""
     root = Path(root)
     if is_run_dir(root):
         return [root]
     found: list[Path] = []
+    seen = {os.path.realpath(root)}
 
     def walk(directory: Path, depth: int) -> None:
         if depth > max_depth:
@@ -46,6 +48,9 @@ def find_runs(root: str | os.PathLike, max_depth: int = 3) -> list[Path]:
             return
         for entry in entries:
             path = Path(entry.path)
+            if (real := os.path.realpath(path)) in seen:
+                continue
+            seen.add(real)
             if is_run_dir(path):
                 found.append(path)
             elif entry.name not in _SKIP_DIRS:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from openrlhf_tis.cli.lifetime import take_sigint
 from openrlhf_tis.correction.config import PRESETS
 from openrlhf_tis.cpu_features import native_bf16
 from openrlhf_tis.params import ParameterError
@@ -259,6 +260,7 @@ def choose_cells(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    take_sigint()
     parser = argparse.ArgumentParser(prog="study", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="work/study", help="working directory (task, grid, cells, report)")
     parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), 'tiny' or a directory")

@@ -1,0 +1,130 @@
+"""What the suite starts, on a loaded machine: its own Ray head (tests/_support.ray_head) is started again when it dies
+while starting, whatever its last log line, a bounded number of times, and a failure says the machine's load (a fake
+`ray`, a shell script, stands in for Ray, so this runs in seconds and starts nothing real); a notebook's kernel gets
+a start-up bound a busy machine meets. scripts/cpu_hog.sh makes such a machine: its start and stop are checked here."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from _support import DASHBOARD_START_ENV, HEAD_TRIES, SETTLE_S, machine_load, ray_head
+
+from openrlhf_tis.cli.ray_cluster import RAY_START_ENV
+
+FAKE_RAY = """#!/bin/sh
+# one line per start (the start-up windows it was given, then its arguments); the first $FAKE_FAILS starts die as a
+# loaded head's dashboard did, the next one comes up
+echo "$RAY_agent_register_timeout_ms $RAY_DASHBOARD_STARTUP_TIMEOUT_S $@" >> "$FAKE_STARTS"
+if [ "$(/usr/bin/wc -l < "$FAKE_STARTS")" -le "$FAKE_FAILS" ]; then
+  echo "loading the dashboard's subprocess modules"
+  exit 1
+fi
+echo "Ray runtime started."
+exec /bin/sleep 600
+"""
+
+
+def _fake_ray(tmp_path: Path) -> Path:
+    path = tmp_path / "ray"
+    path.write_text(FAKE_RAY)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def _starts(tmp_path: Path) -> list[str]:
+    starts = tmp_path / "starts"
+    return starts.read_text().splitlines() if starts.exists() else []
+
+
+def test_a_head_that_dies_while_starting_is_started_again_whatever_it_said(tmp_path, capsys):
+    env = {"FAKE_STARTS": str(tmp_path / "starts"), "FAKE_FAILS": "1"}
+    with ray_head([], env, tmp_path / "head.log", lambda: True, timeout=60, ray=_fake_ray(tmp_path)) as address:
+        starts = _starts(tmp_path)
+        assert len(starts) == 2  # the first died with a line none of Ray's "late" signs names
+        assert starts[1].split()[:2] == [RAY_START_ENV["RAY_agent_register_timeout_ms"],
+                                         DASHBOARD_START_ENV["RAY_DASHBOARD_STARTUP_TIMEOUT_S"]]
+        port = starts[1].split("--port ")[1].split()[0]
+        assert address == f"127.0.0.1:{port}"
+    err = capsys.readouterr().err
+    assert f"ray start exited with 1 during start-up (try 1 of {HEAD_TRIES}, load average " in err
+    assert "starting it again" in err
+
+
+def test_a_head_that_never_starts_fails_after_the_bounded_tries_saying_the_load(tmp_path):
+    env = {"FAKE_STARTS": str(tmp_path / "starts"), "FAKE_FAILS": str(HEAD_TRIES + 5)}
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as failure:
+        with ray_head([], env, tmp_path / "head.log", lambda: True, timeout=60, ray=_fake_ray(tmp_path)):
+            raise AssertionError("the head must not be yielded")
+    assert len(_starts(tmp_path)) == HEAD_TRIES
+    message = str(failure.value)
+    assert message.startswith(f"ray start exited with 1 during start-up on each of {HEAD_TRIES} tries (load average")
+    assert f"on {os.cpu_count()} cores)" in message and "subprocess modules" in message
+    assert time.monotonic() - start < HEAD_TRIES * (SETTLE_S + 30)
+
+
+def test_the_load_is_said_as_three_averages_and_the_cores():
+    said = machine_load()
+    match = re.fullmatch(r"load average ([\d.]+) / ([\d.]+) / ([\d.]+) \(1 / 5 / 15 min\) on (\d+) cores", said)
+    assert match is not None, said
+    assert all(float(v) >= 0 for v in match.groups()[:3]) and int(match.group(4)) >= 1
+
+
+def test_a_notebook_kernel_gets_the_long_start_up_bound(tmp_path, monkeypatch):
+    import papermill
+
+    from openrlhf_tis.pipeline import execute
+
+    seen = {}
+    monkeypatch.setattr(papermill, "execute_notebook", lambda *args, **kwargs: seen.update(kwargs))
+    execute.execute("train", tmp_path / "out.ipynb", {})
+    assert seen["start_timeout"] == execute.KERNEL_START_S >= 300  # papermill's own default: 60 s
+
+
+HOG = Path(__file__).resolve().parents[1] / "scripts" / "cpu_hog.sh"
+
+
+def _hog(command: str, pids: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(HOG), command, *args], env={**os.environ, "CPU_HOG_PIDS": str(pids)},
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_cpu_hog_starts_busy_loops_and_stops_exactly_them(tmp_path):
+    import psutil
+
+    pids = tmp_path / "hog.pids"
+    assert _hog("start", pids, "2").returncode == 0
+    try:
+        started = [int(line.split()[0]) for line in pids.read_text().splitlines()]
+        assert len(started) == 2
+        busy = [psutil.Process(pid) for pid in started]
+        before = [sum(proc.cpu_times()[:2]) for proc in busy]
+        time.sleep(2.0)
+        used = [sum(proc.cpu_times()[:2]) - was for proc, was in zip(busy, before, strict=True)]
+        assert all(u > 0.05 for u in used), used  # each one computing, however many others share the cores
+        assert _hog("start", pids).returncode == 2  # never a second set over the first
+    finally:
+        stopped = _hog("stop", pids)
+    assert stopped.returncode == 0 and "stopped 2 busy loop(s)" in stopped.stdout
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                   for pid in started)
+    assert not pids.exists()
+
+
+def test_the_cpu_hog_never_signals_a_pid_given_to_another_process(tmp_path):
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        pids = tmp_path / "hog.pids"
+        pids.write_text(f"{bystander.pid} 1\n")  # its PID, another start time: a hog's PID the kernel gave away
+        assert _hog("stop", pids).returncode == 0
+        time.sleep(0.5)
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
