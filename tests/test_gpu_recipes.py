@@ -67,17 +67,35 @@ def _stand_ins(bin_dir: Path) -> None:
         (bin_dir / name).chmod(0o755)
 
 
-def run_recipe(recipe: str, tmp_path: Path, *extra: str, **env: str) -> list[list[str]]:
-    """Run scripts/gpu/`recipe` (with `extra` arguments) under stand-ins; every recorded call, in order."""
+def run_script(script: Path, tmp_path: Path, *extra: str, **env: str) -> subprocess.CompletedProcess:
+    """Run `script` (with `extra` arguments) from `tmp_path` under stand-ins that record to tmp_path/calls.jsonl."""
     _stand_ins(tmp_path / "bin")
-    calls = tmp_path / "calls.jsonl"
-    environ = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
-               "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "RECIPE_CALLS": str(calls),
-               "SLURM_JOB_NODELIST": "gpu-node-[1-4]", **env}
-    proc = subprocess.run(["bash", str(RECIPES / recipe), *extra], cwd=tmp_path, env=environ, capture_output=True,
-                          text=True, timeout=60)
+    environ = {**{k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "SLURM_SUBMIT_DIR",
+                                                                   "OPENRLHF_TIS_RECIPES")},
+               "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
+               "RECIPE_CALLS": str(tmp_path / "calls.jsonl"), "SLURM_JOB_NODELIST": "gpu-node-[1-4]", **env}
+    return subprocess.run(["bash", str(script), *extra], cwd=tmp_path, env=environ, capture_output=True, text=True,
+                          timeout=60)
+
+
+def recorded(tmp_path: Path) -> list[list[str]]:
+    return [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+
+
+def run_recipe(recipe: str, tmp_path: Path, *extra: str, **env: str) -> list[list[str]]:
+    """Run scripts/gpu/`recipe` in place under stand-ins; every recorded call, in order."""
+    proc = run_script(RECIPES / recipe, tmp_path, *extra, **env)
     assert proc.returncode == 0, proc.stderr
-    return [json.loads(line) for line in calls.read_text().splitlines()]
+    return recorded(tmp_path)
+
+
+def spooled_copy(tmp_path: Path) -> Path:
+    """slurm.sbatch copied where slurmd runs a job's script from, away from the recipes beside the original."""
+    spool = tmp_path / "var" / "spool" / "slurmd" / "job4242"
+    spool.mkdir(parents=True)
+    copy = spool / "slurm_script"
+    copy.write_text((RECIPES / "slurm.sbatch").read_text())
+    return copy
 
 
 def training_argv(calls: list[list[str]]) -> list[str]:
@@ -153,6 +171,25 @@ def test_the_slurm_recipe_starts_one_ray_node_per_node_and_the_driver_on_the_hea
     assert len(driver) == 1 and driver[0][driver[0].index("-w") + 1] == "gpu-node-1"
     args = checked(training_argv(calls), nodes=4)
     assert getattr(args, "actor.num_nodes") == 2 and getattr(args, "vllm.sync_backend") == "nccl"
+
+
+@pytest.mark.parametrize("where", ["SLURM_SUBMIT_DIR", "OPENRLHF_TIS_RECIPES"])
+def test_the_slurm_recipe_runs_as_slurmd_runs_it_a_spooled_copy(tmp_path, where):
+    found = {"SLURM_SUBMIT_DIR": str(REPO), "OPENRLHF_TIS_RECIPES": str(RECIPES)}[where]
+    proc = run_script(spooled_copy(tmp_path), tmp_path, IFNAME="ib0", RUN_DIR="/shared/runs/x", **{where: found})
+    assert proc.returncode == 0, proc.stderr
+    args = checked(training_argv(recorded(tmp_path)), nodes=4)
+    assert getattr(args, "actor.num_nodes") == 2 and getattr(args, "logger.run_dir") == "/shared/runs/x"
+
+
+@pytest.mark.parametrize("where", ["SLURM_SUBMIT_DIR", "OPENRLHF_TIS_RECIPES"])
+def test_a_spooled_slurm_recipe_without_the_recipes_stops_in_one_line_before_srun(tmp_path, where):
+    elsewhere = tmp_path / "not-the-repo"
+    elsewhere.mkdir()
+    proc = run_script(spooled_copy(tmp_path), tmp_path, IFNAME="ib0", **{where: str(elsewhere)})
+    assert proc.returncode != 0 and not (tmp_path / "calls.jsonl").exists()  # no srun, no ray, no python
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert "OPENRLHF_TIS_RECIPES" in proc.stderr and str(elsewhere) in proc.stderr
 
 
 @pytest.mark.parametrize("recipe", ["one_node_colocated.sh", "multi_node_ray_job.sh", "slurm.sbatch"])
