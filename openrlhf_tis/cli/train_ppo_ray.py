@@ -24,6 +24,7 @@ from openrlhf_tis.cli.cluster_device import (
     ClusterResources,
     assumed_cluster,
     check_cuda_stack,
+    check_driver_stack,
     decide_device,
     describe_decision,
     read_cluster,
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     die_with_parent()
     try:
+        check_driver_stack()  # before the cluster is joined: without vLLM the parser cannot even be built
         cluster = read_cluster()
         requested = requested_device(argv)
         device = decide_device(requested, cluster)
