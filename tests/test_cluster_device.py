@@ -248,6 +248,50 @@ def test_the_main_job_runs_what_its_cluster_accepts(cluster, precision, tiny_mod
         assert getattr(args, "actor.num_gpus_per_node") == 1 and getattr(args, "train.colocate_all")
 
 
+@pytest.mark.parametrize(("device", "capabilities", "dtype"), [
+    ("cuda", {"architecture": "x86_64"}, "bf16"),  # a CPU head emulating bf16, driving a CUDA run
+    ("cpu", {"architecture": "x86_64", "avx512_bf16": 1}, "bf16"),
+    ("cpu", {"architecture": "x86_64", "amx_bf16": 1}, "bf16"),
+    ("cpu", {"architecture": "x86_64", "avx2": 1}, "fp32"),
+])
+def test_the_default_trainer_dtype_is_the_runs_device_s_never_the_drivers(device, capabilities, dtype, monkeypatch):
+    import torch
+
+    from openrlhf_tis import cpu_features
+
+    monkeypatch.setattr(cpu_features, "_capabilities", lambda: capabilities)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("the driver's torch.cuda was asked"))
+    assert cpu_features.default_train_dtype(device) == dtype
+    with pytest.raises(ValueError):
+        cpu_features.default_train_dtype("gpu")
+
+
+def test_a_notebook_job_driven_from_a_cpu_head_trains_in_bf16_on_a_gpu_cluster(monkeypatch, tmp_path):
+    """train_dtype "auto" follows the run's device (the CLI's decision for the job's cluster), not the driver's CPU:
+    a head emulating bf16 would otherwise ask for fp32, which the CUDA run refuses."""
+    import torch
+
+    from openrlhf_tis import cpu_features
+    from openrlhf_tis.pipeline.train import check_training_command, kept_eval_argv
+    from openrlhf_tis.pipeline.train_params import TrainParams
+
+    monkeypatch.setattr(cpu_features, "_capabilities", lambda: {"architecture": "x86_64"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the head has no GPU
+    held_out_prompts = tmp_path / "held.jsonl"
+    held_out_prompts.write_text('{"input": "1+1", "label": "2"}\n')
+    params = TrainParams.checked({"model": "tiny", "run_dir": "r", "rollout_precision": "bf16",
+                                  "eval_prompts": str(held_out_prompts),
+                                  "extra_args": ["--actor.num_gpus_per_node", "1", "--train.colocate_all",
+                                                 "--vllm.gpu_memory_utilization", "0.4"]})
+    assert params.train_dtype == "auto" and params.run_device(GPU_CLUSTER) == "cuda"
+    assert params.run_device(CPU_CLUSTER) == "cpu" and params.trainer_dtype("cpu") == "fp32"
+    argv = params.argv(Path("m"), Path("p"), Path("r"), device="cuda")
+    assert argv[argv.index("--ds.param_dtype") + 1] == "bf16"
+    held_out = kept_eval_argv(params, Path("m"), Path("r"), device="cuda")
+    assert held_out[held_out.index("--dtype") + 1] == "bf16"  # the kept policy is scored in the dtype it trained in
+    check_training_command(params, GPU_CLUSTER)  # the CLI's own CUDA checks accept it
+
+
 def test_the_main_job_refuses_a_device_its_cluster_cannot_run_in_one_line(tmp_path, monkeypatch, capsys):
     from openrlhf_tis.pipeline import main_job
 

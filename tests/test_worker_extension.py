@@ -114,11 +114,15 @@ def _runner(engine_dtype, model_dir):
     model.config = types.SimpleNamespace(tie_word_embeddings=False)
     runner = types.SimpleNamespace(
         model_config=types.SimpleNamespace(model=str(model_dir), quantization=None, dtype=engine_dtype),
-        model=model, reloaded=[], reload_default_dtypes=[],
+        vllm_config=types.SimpleNamespace(name="the engine's vLLM config"),
+        model=model, reloaded=[], reload_default_dtypes=[], reload_vllm_configs=[],
     )
 
     def reload_weights(weights_iterator):
+        from vllm.config import get_current_vllm_config_or_none
+
         runner.reload_default_dtypes.append(torch.get_default_dtype())  # vLLM's loaders read it (static int8)
+        runner.reload_vllm_configs.append(get_current_vllm_config_or_none())  # layers may ask for it
         runner.reloaded.extend(weights_iterator)
 
     runner.reload_weights = reload_weights
@@ -168,6 +172,18 @@ def test_bucketed_receive_splits_one_broadcast_into_the_named_tensors(tmp_path):
     # the reload runs under the engine dtype, as vLLM's own load does; the caller's default comes back
     assert worker.model_runner.reload_default_dtypes == [torch.bfloat16]
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_the_reload_runs_with_the_engines_vllm_config_current_as_workers_reload_weights_sets_it(tmp_path):
+    """vLLM's `Worker.reload_weights` wraps the runner's in `set_current_vllm_config`; the fork calls the runner
+    itself, so it sets the config: a layer whose processing asks for it would raise otherwise."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    worker = _worker(torch.bfloat16, torch.randn(3).to(torch.bfloat16), tmp_path)
+    assert get_current_vllm_config_or_none() is None
+    worker.update_weights_bucket([("a.weight", (3,))], torch.bfloat16, last=True)
+    assert worker.model_runner.reload_vllm_configs == [worker.model_runner.vllm_config]
+    assert get_current_vllm_config_or_none() is None  # and unset again after it
 
 
 def test_sync_with_ray_is_refused_at_the_receive(tmp_path):
