@@ -61,9 +61,13 @@ def reload_into_engine(model_runner, named_tensors: list[tuple[str, torch.Tensor
     named_tensors, stats = prepare_for_engine(model_runner, named_tensors)
     with as_vllm_loads(model_runner):
         model_runner.reload_weights(weights_iterator=iter(named_tensors))
-    model = model_runner.model
-    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
-        # The tied head receives no tensor of its own and keeps a packed copy of the old embeddings.
-        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
-    forget_fp32_heads(model)  # an fp32 head's cached copy holds the old weights
+    refresh_after_reload(model_runner.model)
     return stats
+
+
+def refresh_after_reload(model: torch.nn.Module) -> None:
+    """What a reload leaves stale: the tied head (it receives no tensor of its own and keeps a packed copy of the
+    old embeddings) and any cached fp32 head copy."""
+    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+    forget_fp32_heads(model)
