@@ -182,11 +182,11 @@ def test_a_head_without_vllm_stops_in_one_line_before_the_cluster_is_joined(vali
 
 
 def test_a_quantized_sync_that_cannot_fit_beside_its_engine_is_refused_before_ray(valid_argv, cluster_of, capsys):
-    """The tiny model's largest tensor (its embedding) x 3 in bf16 is more than 0.0001 of an H100's 80 GB."""
+    """The tiny model's largest tensor (65536 values) x 3 in bf16, 393 kB, is more than 1e-6 of an H100's 80 GB."""
     cluster_of(GPU_CLUSTER)
     line = error_line(refused(valid_argv + ["--vllm.rollout_precision", "int8", "--vllm.gpu_memory_utilization",
-                                            "0.9999"], capsys))
-    assert line.startswith(f"--vllm.gpu_memory_utilization: 0.9999 leaves 0.0 GB of each 80 GB card ({GPU_CLUSTER})")
+                                            "0.999999"], capsys))
+    assert line.startswith(f"--vllm.gpu_memory_utilization: 0.999999 leaves 0.0 GB of each 80 GB card ({GPU_CLUSTER})")
     assert "--vllm.rollout_precision int8 sync holds up to" in line
 
 
