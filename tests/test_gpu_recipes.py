@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -67,17 +68,35 @@ def _stand_ins(bin_dir: Path) -> None:
         (bin_dir / name).chmod(0o755)
 
 
-def run_recipe(recipe: str, tmp_path: Path, *extra: str, **env: str) -> list[list[str]]:
-    """Run scripts/gpu/`recipe` (with `extra` arguments) under stand-ins; every recorded call, in order."""
+def run_script(script: Path, tmp_path: Path, *extra: str, **env: str) -> subprocess.CompletedProcess:
+    """Run `script` (with `extra` arguments) from `tmp_path` under stand-ins that record to tmp_path/calls.jsonl."""
     _stand_ins(tmp_path / "bin")
-    calls = tmp_path / "calls.jsonl"
-    environ = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
-               "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "RECIPE_CALLS": str(calls),
-               "SLURM_JOB_NODELIST": "gpu-node-[1-4]", **env}
-    proc = subprocess.run(["bash", str(RECIPES / recipe), *extra], cwd=tmp_path, env=environ, capture_output=True,
-                          text=True, timeout=60)
+    environ = {**{k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "SLURM_SUBMIT_DIR",
+                                                                   "OPENRLHF_TIS_RECIPES")},
+               "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
+               "RECIPE_CALLS": str(tmp_path / "calls.jsonl"), "SLURM_JOB_NODELIST": "gpu-node-[1-4]", **env}
+    return subprocess.run(["bash", str(script), *extra], cwd=tmp_path, env=environ, capture_output=True, text=True,
+                          timeout=60)
+
+
+def recorded(tmp_path: Path) -> list[list[str]]:
+    return [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+
+
+def run_recipe(recipe: str, tmp_path: Path, *extra: str, **env: str) -> list[list[str]]:
+    """Run scripts/gpu/`recipe` in place under stand-ins; every recorded call, in order."""
+    proc = run_script(RECIPES / recipe, tmp_path, *extra, **env)
     assert proc.returncode == 0, proc.stderr
-    return [json.loads(line) for line in calls.read_text().splitlines()]
+    return recorded(tmp_path)
+
+
+def spooled_copy(tmp_path: Path) -> Path:
+    """slurm.sbatch copied where slurmd runs a job's script from, away from the recipes beside the original."""
+    spool = tmp_path / "var" / "spool" / "slurmd" / "job4242"
+    spool.mkdir(parents=True)
+    copy = spool / "slurm_script"
+    copy.write_text((RECIPES / "slurm.sbatch").read_text())
+    return copy
 
 
 def training_argv(calls: list[list[str]]) -> list[str]:
@@ -153,6 +172,117 @@ def test_the_slurm_recipe_starts_one_ray_node_per_node_and_the_driver_on_the_hea
     assert len(driver) == 1 and driver[0][driver[0].index("-w") + 1] == "gpu-node-1"
     args = checked(training_argv(calls), nodes=4)
     assert getattr(args, "actor.num_nodes") == 2 and getattr(args, "vllm.sync_backend") == "nccl"
+
+
+@pytest.mark.parametrize("where", ["SLURM_SUBMIT_DIR", "OPENRLHF_TIS_RECIPES"])
+def test_the_slurm_recipe_runs_as_slurmd_runs_it_a_spooled_copy(tmp_path, where):
+    found = {"SLURM_SUBMIT_DIR": str(REPO), "OPENRLHF_TIS_RECIPES": str(RECIPES)}[where]
+    proc = run_script(spooled_copy(tmp_path), tmp_path, IFNAME="ib0", RUN_DIR="/shared/runs/x", **{where: found})
+    assert proc.returncode == 0, proc.stderr
+    args = checked(training_argv(recorded(tmp_path)), nodes=4)
+    assert getattr(args, "actor.num_nodes") == 2 and getattr(args, "logger.run_dir") == "/shared/runs/x"
+
+
+@pytest.mark.parametrize("where", ["SLURM_SUBMIT_DIR", "OPENRLHF_TIS_RECIPES"])
+def test_a_spooled_slurm_recipe_without_the_recipes_stops_in_one_line_before_srun(tmp_path, where):
+    elsewhere = tmp_path / "not-the-repo"
+    elsewhere.mkdir()
+    proc = run_script(spooled_copy(tmp_path), tmp_path, IFNAME="ib0", **{where: str(elsewhere)})
+    assert proc.returncode != 0 and not (tmp_path / "calls.jsonl").exists()  # no srun, no ray, no python
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert "OPENRLHF_TIS_RECIPES" in proc.stderr and str(elsewhere) in proc.stderr
+
+
+# ── memory: what each recipe's flags put on one GPU, computed (never run) ──
+
+@dataclass(frozen=True)
+class ModelShape:
+    params: float
+    vocab: int
+    hidden: int
+    layers: int
+
+
+# Qwen2.5-7B-Instruct, the recipes' default MODEL (its config.json: vocab_size, hidden_size, num_hidden_layers).
+QWEN25_7B = ModelShape(params=7.62e9, vocab=152064, hidden=3584, layers=28)
+CARD = 80e9  # an H100 80GB, the card the recipes are written for
+USABLE = 0.9  # the rest: CUDA context, NCCL buffers, the allocator's fragmentation
+BF16 = 2
+
+
+def actor_gpu_bytes(args, model: ModelShape, card: float = CARD) -> dict[str, float]:
+    """Peak bytes on one actor GPU in each phase of a step, from the recipe's memory-relevant flags:
+
+    - DeepSpeed's states: bf16 parameters (2P), bf16 gradients (2P) and fp32 Adam (12P: master copy, m, v); ZeRO
+      stage 1 partitions the optimizer over the actor's GPUs, stage 2 the gradients too, stage 3 the parameters too;
+      --ds.adam_offload keeps the optimizer in host memory;
+    - the log-prob pass before training packs --rollout.max_tokens_per_gpu tokens: bf16 logits and their
+      log_softmax (upstream's log_probs_from_logits on a packed row), 2 x T x V x 2 bytes;
+    - a training micro-batch packs --train.max_tokens_per_gpu tokens: those two and their gradients, 4 x T x V x 2
+      bytes, and the layer inputs gradient checkpointing keeps, layers x T x hidden x 2 bytes;
+    - colocated engines hold their share (--vllm.gpu_memory_utilization of the card) while awake, and nothing while
+      asleep (--vllm.enable_sleep frees weights and KV cache) if they captured no CUDA graphs (--vllm.enforce_eager).
+    """
+    assert getattr(args, "actor.gradient_checkpointing_enable"), "activations without checkpointing: not modelled"
+    gpus = getattr(args, "actor.num_nodes") * getattr(args, "actor.num_gpus_per_node")
+    stage, p = getattr(args, "ds.zero_stage"), model.params
+    optimizer = 0.0 if getattr(args, "ds.adam_offload") else 12 * p / (gpus if stage >= 1 else 1)
+    states = 2 * p / (gpus if stage >= 3 else 1) + 2 * p / (gpus if stage >= 2 else 1) + optimizer
+    log_prob_tokens = getattr(args, "rollout.max_tokens_per_gpu") or getattr(args, "train.max_tokens_per_gpu")
+    train_tokens = getattr(args, "train.max_tokens_per_gpu")
+    engine = 0.0
+    if getattr(args, "train.colocate_all"):
+        asleep = getattr(args, "vllm.enable_sleep") and getattr(args, "vllm.enforce_eager")
+        engine = 0.0 if asleep else getattr(args, "vllm.gpu_memory_utilization") * card
+    return {
+        "log-prob pass": states + engine + 2 * log_prob_tokens * model.vocab * BF16,
+        "training": states + engine + 4 * train_tokens * model.vocab * BF16
+        + model.layers * train_tokens * model.hidden * BF16,
+    }
+
+
+def fits(args, model: ModelShape = QWEN25_7B) -> bool:
+    return max(actor_gpu_bytes(args, model).values()) <= USABLE * CARD
+
+
+def test_the_memory_budget_is_the_hand_computed_one():
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(**{
+        "actor.gradient_checkpointing_enable": True, "actor.num_nodes": 1, "actor.num_gpus_per_node": 8,
+        "ds.zero_stage": 3, "ds.adam_offload": False, "rollout.max_tokens_per_gpu": 32768,
+        "train.max_tokens_per_gpu": 16384, "train.colocate_all": True, "vllm.enable_sleep": True,
+        "vllm.enforce_eager": True, "vllm.gpu_memory_utilization": 0.5})
+    budget = actor_gpu_bytes(args, QWEN25_7B)
+    # 16 x 7.62e9 / 8 = 15.24 GB of states; 2 x 32768 x 152064 x 2 = 19.93 GB of logits
+    assert budget["log-prob pass"] == pytest.approx(15.24e9 + 19.93e9, rel=1e-3)
+    # 4 x 16384 x 152064 x 2 = 19.93 GB of logits and gradients, 28 x 16384 x 3584 x 2 = 3.29 GB of checkpoints
+    assert budget["training"] == pytest.approx(15.24e9 + 19.93e9 + 3.29e9, rel=1e-3)
+    args.__dict__["vllm.enforce_eager"] = False  # a sleeping engine keeps its CUDA graphs: counted awake
+    assert actor_gpu_bytes(args, QWEN25_7B)["training"] == pytest.approx(15.24e9 + 19.93e9 + 3.29e9 + 40e9,
+                                                                          rel=1e-3)
+
+
+@pytest.mark.parametrize(("recipe", "nodes", "env"), [
+    ("one_node_colocated.sh", 1, {}), ("multi_node_ray_job.sh", 4, {"RAY_ADDRESS": "x", "IFNAME": "ens5"}),
+    ("slurm.sbatch", 4, {"IFNAME": "ens5"})])
+def test_every_recipe_fits_its_cards_and_aligns_with_upstreams_examples(recipe, nodes, env, tmp_path):
+    args = checked(training_argv(run_recipe(recipe, tmp_path, **env)), nodes=nodes)
+    assert fits(args), actor_gpu_bytes(args, QWEN25_7B)
+    # upstream's hybrid-engine example: log-prob passes pack as many tokens as training, engines without CUDA graphs
+    assert getattr(args, "rollout.max_tokens_per_gpu") == getattr(args, "train.max_tokens_per_gpu")
+    if getattr(args, "train.colocate_all"):
+        assert getattr(args, "vllm.enforce_eager") and getattr(args, "vllm.gpu_memory_utilization") <= 0.5
+
+
+@pytest.mark.parametrize("extra", [
+    ["--vllm.enforce_eager"],  # control: the recipe as written
+    ["--rollout.max_tokens_per_gpu", "131072"],  # 80 GB of logits
+    ["--ds.zero_stage", "0"],  # every GPU holds all of DeepSpeed's states: 16 x 7.62e9 = 122 GB
+])
+def test_a_recipe_whose_flags_exceed_the_card_fails_the_budget(extra, tmp_path):
+    args = checked(training_argv(run_recipe("one_node_colocated.sh", tmp_path, *extra)), nodes=1)
+    assert fits(args) is (extra == ["--vllm.enforce_eager"])
 
 
 @pytest.mark.parametrize("recipe", ["one_node_colocated.sh", "multi_node_ray_job.sh", "slurm.sbatch"])

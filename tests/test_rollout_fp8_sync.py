@@ -114,12 +114,16 @@ class _Runner029:
         from types import SimpleNamespace
 
         self.model_config = SimpleNamespace(model=str(model_dir), dtype=torch.bfloat16, quantization="fp8")
+        self.vllm_config = SimpleNamespace(model_config=self.model_config)
         self.model = torch.nn.Module()
         self.model.config = SimpleNamespace(tie_word_embeddings=False)
         self.loaded: list[tuple[str, torch.Tensor]] = []
 
     def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True) -> None:
+        from vllm.config import get_current_vllm_config
+
         assert weights_path is None and is_checkpoint_format  # checkpoint-format tensors, through the layer-wise path
+        assert get_current_vllm_config() is self.vllm_config  # as Worker.reload_weights sets it
         self.loaded = list(weights_iterator)
 
 

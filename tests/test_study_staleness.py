@@ -56,7 +56,7 @@ def test_a_cadence_or_seed_that_cannot_be_honoured_is_refused_before_any_cell(tm
 
 def test_a_folder_of_another_cpu_profile_is_refused_naming_it(tmp_path, capsys):
     out = tmp_path / "s"
-    other = "fp32" if default_train_dtype() == "bf16" else "bf16"
+    other = "fp32" if default_train_dtype("cpu") == "bf16" else "bf16"
     cell = out / "cells" / "x"
     cell.mkdir(parents=True)
     (cell / STATUS_FILE).write_text(json.dumps({"cell": "x", "status": "complete",
@@ -74,7 +74,7 @@ def test_a_folder_of_another_horizon_is_refused_naming_steps(tmp_path, capsys):
     cell = out / "cells" / "x"
     cell.mkdir(parents=True)
     (cell / STATUS_FILE).write_text(json.dumps({"cell": "x", "status": "complete", "params": {
-        "model": "tiny", "train_dtype": default_train_dtype(), "steps": staleness.STEPS}}))
+        "model": "tiny", "train_dtype": default_train_dtype("cpu"), "steps": staleness.STEPS}}))
     with pytest.raises(SystemExit):
         _dry_run(out, "--steps", "48")
     assert f"--steps 48: the cells under --out {out} trained for {staleness.STEPS} steps" in capsys.readouterr().err

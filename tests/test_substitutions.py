@@ -662,23 +662,27 @@ class _Model(torch.nn.Module):
 
 def test_the_cuda_receive_refuses_a_model_without_load_weights_and_a_receive_that_bypasses_it(openrlhf_moved,
                                                                                             monkeypatch):
-    from openrlhf_tis.rollout.weight_sync.receive_cuda import QuantizedCUDAWorkerExtension, loads_collected
+    import vllm.model_executor.model_loader.reload as vllm_reload
 
-    with pytest.raises(PatchTargetMissingError, match=r"weight_sync/receive_cuda\.py.*load_weights no longer"):
-        with loads_collected(torch.nn.Linear(1, 1), []):
-            pass
-    worker = QuantizedCUDAWorkerExtension()
-    worker.model_runner = SimpleNamespace(model=_Model())
+    from openrlhf_tis.rollout.weight_sync.receive_cuda import QuantizedCUDAWorkerExtension
 
     def update_weight(*_args):  # upstream's receive, which now loads some other way
         pass
 
+    worker = QuantizedCUDAWorkerExtension()
+    model_config = SimpleNamespace(dtype=torch.bfloat16)
+    worker.model_runner = SimpleNamespace(model=_Model(), model_config=model_config,
+                                          vllm_config=SimpleNamespace(model_config=model_config))
     with pytest.raises(UnsupportedUpstreamError, match=r"weight_sync/receive_cuda\.py.*openrlhf==0\.11\.2"):
         worker._received(update_weight, (), last=False)
     monkeypatch.undo()
+    monkeypatch.setattr(vllm_reload, "initialize_layerwise_reload", lambda model: None)  # vLLM 0.29's signature
     with pytest.raises(PatchTargetMissingError, match=r"receive_cuda\.py.*WorkerWrap\.update_weight.*load_weights"):
         worker._received(update_weight, (), last=False)
     assert "load_weights" not in vars(worker.model_runner.model)
+    worker.model_runner.model = torch.nn.Linear(1, 1)
+    with pytest.raises(PatchTargetMissingError, match=r"weight_sync/receive_cuda\.py.*load_weights no longer"):
+        worker._received(update_weight, (), last=False)
 
 
 def test_the_sync_hooks_are_refused_when_upstream_stops_calling_super(monkeypatch):

@@ -103,7 +103,7 @@ def test_the_derived_command_is_the_one_the_hand_written_flags_built(case, parse
     assert vars(parser.parse_args(now)) == vars(parser.parse_args(added + before))
 
 
-OTHER_DTYPE = {"bf16": "fp32", "fp32": "bf16"}[default_train_dtype()]  # not what train_dtype "auto" gives here
+OTHER_DTYPE = {"bf16": "fp32", "fp32": "bf16"}[default_train_dtype("cpu")]  # not what train_dtype "auto" gives here
 RESOLVED = {"model", "prompts", "run_dir"}  # argv() is handed these resolved, whatever the parameter says
 # For every parameter with a flag: a value other than its default, and what the parser must read from it.
 NON_DEFAULT = {

@@ -114,11 +114,15 @@ def _runner(engine_dtype, model_dir):
     model.config = types.SimpleNamespace(tie_word_embeddings=False)
     runner = types.SimpleNamespace(
         model_config=types.SimpleNamespace(model=str(model_dir), quantization=None, dtype=engine_dtype),
-        model=model, reloaded=[], reload_default_dtypes=[],
+        vllm_config=types.SimpleNamespace(name="the engine's vLLM config"),
+        model=model, reloaded=[], reload_default_dtypes=[], reload_vllm_configs=[],
     )
 
     def reload_weights(weights_iterator):
+        from vllm.config import get_current_vllm_config_or_none
+
         runner.reload_default_dtypes.append(torch.get_default_dtype())  # vLLM's loaders read it (static int8)
+        runner.reload_vllm_configs.append(get_current_vllm_config_or_none())  # layers may ask for it
         runner.reloaded.extend(weights_iterator)
 
     runner.reload_weights = reload_weights
@@ -168,6 +172,18 @@ def test_bucketed_receive_splits_one_broadcast_into_the_named_tensors(tmp_path):
     # the reload runs under the engine dtype, as vLLM's own load does; the caller's default comes back
     assert worker.model_runner.reload_default_dtypes == [torch.bfloat16]
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_the_reload_runs_with_the_engines_vllm_config_current_as_workers_reload_weights_sets_it(tmp_path):
+    """vLLM's `Worker.reload_weights` wraps the runner's in `set_current_vllm_config`; the fork calls the runner
+    itself, so it sets the config: a layer whose processing asks for it would raise otherwise."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    worker = _worker(torch.bfloat16, torch.randn(3).to(torch.bfloat16), tmp_path)
+    assert get_current_vllm_config_or_none() is None
+    worker.update_weights_bucket([("a.weight", (3,))], torch.bfloat16, last=True)
+    assert worker.model_runner.reload_vllm_configs == [worker.model_runner.vllm_config]
+    assert get_current_vllm_config_or_none() is None  # and unset again after it
 
 
 def test_sync_with_ray_is_refused_at_the_receive(tmp_path):
@@ -228,7 +244,7 @@ def test_a_plan_is_quantized_when_a_sync_must_re_quantize_into_it(tmp_path, plan
 
 class _Model(torch.nn.Module):
     def load_weights(self, weights):
-        raise AssertionError("a quantized engine's parameters must not be loaded tensor by tensor")
+        raise AssertionError("a quantized engine's parameters must not be loaded outside a layer-wise reload")
 
 
 class _Group:
@@ -241,41 +257,171 @@ class _Group:
         tensor.copy_(next(self.tensors))
 
 
-def test_upstreams_cuda_receive_is_buffered_until_the_last_tensor_then_reloaded_once(monkeypatch):
-    """Upstream's own `WorkerWrap.update_weight` (NCCL path) runs here with its CUDA buffer on the CPU; the fork's
-    extension must load nothing until the sync's last tensor, then reload all of them once, through vLLM 0.29's
-    `reload_weights(weights_iterator=...)`, and return the re-quantization's statistics."""
-    from openrlhf_tis.rollout.weight_sync import reload
+def _layer_of(name: str) -> str:
+    """The vLLM module a checkpoint tensor loads into: q/k/v into the fused qkv_proj, gate/up into gate_up_proj."""
+    module = name.rsplit(".", 1)[0]
+    for parts, fused in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+        head, _, last = module.rpartition(".")
+        if last in parts:
+            return f"{head}.{fused}"
+    return module
 
+
+class _Layerwise029:
+    """vLLM 0.29's layer-wise reload as the receive drives it (vllm.model_executor.model_loader.reload):
+    `initialize_layerwise_reload(model)`; `model.load_weights(weights) -> set[str]`, which buffers each layer's
+    tensors until all of them arrived, then processes the layer and lets them go; `finalize_layerwise_reload(model,
+    model_config)`. Counts the bytes its buffers hold, and checks the current vLLM config during each step."""
+
+    def __init__(self, runner, expected: dict[str, set[str]]):
+        self.runner, self.expected = runner, expected  # layer -> the names of the tensors it must receive
+        self.buffers: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        self.processed: list[tuple[str, list[tuple[str, torch.Tensor]]]] = []
+        self.reloading, self.peak, self.steps = False, 0, []
+
+    def _in_config(self) -> None:
+        from vllm.config import get_current_vllm_config
+
+        assert get_current_vllm_config() is self.runner.vllm_config  # as Worker.reload_weights sets it
+
+    def initialize_layerwise_reload(self, model) -> None:
+        self._in_config()
+        assert model is self.runner.model and not self.reloading
+        self.reloading = True
+        self.steps.append("initialize")
+
+    def load_weights(self, weights) -> set[str]:
+        self._in_config()
+        assert self.reloading, "a tensor loaded outside a layer-wise reload"
+        loaded = set()
+        for name, tensor in weights:
+            layer = _layer_of(name)
+            self.buffers.setdefault(layer, []).append((name, tensor))
+            loaded.add(name)
+            self.peak = max(self.peak, self.held())
+            if {n for n, _ in self.buffers[layer]} == self.expected[layer]:
+                self.processed.append((layer, self.buffers.pop(layer)))
+        self.steps.append("load")
+        return loaded
+
+    def held(self) -> int:
+        return sum(t.numel() * t.element_size() for tensors in self.buffers.values() for _, t in tensors)
+
+    def finalize_layerwise_reload(self, model, model_config) -> None:
+        self._in_config()
+        assert model is self.runner.model and model_config is self.runner.model_config and self.reloading
+        assert not self.buffers, f"layers never completed: {sorted(self.buffers)}"
+        self.reloading = False
+        self.steps.append("finalize")
+
+
+def _fp8_model(layers: int) -> list[tuple[str, torch.Tensor]]:
+    """A decoder's checkpoint tensors in the trainer's order, in bf16 (projections in whole 128x128 blocks)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [("model.embed_tokens.weight", (512, 128))]
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        shapes += [(f"{p}.input_layernorm.weight", (128,)), (f"{p}.self_attn.q_proj.weight", (128, 128)),
+                   (f"{p}.self_attn.k_proj.weight", (128, 128)), (f"{p}.self_attn.v_proj.weight", (128, 128)),
+                   (f"{p}.self_attn.o_proj.weight", (128, 128)), (f"{p}.post_attention_layernorm.weight", (128,)),
+                   (f"{p}.mlp.gate_proj.weight", (256, 128)), (f"{p}.mlp.up_proj.weight", (256, 128)),
+                   (f"{p}.mlp.down_proj.weight", (128, 256))]
+    shapes += [("model.norm.weight", (128,)), ("lm_head.weight", (512, 128))]
+    return [(n, (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)) for n, shape in shapes]
+
+
+def _fp8_worker(tmp_path, sent, monkeypatch):
+    """The quantized CUDA extension on a block-FP8 engine whose model follows vLLM 0.29's reload, with upstream's
+    NCCL receive running on the CPU (its "cuda" buffer allocated here)."""
+    import vllm.model_executor.model_loader.reload as vllm_reload
+
+    from openrlhf_tis.rollout.checkpoint import PLAN_FILE
+    from openrlhf_tis.rollout.fp8_blocks import quantize_named_fp8
+    from openrlhf_tis.rollout.quantize import is_quantized_weight
+
+    (tmp_path / PLAN_FILE).write_text(json.dumps({"precision": "fp8", "fp8_block": [128, 128]}))
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: empty(*a, **k))  # "cuda" -> the CPU
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
-    reloads = []
-    monkeypatch.setattr(reload, "reload_into_engine",
-                        lambda runner, named: reloads.append([(n, t.clone()) for n, t in named]) or {"sync": 1})
-    sent = [("a.weight", torch.full((2, 3), 1.5, dtype=torch.bfloat16)),
-            ("b.weight", torch.full((4,), -2.0, dtype=torch.bfloat16))]
+    model = _Model()
+    model.config = SimpleNamespace(tie_word_embeddings=False)
+    model_config = SimpleNamespace(model=str(tmp_path), dtype=torch.bfloat16, quantization="fp8")
+    runner = SimpleNamespace(model=model, model_config=model_config,
+                             vllm_config=SimpleNamespace(model_config=model_config))
+    expected: dict[str, set[str]] = {}
+    for name, _ in quantize_named_fp8(sent, is_quantized_weight, torch.bfloat16, (128, 128))[0]:
+        expected.setdefault(_layer_of(name), set()).add(name)
+    fake = _Layerwise029(runner, expected)
+    monkeypatch.setattr(vllm_reload, "initialize_layerwise_reload", fake.initialize_layerwise_reload)
+    monkeypatch.setattr(vllm_reload, "finalize_layerwise_reload", fake.finalize_layerwise_reload)
+    monkeypatch.setattr(model, "load_weights", fake.load_weights)  # the model's own, as 0.29 wraps its loaders
     worker = QuantizedCUDAWorkerExtension()
     worker.model_config = SimpleNamespace(dtype=torch.bfloat16)
-    worker.model_runner = SimpleNamespace(model=_Model())
+    worker.model_runner = runner
     worker._model_update_with_ray, worker._model_update_group = False, _Group([t for _, t in sent])
-    results = [worker.update_weight(name, t.dtype, tuple(t.shape), empty_cache=i == len(sent) - 1)
-               for i, (name, t) in enumerate(sent)]
-    assert results == [None, {"sync": 1}]
-    (reloaded,) = reloads
-    assert [n for n, _ in reloaded] == ["a.weight", "b.weight"]
-    assert all(torch.equal(got, want) for (_, got), (_, want) in zip(reloaded, sent, strict=True))
-    assert "load_weights" not in vars(worker.model_runner.model)  # the model's own method is back
+    return worker, fake
 
 
-def test_the_models_load_weights_is_restored_when_a_receive_fails():
-    from openrlhf_tis.rollout.weight_sync.receive_cuda import loads_collected
+def _sync(worker, sent) -> list:
+    return [worker.update_weight(name, t.dtype, tuple(t.shape), empty_cache=i == len(sent) - 1)
+            for i, (name, t) in enumerate(sent)]
 
-    model, kept = _Model(), []
-    with pytest.raises(RuntimeError, match="broadcast failed"), loads_collected(model, kept):
-        model.load_weights([("a", torch.ones(1))])
-        raise RuntimeError("broadcast failed")
-    assert len(kept) == 1 and "load_weights" not in vars(model)
-    with pytest.raises(AssertionError, match="tensor by tensor"):
-        model.load_weights([("a", torch.ones(1))])
+
+def test_a_quantized_cuda_sync_holds_at_most_one_layer_never_the_model(tmp_path, monkeypatch):
+    """Upstream's own `WorkerWrap.update_weight` (NCCL path) streams each tensor, re-quantized, into vLLM 0.29's
+    layer-wise reload: the bytes the reload holds at the peak are one layer's (the largest), not the model's, and
+    what it loads is exactly what quantizing the whole model at once gives."""
+    from openrlhf_tis.rollout.fp8_blocks import FP8_DTYPE, quantize_named_fp8
+    from openrlhf_tis.rollout.quantize import is_quantized_weight
+
+    sent = _fp8_model(layers=4)
+    worker, fake = _fp8_worker(tmp_path, sent, monkeypatch)
+    results = _sync(worker, sent)
+    assert fake.steps[0] == "initialize" and fake.steps[-1] == "finalize"
+    assert fake.steps.count("initialize") == fake.steps.count("finalize") == 1  # one reload for the sync
+    assert results[:-1] == [None] * (len(sent) - 1)
+    assert results[-1]["sync"] == 1 and results[-1]["tensors"] == 4 * 7 and 0 < results[-1]["max_rel_error"] <= 1 / 16
+
+    whole, _ = quantize_named_fp8(sent, is_quantized_weight, torch.bfloat16, (128, 128))
+    loaded = [item for _, tensors in fake.processed for item in tensors]
+    assert [n for n, _ in loaded] == [n for n, _ in whole]
+    assert all(got.dtype == want.dtype and torch.equal(got.view(torch.uint8) if got.dtype == FP8_DTYPE else got,
+                                                       want.view(torch.uint8) if want.dtype == FP8_DTYPE else want)
+               for (_, got), (_, want) in zip(loaded, whole, strict=True))
+    layer_bytes: dict[str, int] = {}
+    for name, t in whole:
+        layer_bytes[_layer_of(name)] = layer_bytes.get(_layer_of(name), 0) + t.numel() * t.element_size()
+    model_bytes = sum(t.numel() * t.element_size() for _, t in sent)  # what buffering the whole sync held
+    assert fake.peak == max(layer_bytes.values())  # the embedding, the largest layer here
+    assert fake.peak < model_bytes / 8
+    assert "load_weights" in vars(worker.model_runner.model)  # only the test's fake: the receive's swap is gone
+    assert worker.model_runner.model.load_weights == fake.load_weights
+
+    worker._model_update_group = _Group([t for _, t in sent])
+    assert _sync(worker, sent)[-1]["sync"] == 2  # the next sync starts its own reload
+
+
+def test_a_plain_tensor_is_loaded_as_a_copy_never_as_the_received_memory(tmp_path, monkeypatch):
+    """A layer's loader keeps its tensors until the layer completes, and a CUDA IPC tensor is the trainer's memory:
+    a tensor the re-quantization passes through unchanged (a norm, the embedding) is copied before it is kept."""
+    from openrlhf_tis.rollout.weight_sync.layerwise import owned
+
+    received = [("model.norm.weight", torch.ones(4, dtype=torch.bfloat16)),
+                ("a.q_proj.weight", torch.ones(2, 2, dtype=torch.bfloat16))]
+    quantized = torch.ones(2, 2, dtype=torch.float32)
+    kept = owned([received[0], ("a.q_proj.weight", quantized)], received)
+    assert kept[0][1].data_ptr() != received[0][1].data_ptr() and torch.equal(kept[0][1], received[0][1])
+    assert kept[1][1] is quantized
+
+
+def test_a_failed_receive_ends_the_sync_and_restores_the_models_load_weights(tmp_path, monkeypatch):
+    sent = _fp8_model(layers=1)
+    worker, fake = _fp8_worker(tmp_path, sent, monkeypatch)
+    worker._model_update_group = _Group([])  # the broadcast fails at the first tensor
+    with pytest.raises(StopIteration):
+        _sync(worker, sent)
+    assert worker.model_runner.model.load_weights == fake.load_weights
+    fake.reloading = False  # the failed sync's engine is left mid-reload (the run stops on its sync check)
+    worker._model_update_group = _Group([t for _, t in sent])
+    assert _sync(worker, sent)[-1]["sync"] == 1  # a new sync begins a new reload

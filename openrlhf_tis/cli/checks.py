@@ -330,6 +330,25 @@ def check_routing_replay(args: argparse.Namespace, *, cuda: bool) -> None:
                      "(docs/moe.md)")
 
 
+def check_quantized_receive(args: argparse.Namespace, spec: RunSpec, accelerators: tuple[str, ...],
+                            cluster: str) -> None:
+    """A CUDA run's quantized sync against its cluster's cards (rollout/receive_budget.py), from the model
+    directory's safetensors headers; nothing where the model is not a local safetensors directory."""
+    from openrlhf_tis.rollout.checkpoint import largest_tensor_numel
+    from openrlhf_tis.rollout.receive_budget import check_receive_fits
+
+    if spec.cluster.device != "cuda":
+        return
+    model = getattr(args, "actor.model_name_or_path")
+    try:
+        largest = largest_tensor_numel(model) if os.path.isdir(model) else None
+    except FileNotFoundError:  # no safetensors: not computed
+        largest = None
+    check_receive_fits(precision=spec.rollout.precision, colocated=getattr(args, "train.colocate_all"),
+                       utilization=getattr(args, "vllm.gpu_memory_utilization"), accelerators=accelerators,
+                       largest_numel=largest, cluster=cluster)
+
+
 def check_flags(args: argparse.Namespace, *, cuda: bool, cluster: str) -> None:
     """Every check the flag values decide for a run on a CUDA (`cuda`) or CPU cluster, `cluster` naming its resources;
     no file read, nothing changed (the correction's own checks run as it is resolved: `resolve_correction`)."""

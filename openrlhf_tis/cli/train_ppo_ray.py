@@ -18,12 +18,18 @@ from typing import NoReturn
 
 from openrlhf_tis import patches
 from openrlhf_tis.cli.actor_watch import ActorDeath, ActorWatch
-from openrlhf_tis.cli.checks import check_inputs, explicit_dests, refuse_upstream_0110_flags
+from openrlhf_tis.cli.checks import (
+    check_inputs,
+    check_quantized_receive,
+    explicit_dests,
+    refuse_upstream_0110_flags,
+)
 from openrlhf_tis.cli.cluster_device import (
     DEVICE_DEST,
     ClusterResources,
     assumed_cluster,
     check_cuda_stack,
+    check_driver_stack,
     decide_device,
     describe_decision,
     read_cluster,
@@ -121,6 +127,7 @@ def parse(argv: list[str], cpu: bool | None = None, cluster: ClusterResources | 
     run_dir = getattr(args, "logger.run_dir") or time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())
     setattr(args, "logger.run_dir", os.path.abspath(run_dir))  # every Ray process writes to the same place
     planned = check_inputs(args, spec)
+    check_quantized_receive(args, spec, cluster.accelerators, str(cluster))
     open_run_dir(args, planned_steps=planned)
     return args
 
@@ -141,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     take_sigint()
     die_with_parent()
     try:
+        check_driver_stack()  # before the cluster is joined: without vLLM the parser cannot even be built
         cluster = read_cluster()
         requested = requested_device(argv)
         device = decide_device(requested, cluster)

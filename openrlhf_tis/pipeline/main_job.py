@@ -21,7 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from openrlhf_tis.cli.cluster_device import DEVICE_DEST, DEVICE_FLAG, ClusterResources, decide_device, read_cluster
+from openrlhf_tis.cli.cluster_device import ClusterResources, decide_device, read_cluster, requested_device
 from openrlhf_tis.cli.lifetime import take_sigint
 from openrlhf_tis.cpu_features import native_bf16
 from openrlhf_tis.demo.task import write_task
@@ -71,9 +71,9 @@ class Profile:
 def job_profile(cuda: bool) -> Profile:
     """The main job's rollouts and trainer for its cluster's device (printed at the start of the job)."""
     if cuda:
-        # CUDA refuses INT8 rollouts (rollout/precision.py check_cuda_weight_sync): the same task with bf16 engines,
-        # whose smaller mismatch TIS still measures and corrects.
-        return Profile("cuda", "a CUDA cluster: bf16 rollouts (CUDA refuses INT8 ones) + token TIS, trainer in bf16, "
+        # INT8 rollouts on CUDA take a re-quantizing receive that has not run on a GPU yet: the same task with bf16
+        # engines, upstream's own sync, whose smaller mismatch TIS still measures and corrects.
+        return Profile("cuda", "a CUDA cluster: bf16 rollouts + token TIS, trainer in bf16, "
                        "actor and engine sharing one GPU, by default 24 steps and held-out x4 samples",
                        {"rollout_precision": "bf16", "train_dtype": "bf16", "eval_samples": 4,
                         "extra_args": [*MAIN_JOB_PARAMS["extra_args"], *ONE_GPU]})
@@ -92,10 +92,7 @@ def job_profile(cuda: bool) -> Profile:
 def job_device(flags: list[str], cluster: ClusterResources) -> str:
     """cpu or cuda: what the training CLI will decide for the job's `flags` (their --cluster.device, else auto) on
     `cluster`, the one it will use (cli/cluster_device.py); UsageError when they disagree."""
-    probe = argparse.ArgumentParser(add_help=False)
-    probe.add_argument(DEVICE_FLAG, default="auto")
-    requested = getattr(probe.parse_known_args(flags)[0], DEVICE_DEST)
-    return decide_device(requested, cluster)
+    return decide_device(requested_device(flags), cluster)
 
 
 def job_params(out: Path, model: str = "default", cuda: bool = False) -> dict[str, Any]:

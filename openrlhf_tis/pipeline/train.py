@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from openrlhf_tis.cli.cluster_device import ClusterResources, decide_device, read_cluster, requested_device
+from openrlhf_tis.cli.cluster_device import ClusterResources, read_cluster
 from openrlhf_tis.cli.lifetime import PARENT_ENV, stop_process_tree
 from openrlhf_tis.cli.run_dir import check_fork_made, lock_owner
 from openrlhf_tis.errors import UsageError
@@ -85,9 +85,11 @@ def resolve_prompts(prompts: str, run_dir: Path, count: int) -> Path:
     return out
 
 
-def kept_eval_argv(params: TrainParams, model_dir: Path, run_dir: Path) -> list[str]:
-    """The held-out evaluation of the kept policy and the base model (pipeline/heldout.py), after training."""
-    return heldout.command(run_dir, model_dir, params.eval_file(), params.reward_file(), params.heldout_settings(),
+def kept_eval_argv(params: TrainParams, model_dir: Path, run_dir: Path, device: str | None = None) -> list[str]:
+    """The held-out evaluation of the kept policy and the base model (pipeline/heldout.py), after training;
+    `device`: the run's (TrainParams.run_device)."""
+    return heldout.command(run_dir, model_dir, params.eval_file(), params.reward_file(),
+                           params.heldout_settings(device),
                            heldout_cache_dir())
 
 
@@ -128,11 +130,12 @@ def check_training_command(params: TrainParams, cluster: ClusterResources | None
         raise ParameterError(f"training CLI flags: {message}")
 
     given = Path(params.model).expanduser(), Path(params.prompts), Path(params.run_dir)
-    argv = params.argv(*given)[3:]
     cluster = read_cluster() if cluster is None else cluster
     try:
+        device = params.run_device(cluster)
+        argv = params.argv(*given, device=device)[3:]
         # the run's patches (upstream's parser module cannot be imported without them on CPU), for its device
-        patches.apply_platform_patches(decide_device(requested_device(argv), cluster))
+        patches.apply_platform_patches(device)
         parser = build_parser()
         parser.error = error
         parse_flags(parser, argv, cluster)
@@ -163,10 +166,11 @@ def run_training(
     except UsageError as err:
         raise TrainingFailed(str(err)) from None
     log_path = run_dir / LOG_FILE
+    device = params.run_device() if params.train_dtype == "auto" else None  # the dtype "auto" resolves to needs it
     with open(log_path, "w") as log:
         model = resolve_model(params.model, cache or run_dir.parent / ".models", log)
         prompts = resolve_prompts(params.prompts, run_dir, params.prompts_per_step * params.steps)
-        argv = params.argv(model, prompts, run_dir)
+        argv = params.argv(model, prompts, run_dir, device)
         log.write("$ " + shlex.join(argv) + "\n")
         log.flush()
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir.parent,
@@ -190,14 +194,14 @@ def run_training(
     if proc.returncode != 0:
         raise TrainingFailed(failure("training", proc.returncode, log_path))
     if params.eval_prompts and params.eval_kept:
-        evaluate_kept_policy(params, model, run_dir)
+        evaluate_kept_policy(params, model, run_dir, device)
     return run_dir
 
 
-def evaluate_kept_policy(params: TrainParams, model_dir: Path, run_dir: Path) -> Path:
+def evaluate_kept_policy(params: TrainParams, model_dir: Path, run_dir: Path, device: str | None = None) -> Path:
     """Score the saved final model and the base model on the held-out set in a subprocess (its log appended to
     train.log); returns <run_dir>/heldout_kept.json. Outside the training controller: the run has exited."""
-    argv = kept_eval_argv(params, model_dir, run_dir)
+    argv = kept_eval_argv(params, model_dir, run_dir, device)
     log_path = run_dir / LOG_FILE
     with open(log_path, "a") as log:
         log.write("$ " + shlex.join(argv) + "\n")

@@ -15,6 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from openrlhf_tis.cli.cluster_device import ClusterResources, decide_device, read_cluster, requested_device
 from openrlhf_tis.cli.fork_flags import FLAGS, correction_option_problem
 from openrlhf_tis.correction.config import FLAG_PREFIX, PRESETS
 from openrlhf_tis.cpu_features import default_train_dtype
@@ -122,23 +123,32 @@ class TrainParams(ParamObject):
         """The held-out prompt file, resolved; None when the run is not evaluated."""
         return Path(self.eval_prompts).expanduser().resolve() if self.eval_prompts else None
 
-    def trainer_dtype(self) -> str:
-        """The trainer's dtype (--ds.param_dtype): what the run's saved model holds."""
-        return default_train_dtype() if self.train_dtype == "auto" else self.train_dtype
+    def run_device(self, cluster: ClusterResources | None = None) -> str:
+        """cpu or cuda: what the training CLI will decide for this job (extra_args' --cluster.device, else auto) on
+        `cluster`, by default the one the CLI will read (RAY_ADDRESS's, else this machine's); UsageError when they
+        disagree. The same decision as the CLI's (cli/cluster_device.py), not this process's `torch.cuda`."""
+        return decide_device(requested_device(self.extra_args), read_cluster() if cluster is None else cluster)
 
-    def heldout_settings(self) -> HeldoutSettings:
+    def trainer_dtype(self, device: str | None = None) -> str:
+        """The trainer's dtype (--ds.param_dtype): what the run's saved model holds. `device`: the run's (cpu or
+        cuda), decided by run_device when None and needed."""
+        if self.train_dtype != "auto":
+            return self.train_dtype
+        return default_train_dtype(device or self.run_device())
+
+    def heldout_settings(self, device: str | None = None) -> HeldoutSettings:
         """How the kept policy and the base model are scored after training: as the run samples its held-out set."""
-        return HeldoutSettings(dtype=self.trainer_dtype(), n_samples=self.eval_samples, seed=self.seed,
+        return HeldoutSettings(dtype=self.trainer_dtype(device), n_samples=self.eval_samples, seed=self.seed,
                                temperature=EVAL_TEMPERATURE, max_new_tokens=self.max_new_tokens,
                                max_len=self.max_len())
 
-    def _as_flags(self, model_dir: Path, prompts: Path, run_dir: Path) -> dict[str, Any]:
+    def _as_flags(self, model_dir: Path, prompts: Path, run_dir: Path, device: str | None) -> dict[str, Any]:
         """The values the flags take where they are not the parameter itself: files resolved, None where the flag
         is left out."""
         evaluated = self.eval_file() is not None  # sampled as in training: held-out pass@1 is the reward's twin
         return {
-            "model": model_dir, "prompts": prompts, "reward": self.reward_file(), "train_dtype": self.trainer_dtype(),
-            "run_dir": run_dir, "eval_prompts": self.eval_file(),
+            "model": model_dir, "prompts": prompts, "reward": self.reward_file(),
+            "train_dtype": self.trainer_dtype(device), "run_dir": run_dir, "eval_prompts": self.eval_file(),
             "eval_samples": self.eval_samples if evaluated else None,
             "eval_every": self.eval_every or self.steps if evaluated else -1,
             # the CLI refuses an explicit grid for other precisions, naming the flag
@@ -147,16 +157,16 @@ class TrainParams(ParamObject):
             "sync_every": self.sync_every if self.sync_every > 1 else None,  # upstream's sync after every step
         }
 
-    def argv(self, model_dir: Path, prompts: Path, run_dir: Path) -> list[str]:
+    def argv(self, model_dir: Path, prompts: Path, run_dir: Path, device: str | None = None) -> list[str]:
         """The training command line: each field's flag, then what the notebook's job fixes or derives from several
         fields, then extra_args (last, so they win). `model_dir`, `prompts`, `run_dir`: the resolved model
-        directory, the run's prompt file and run directory (pipeline/train.py)."""
+        directory, the run's prompt file and run directory (pipeline/train.py); `device`: the run's (run_device)."""
         group = self.samples_per_prompt
         batch = self.prompts_per_step * group
         micro = str(micro_batch(batch))
         argv = [
             sys.executable, "-m", "openrlhf_tis.cli.train_ppo_ray",
-            *self.flag_argv(**self._as_flags(model_dir, prompts, run_dir)),
+            *self.flag_argv(**self._as_flags(model_dir, prompts, run_dir, device)),
             "--data.input_key", "input", "--data.label_key", "label",
             "--data.apply_chat_template", "--data.max_len", str(self.max_len()), "--vllm.num_engines", "1",
             "--algo.advantage.estimator", "group_norm" if group > 1 else "reinforce", "--algo.kl.init_coef", "0",

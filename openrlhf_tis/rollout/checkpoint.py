@@ -22,6 +22,7 @@ The engine worker finds the plan through its own model path, so a sync needs no 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -98,6 +99,18 @@ def projection_shapes(model_dir: str | Path) -> dict[str, tuple[int, int]]:
         with safe_open(str(f), framework="pt") as h:
             shapes.update({k: tuple(h.get_slice(k).get_shape()) for k in h.keys() if is_quantized_weight(k)})
     return shapes
+
+
+def largest_tensor_numel(model_dir: str | Path) -> int:
+    """The element count of the largest tensor of a safetensors checkpoint (headers only)."""
+    from safetensors import safe_open
+
+    largest = 0
+    for f in _weight_files(Path(model_dir)):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                largest = max(largest, math.prod(h.get_slice(k).get_shape()))
+    return largest
 
 
 def check_quantizable(model_dir: str | Path) -> int:

@@ -2,8 +2,11 @@
 # Several GPU nodes (4 x 8 GPUs here) driven by `ray job submit` from a head node, which may have no GPU: the
 # cluster's GPUs make the run a CUDA one, not the head's hardware. bf16 rollouts + token TIS.
 #
-# Before: the fork installed (README, Install) at the same path on every node, `ray start --head` on the head and
-# `ray start --address HEAD:6379` on each GPU node; RUN_DIR on storage every node mounts at the same path.
+# Before: the fork installed (README, Install) at the same path on every GPU node, `ray start --head` on the head and
+# `ray start --address HEAD:6379` on each GPU node; RUN_DIR on storage every node mounts at the same path. The head
+# runs the driver, which imports vLLM through upstream's parser: it needs vLLM 0.29.0, OpenRLHF 0.11.2 and the fork,
+# not flash-attn or CUDA (pip install -e ".[head]"; pip install openrlhf==0.11.2 --no-deps; docs/gpu.md, The head
+# node). Without them the driver stops in one line naming what to install, before it joins the cluster.
 #
 #   RAY_ADDRESS=http://HEAD:8265 IFNAME=ens5 MODEL=... PROMPTS=... REWARD=... RUN_DIR=/shared/runs/x \
 #     bash scripts/gpu/multi_node_ray_job.sh [more flags]

@@ -9,7 +9,11 @@ RUN_DIR=${RUN_DIR:-$PWD/runs/gpu-tis}
 
 # GRPO (group-normalised advantages, no KL, so no reference model) with token TIS on bf16 rollouts. Sequences up
 # to 4096 tokens; the trainer packs them into micro-batches of at most 16k tokens a GPU (dynamic batch) with
-# gradient checkpointing, which is what keeps a 7B model's activations inside an H100 under ZeRO-3.
+# gradient checkpointing, which is what keeps a 7B model's activations inside an H100 under ZeRO-3. The log-prob
+# pass before training packs as many (--rollout.max_tokens_per_gpu), upstream's default (its hybrid-engine example
+# sets only --train.max_tokens_per_gpu 16384): a packed pass holds bf16 logits and their log_softmax, 2 x 5 GB at
+# 16k tokens of Qwen2.5's 152k vocabulary, twice that at 32k. tests/test_gpu_recipes.py computes each recipe's
+# memory per GPU from these flags against an 80 GB card.
 RECIPE_FLAGS=(
   --actor.model_name_or_path "$MODEL"
   --data.prompt_dataset "$PROMPTS" --data.input_key input --data.label_key label --data.apply_chat_template
@@ -19,7 +23,7 @@ RECIPE_FLAGS=(
   --rollout.n_samples_per_prompt 8 --rollout.batch_size 64 --train.batch_size 512
   --ds.zero_stage 3 --ds.param_dtype bf16 --ds.attn_implementation flash_attention_2
   --actor.gradient_checkpointing_enable --ds.packing_samples
-  --train.dynamic_batch_enable --train.max_tokens_per_gpu 16384 --rollout.max_tokens_per_gpu 32768
+  --train.dynamic_batch_enable --train.max_tokens_per_gpu 16384 --rollout.max_tokens_per_gpu 16384
   --algo.correction.preset tis
   --vllm.sync_check_steps 10
   --logger.run_dir "$RUN_DIR" --ckpt.path "$RUN_DIR/ckpt" --ckpt.output_dir "$RUN_DIR/final" --ckpt.save_steps 20

