@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from openrlhf_tis.dashboard.voila_server import HOST, port_in_use, serve_local, voila_env
+from openrlhf_tis.dashboard.voila_server import HOST, port_in_use, voila_env
 from openrlhf_tis.pipeline.execute import notebook_path
 
 PROG = "openrlhf-tis-dashboard"
@@ -63,6 +63,8 @@ def stop_on_sigint() -> None:
 
 def serve(root: str, port: int) -> None:
     """Serve the dashboard over `root` on HOST:`port` until SIGINT or SIGTERM."""
+    from openrlhf_tis.dashboard.voila_app import serve_local  # Voilà takes seconds to import
+
     os.environ["JUPYTER_PATH"] = voila_env()["JUPYTER_PATH"]  # read by Voilà's template lookup
     with tempfile.TemporaryDirectory(prefix="openrlhf-tis-dashboard-") as directory:
         notebook = prepare_notebook(root, directory)

@@ -8,11 +8,12 @@ path, hence `voila_env`.
 
 Listening on loopback does not keep other web pages out: a page that rebinds its own DNS name to 127.0.0.1 talks
 to the server as its own origin. Voilà turns off jupyter_server's Host check (`allow_remote_access`), so
-`serve_local` turns it back on through Voilà's `tornado_settings`: every Jupyter handler (the page, the kernel API
-and its websocket) answers 403 to a Host that is neither `localhost` nor a loopback address. Only the packages'
-static assets (scripts, styles) are served whatever the Host; they hold no run data.
+voila_app.py's `serve_local` turns it back on through Voilà's `tornado_settings` (LOCAL_ONLY): every Jupyter
+handler (the page, the kernel API and its websocket) answers 403 to a Host that is neither `localhost` nor a
+loopback address. Only the packages' static assets (scripts, styles) are served whatever the Host; they hold no
+run data.
 
-Every page load starts a kernel (about 286 MiB resident). Voilà's page frees it on unload with a POST that echoes
+Every page load starts a kernel (a few hundred MiB resident). Voilà's page frees it on unload with a POST that echoes
 the `_xsrf` cookie, but Voilà's page handler never sets that cookie, so jupyter_server refused every such POST
 ('_xsrf' argument missing) and each view or reload leaked its kernel. voila_app.py's page handler sets the
 cookie with the page, keeping the XSRF check whole: another site's page can neither read the cookie nor guess it.
@@ -63,18 +64,3 @@ def voila_args(notebook: str | os.PathLike, port: int) -> list[str]:
             f"--template={TEMPLATE}", "--VoilaConfiguration.show_tracebacks=True",
             f"--MappingKernelManager.cull_idle_timeout={CULL_IDLE_S}",
             f"--MappingKernelManager.cull_interval={CULL_INTERVAL_S}"]
-
-
-def serve_local(notebook: str | os.PathLike, port: int) -> None:
-    """Serve `notebook` with LocalVoila (`voila_args`) until SIGINT or SIGTERM, to local Host headers only.
-
-    Voilà's own `launch_instance`, with LOCAL_ONLY added to its `tornado_settings` once every configuration source
-    has been read, so that no Jupyter config file can turn the Host check off by setting other tornado settings (a
-    dict on the command line is deprecated in traitlets and types its values as strings).
-    """
-    from openrlhf_tis.dashboard.voila_app import LocalVoila  # Voilà takes seconds to import: not for --help
-
-    app = LocalVoila.instance()
-    app.initialize(voila_args(notebook, port))
-    app.tornado_settings = {**app.tornado_settings, **LOCAL_ONLY}
-    app.start()
