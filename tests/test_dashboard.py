@@ -19,7 +19,7 @@ import nbformat
 import numpy as np
 import pandas as pd
 import pytest
-from _browser import WAIT_S, free_port, jupyter_env, served
+from _browser import PAGE_LOAD_S, WAIT_S, free_port, jupyter_env, served
 from papermill import execute_notebook
 
 from openrlhf_tis.dashboard import cli as dashboard
@@ -238,8 +238,9 @@ def test_one_sigint_stops_the_server(root, tmp_path, background):
 
 def _request(port: int, method: str, path: str, headers: dict[str, str] | None = None,
              body: str | None = None) -> tuple[int, http.client.HTTPResponse, str]:
-    """(status, response, body text) of one request to 127.0.0.1:`port`."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    """(status, response, body text) of one request to 127.0.0.1:`port`, within a page load's bound (a page runs
+    the notebook first)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=PAGE_LOAD_S)
     try:
         connection.request(method, path, body=body, headers=headers or {})
         response = connection.getresponse()
