@@ -190,7 +190,7 @@ def _alive(url: str, kernel: str) -> bool:
 @pytest.mark.browser
 @pytest.mark.timeout(600)
 def test_reloads_leave_one_kernel(server, driver):
-    """Issue 55: each load or reload started a kernel and none was freed (the page's shutdown POST was refused for
+    """Each load or reload used to start a kernel and free none (its shutdown POST was refused for
     a missing `_xsrf`), about 286 MiB each."""
     url, _, log = server
     kernels = []

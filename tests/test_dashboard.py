@@ -251,7 +251,7 @@ def _request(port: int, method: str, path: str, headers: dict[str, str] | None =
 
 @pytest.mark.timeout(300)
 def test_a_page_frees_its_kernel_with_its_own_cookie_only(tmp_path):
-    """Issue 55: the page's unload POST (`_xsrf` form field read from the `_xsrf` cookie) was refused for a missing
+    """The page's unload POST (`_xsrf` form field read from the `_xsrf` cookie) was refused for a missing
     `_xsrf`: Voilà's page never set that cookie, so every view leaked a kernel. The page now sets it; a POST without
     it (another site's page) is still refused and leaves the kernel alone. Idle kernels are culled (the log says)."""
     port = free_port()
