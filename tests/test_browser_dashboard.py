@@ -191,7 +191,7 @@ def _alive(url: str, kernel: str) -> bool:
 @pytest.mark.timeout(600)
 def test_reloads_leave_one_kernel(server, driver):
     """Each load or reload used to start a kernel and free none (its shutdown POST was refused for
-    a missing `_xsrf`), about 286 MiB each."""
+    a missing `_xsrf`), a few hundred MiB each."""
     url, _, log = server
     kernels = []
     for _ in range(11):  # the first load and ten reloads
