@@ -3,11 +3,14 @@ opened in headless Chromium (tests/_browser.py) while the run store under ROOT c
 then holding a run in progress and a run without token dumps, then the first run logging and dumping a new step.
 The served HTML names no external asset and the browser fetched nothing from anywhere but the local server.
 Served on a root that already holds runs, the first screen is the runs table, its headers over their columns.
+Reloading the page ten times leaves one kernel alive, the current page's: each page frees its kernel as it goes.
 """
 
 from __future__ import annotations
 
 import sys
+import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -166,3 +169,39 @@ def test_the_first_screen_is_the_runs_table(server, driver):
     assert _off_their_columns(screen["columns"]) == [], screen["columns"]
     intro = driver.find_element(By.CSS_SELECTOR, ".jp-MarkdownOutput").text
     assert "folder" in intro and "root" not in intro  # RUNS_ROOT is upper case; `root` was the parameter's name
+
+
+def _page_kernel(browser) -> str:
+    """The id of the kernel the page in `browser` runs on (Voilà's page config)."""
+    return browser.execute_script("return JSON.parse(document.getElementById('jupyter-config-data').textContent)"
+                                  ".kernelId")
+
+
+def _alive(url: str, kernel: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}api/kernels/{kernel}", timeout=WAIT_S):
+            return True
+    except urllib.error.HTTPError as error:
+        if error.code == 404:
+            return False
+        raise
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(600)
+def test_reloads_leave_one_kernel(server, driver):
+    """Each load or reload used to start a kernel and free none (its shutdown POST was refused for
+    a missing `_xsrf`), a few hundred MiB each."""
+    url, _, log = server
+    kernels = []
+    for _ in range(11):  # the first load and ten reloads
+        driver.refresh() if kernels else driver.get(url)
+        # the notice is a widget: the page's widget manager, which frees the kernel on unload, is up
+        _wait(driver, "the missing-root notice", lambda b: "does not exist" in b.find_element(
+            By.CLASS_NAME, "mm-notice").text, log)
+        kernels.append(_page_kernel(driver))
+    assert len(set(kernels)) == 11  # a kernel per view
+    deadline = time.monotonic() + WAIT_S
+    while (alive := [k for k in kernels if _alive(url, k)]) != kernels[-1:] and time.monotonic() < deadline:
+        time.sleep(1)
+    assert alive == kernels[-1:], f"{len(alive)} of {len(kernels)} kernels alive:\n{log.read_text()[-2000:]}"

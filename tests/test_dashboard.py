@@ -12,16 +12,18 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import uuid
 
 import nbformat
 import numpy as np
 import pandas as pd
 import pytest
-from _browser import WAIT_S, free_port, jupyter_env, served
+from _browser import PAGE_LOAD_S, WAIT_S, free_port, jupyter_env, served
 from papermill import execute_notebook
 
 from openrlhf_tis.dashboard import cli as dashboard
+from openrlhf_tis.dashboard import voila_server
 from openrlhf_tis.pipeline.dashboard_app import Dashboard
 from openrlhf_tis.pipeline.execute import KERNEL, KERNEL_START_S, notebook_path
 from openrlhf_tis.runs import RunWriter, TokenDumpWriter
@@ -233,3 +235,39 @@ def test_one_sigint_stops_the_server(root, tmp_path, background):
         stopped_s = time.monotonic() - sent
     assert server.returncode == 0 and stopped_s < STOP_S
     assert "Kernel shutdown" in (tmp_path / "log").read_text()  # stopped as Voilà stops, its kernels shut down
+
+
+def _request(port: int, method: str, path: str, headers: dict[str, str] | None = None,
+             body: str | None = None) -> tuple[int, http.client.HTTPResponse, str]:
+    """(status, response, body text) of one request to 127.0.0.1:`port`, within a page load's bound (a page runs
+    the notebook first)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=PAGE_LOAD_S)
+    try:
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        return response.status, response, response.read().decode()
+    finally:
+        connection.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_page_frees_its_kernel_with_its_own_cookie_only(tmp_path):
+    """The page's unload POST (`_xsrf` form field read from the `_xsrf` cookie) was refused for a missing
+    `_xsrf`: Voilà's page never set that cookie, so every view leaked a kernel. The page now sets it; a POST without
+    it (another site's page) is still refused and leaves the kernel alone. Idle kernels are culled (the log says)."""
+    port = free_port()
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    with served(_dashboard_argv(tmp_path / "none", port), port, tmp_path / "log", jupyter_env(tmp_path / "jupyter"),
+                tmp_path):
+        status, page, html = _request(port, "GET", "/")
+        assert status == 200
+        cookie = next(c.split(";")[0] for c in page.headers.get_all("Set-Cookie") if c.startswith("_xsrf="))
+        kernel = re.search(r'"kernelId": "([0-9a-f-]+)"', html).group(1)
+        shutdown = f"/voila/api/shutdown/{kernel}"
+        assert _request(port, "POST", shutdown, form, "_xsrf=")[0] == 403  # no cookie, as a foreign page
+        assert _request(port, "GET", f"/api/kernels/{kernel}")[0] == 200
+        xsrf = urllib.parse.quote(cookie.split("=", 1)[1])
+        assert _request(port, "POST", shutdown, {**form, "Cookie": cookie}, f"_xsrf={xsrf}")[0] == 204
+        assert _request(port, "GET", f"/api/kernels/{kernel}")[0] == 404
+    culling = f"Culling kernels with idle durations > {voila_server.CULL_IDLE_S} seconds"
+    assert culling in (tmp_path / "log").read_text()

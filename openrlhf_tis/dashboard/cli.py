@@ -3,7 +3,8 @@ RUNS_ROOT, the token explorer and the run comparison as a local web app on 127.0
 
 The page is notebooks/dashboard.ipynb with RUNS_ROOT injected (papermill, as every project notebook gets its
 parameters), served by Voilà (voila_server.py: loopback only, nothing from a CDN); each page load runs it in a
-fresh kernel, so it always reads the run store as it stands. A root that does not exist or holds no runs is a
+fresh kernel, so it always reads the run store as it stands; the page frees its kernel as it goes, and kernels
+left idle with no page are culled (voila_server.py). A root that does not exist or holds no runs is a
 notice on the page, not an error (a run may be about to start there); a port already in use is refused here, in
 one line naming it, before Voilà starts. Only pages asking for localhost or a loopback address are answered
 (voila_server.py: no DNS rebinding). One SIGINT (Ctrl-C, or `kill -INT` of a dashboard a script started in the
@@ -19,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from openrlhf_tis.cli.lifetime import take_sigint
-from openrlhf_tis.dashboard.voila_server import HOST, port_in_use, serve_local, voila_env
+from openrlhf_tis.dashboard.voila_server import HOST, port_in_use, voila_env
 from openrlhf_tis.pipeline.execute import notebook_path
 
 PROG = "openrlhf-tis-dashboard"
@@ -52,6 +53,8 @@ def prepare_notebook(root: str | os.PathLike, directory: str | os.PathLike) -> P
 
 def serve(root: str, port: int) -> None:
     """Serve the dashboard over `root` on HOST:`port` until SIGINT or SIGTERM."""
+    from openrlhf_tis.dashboard.voila_app import serve_local  # Voilà takes seconds to import
+
     os.environ["JUPYTER_PATH"] = voila_env()["JUPYTER_PATH"]  # read by Voilà's template lookup
     with tempfile.TemporaryDirectory(prefix="openrlhf-tis-dashboard-") as directory:
         notebook = prepare_notebook(root, directory)

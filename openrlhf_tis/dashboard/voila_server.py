@@ -8,9 +8,18 @@ path, hence `voila_env`.
 
 Listening on loopback does not keep other web pages out: a page that rebinds its own DNS name to 127.0.0.1 talks
 to the server as its own origin. Voilà turns off jupyter_server's Host check (`allow_remote_access`), so
-`serve_local` turns it back on through Voilà's `tornado_settings`: every Jupyter handler (the page, the kernel API
-and its websocket) answers 403 to a Host that is neither `localhost` nor a loopback address. Only the packages'
-static assets (scripts, styles) are served whatever the Host; they hold no run data.
+voila_app.py's `serve_local` turns it back on through Voilà's `tornado_settings` (LOCAL_ONLY): every Jupyter
+handler (the page, the kernel API and its websocket) answers 403 to a Host that is neither `localhost` nor a
+loopback address. Only the packages' static assets (scripts, styles) are served whatever the Host; they hold no
+run data.
+
+Every page load starts a kernel (a few hundred MiB resident). Voilà's page frees it on unload with a POST that echoes
+the `_xsrf` cookie, but Voilà's page handler never sets that cookie, so jupyter_server refused every such POST
+('_xsrf' argument missing) and each view or reload leaked its kernel. voila_app.py's page handler sets the
+cookie with the page, keeping the XSRF check whole: another site's page can neither read the cookie nor guess it.
+A kernel whose page went without that POST (a crashed tab, a bare HTTP GET) is culled once idle and unconnected
+for CULL_IDLE_S. Pages are rendered at most RENDERS at a time (one kernel executes the notebook per render): twenty
+clients at once had each kernel fight nineteen others for the cores, so every page took a minute and a half.
 """
 
 from __future__ import annotations
@@ -26,6 +35,9 @@ TEMPLATE = "openrlhf_tis"
 # The two settings jupyter_server's ServerApp hands its handlers, read by JupyterHandler.check_host: a Host header
 # must be a loopback address or one of these names.
 LOCAL_ONLY: dict[str, object] = {"allow_remote_access": False, "local_hostnames": ["localhost"]}
+CULL_IDLE_S = 300  # a kernel idle this long with no page connected is shut down; checked every CULL_INTERVAL_S
+CULL_INTERVAL_S = 60
+RENDERS = max(1, len(os.sched_getaffinity(0)))  # pages rendered at once: a render keeps about one core busy
 
 
 def port_in_use(port: int, host: str = HOST) -> bool:
@@ -49,19 +61,6 @@ def voila_args(notebook: str | os.PathLike, port: int) -> list[str]:
     """Voilà's command line (after `voila`) serving `notebook` alone on HOST:`port`, failing rather than moving to
     another port; an error in a cell shows its traceback on the page (the page is the only place a user looks)."""
     return [os.fspath(notebook), "--no-browser", f"--Voila.ip={HOST}", f"--port={port}", "--Voila.port_retries=0",
-            f"--template={TEMPLATE}", "--VoilaConfiguration.show_tracebacks=True"]
-
-
-def serve_local(notebook: str | os.PathLike, port: int) -> None:
-    """Serve `notebook` with Voilà (`voila_args`) until SIGINT or SIGTERM, to local Host headers only.
-
-    Voilà's own `launch_instance`, with LOCAL_ONLY added to its `tornado_settings` once every configuration source
-    has been read, so that no Jupyter config file can turn the Host check off by setting other tornado settings (a
-    dict on the command line is deprecated in traitlets and types its values as strings).
-    """
-    from voila.app import Voila
-
-    app = Voila.instance()
-    app.initialize(voila_args(notebook, port))
-    app.tornado_settings = {**app.tornado_settings, **LOCAL_ONLY}
-    app.start()
+            f"--template={TEMPLATE}", "--VoilaConfiguration.show_tracebacks=True",
+            f"--MappingKernelManager.cull_idle_timeout={CULL_IDLE_S}",
+            f"--MappingKernelManager.cull_interval={CULL_INTERVAL_S}"]
