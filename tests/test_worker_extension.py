@@ -68,7 +68,7 @@ def test_override_names_the_fork_extension_on_cpu_only():
 
 
 def test_cpu_engine_kwargs_carry_the_fork_extension(monkeypatch, tiny_model_dir):
-    """Upstream's factory passes its WorkerWrap; the fork's actor hands vLLM its own class, nothing else changed."""
+    """Upstream's factory passes its WorkerWrap; the fork's actor hands vLLM its own class and, on CPU, no chunked prefill."""
     import openrlhf.trainer.ray.vllm_engine as upstream_engine
 
     built = []
@@ -94,6 +94,8 @@ def test_cpu_engine_kwargs_carry_the_fork_extension(monkeypatch, tiny_model_dir)
     asyncio.run(actor.__init__(**upstream_kwargs))
     (engine_kwargs,) = received
     assert engine_kwargs["worker_extension_cls"] == CPU_WORKER_EXTENSION
+    # and no chunked prefill on CPU: a seeded request's generator cannot rewind there (rollout/sampling_seeds.py)
+    assert engine_kwargs.pop("enable_chunked_prefill") is False
     assert {k: v for k, v in engine_kwargs.items() if k != "worker_extension_cls"} == {
         k: v for k, v in upstream_kwargs.items() if k != "worker_extension_cls"}
 
