@@ -68,7 +68,8 @@ def test_override_names_the_fork_extension_on_cpu_only():
 
 
 def test_cpu_engine_kwargs_carry_the_fork_extension(monkeypatch, tiny_model_dir):
-    """Upstream's factory passes its WorkerWrap; the fork's actor hands vLLM its own class and, on CPU, no chunked prefill."""
+    """Upstream's factory passes its WorkerWrap; the fork's actor hands vLLM its own class and, on CPU, turns off
+    chunked prefill."""
     import openrlhf.trainer.ray.vllm_engine as upstream_engine
 
     built = []
