@@ -55,6 +55,8 @@ def test_report_counts_falls_by_the_endpoint_and_tests_them_with_fisher():
     p = fisher_exact([[3, 1], [1, 3]]).pvalue
     assert f"| lr 0.0001, K = 8, off vs tis | 3/4 vs 1/4 | {p:.3f} |" in text
     assert collapse.collapse_markdown({}, collapse.Endpoint(0.1, 6)).startswith("(no run")
+    one = collapse.collapse_markdown({(1e-4, 8, "off"): [-0.2]}, collapse.Endpoint(0.1, 6))
+    assert "| 1 | 1.00 [0.03, 1.00] | -0.200 (one run: no interval) |" in one
 
 
 def test_bad_arguments_are_refused_naming_the_flag(tmp_path, capsys):

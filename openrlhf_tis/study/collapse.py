@@ -139,8 +139,9 @@ def collapse_markdown(arms: dict[tuple[float, int, str], list[float]], endpoint:
         falls = int((gains < endpoint.fall_below).sum())
         rate, gain = rate_interval(falls, len(gains)), t_interval(gains)
         short = " (fewer than planned)" if len(gains) < endpoint.runs_per_arm else ""
+        spread = f"[{gain.low:+.3f}, {gain.high:+.3f}]" if gain.defined else "(one run: no interval)"
         lines.append(f"| {_name(arm)} | {len(gains)}{short} | {falls} | {rate.estimate:.2f} "
-                     f"[{rate.low:.2f}, {rate.high:.2f}] | {gain.estimate:+.3f} [{gain.low:+.3f}, {gain.high:+.3f}] |")
+                     f"[{rate.low:.2f}, {rate.high:.2f}] | {gain.estimate:+.3f} {spread} |")
     lines += ["", "| comparison | falls | Fisher p | runs per arm for 80% power at these rates |", "|---|---|---|---|"]
     for (lr, every, correction), gains in sorted(arms.items()):
         if correction == "off":
