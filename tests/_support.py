@@ -19,6 +19,8 @@ import pytest
 import ray
 import torch
 
+from openrlhf_tis.cli.ray_cluster import machine_load
+
 PREFIX = "openrlhf_tis.cli.train_ppo_ray: error: "
 
 
@@ -264,12 +266,6 @@ SETTLE_S = 5  # how long a started head must stay up before it is used
 HEAD_TRIES = 5
 DASHBOARD_START_ENV = {"RAY_DASHBOARD_STARTUP_TIMEOUT_S": "300",
                        "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "300"}
-
-
-def machine_load() -> str:
-    """The machine's load as a failure message says it: a test that fails because the machine is busy must say so."""
-    one, five, fifteen = os.getloadavg()
-    return f"load average {one:.1f} / {five:.1f} / {fifteen:.1f} (1 / 5 / 15 min) on {os.cpu_count()} cores"
 
 
 @contextlib.contextmanager

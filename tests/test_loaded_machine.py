@@ -128,3 +128,38 @@ def test_the_cpu_hog_never_signals_a_pid_given_to_another_process(tmp_path):
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_the_products_ray_start_tries_again_and_ends_in_one_line_with_the_load(monkeypatch):
+    """init_local_ray (the CLI's own Ray start): a node that misses Ray's registration window is started again, up
+    to STARTUP_TRIES; then one line that says the machine's load, not Ray's traceback; other errors at once."""
+    from openrlhf_tis.cli import ray_cluster
+
+    calls = []
+
+    def init(outcomes):
+        def fake(**kwargs):
+            calls.append(kwargs)
+            outcome = outcomes[min(len(calls), len(outcomes)) - 1]
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+        return fake
+
+    late = Exception("The current node timed out during startup. This could happen because ...")
+    monkeypatch.setattr(ray_cluster.ray, "shutdown", lambda: None)
+    monkeypatch.setattr(ray_cluster, "_kill_ray_children", lambda: None)
+    monkeypatch.setattr(ray_cluster.ray, "init", init([late, late, "context"]))
+    assert ray_cluster.init_local_ray(address="local") == "context" and len(calls) == 3
+    calls.clear()
+    monkeypatch.setattr(ray_cluster.ray, "init", init([late]))
+    with pytest.raises(ray_cluster.RayStartError) as failed:
+        ray_cluster.init_local_ray(address="local")
+    assert len(calls) == ray_cluster.STARTUP_TRIES
+    assert "\n" not in str(failed.value) and "load average" in str(failed.value)
+    assert f"on {ray_cluster.STARTUP_TRIES} tries" in str(failed.value)
+    calls.clear()
+    monkeypatch.setattr(ray_cluster.ray, "init", init([ValueError("bad resources")]))
+    with pytest.raises(ValueError, match="bad resources"):
+        ray_cluster.init_local_ray(address="local")
+    assert len(calls) == 1

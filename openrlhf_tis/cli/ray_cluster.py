@@ -111,7 +111,17 @@ def start_ray(args: argparse.Namespace, device: str) -> None:
     reap_when_gone(context.address_info["session_dir"])  # its agents must not outlive a killed run
 
 
-STARTUP_TRIES = 3
+STARTUP_TRIES = 5
+
+
+class RayStartError(RuntimeError):
+    """A new local Ray cluster whose node missed Ray's registration window on every try (a busy machine)."""
+
+
+def machine_load() -> str:
+    """The load averages and the cores, as a failure on a busy machine should say them."""
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.1f} / {five:.1f} / {fifteen:.1f} (1 / 5 / 15 min) on {os.cpu_count()} cores"
 
 
 def init_local_ray(**kwargs):
@@ -120,18 +130,23 @@ def init_local_ray(**kwargs):
     On a loaded 2-core machine (a test suite, another run) the raylet can take longer than Ray allows
     (ray/_private/node.py, not configurable) and ray.init raises "node timed out during startup"; the
     half-started cluster (its GCS and raylet, children of this process that Ray no longer tracks) is
-    killed before the next try. Any other error is raised at once.
+    killed before the next try. Any other error is raised at once; the last try's timeout raises RayStartError,
+    one line with the machine's load (the CLI prints it as it is).
     """
     for attempt in range(1, STARTUP_TRIES + 1):
         try:
             return ray.init(**kwargs)
         except Exception as err:  # Ray raises a bare Exception here
-            if "timed out during startup" not in str(err) or attempt == STARTUP_TRIES:
+            if "timed out during startup" not in str(err):
                 raise
-            print(f"[openrlhf_tis] Ray's node did not register in time (try {attempt} of {STARTUP_TRIES}); "
-                  "starting it again", file=sys.stderr)
             ray.shutdown()
             _kill_ray_children()
+            if attempt == STARTUP_TRIES:
+                raise RayStartError(f"Ray's node did not register within Ray's 30 s on {STARTUP_TRIES} tries "
+                                    f"({machine_load()}): the machine is too busy to start Ray; run again when it "
+                                    "is quieter") from None
+            print(f"[openrlhf_tis] Ray's node did not register in time (try {attempt} of {STARTUP_TRIES}, "
+                  f"{machine_load()}); starting it again", file=sys.stderr)
 
 
 def _kill_ray_children() -> None:

@@ -39,7 +39,7 @@ from openrlhf_tis.cli.fork_flags import add_fork_arguments
 from openrlhf_tis.cli.lifetime import die_with_parent, take_sigint
 from openrlhf_tis.cli.placement import check_cluster_fits
 from openrlhf_tis.cli.ray_address import ADDRESS_VAR
-from openrlhf_tis.cli.ray_cluster import CPU_ENV, start_ray
+from openrlhf_tis.cli.ray_cluster import CPU_ENV, RayStartError, start_ray
 from openrlhf_tis.cli.resolve import apply_spec, resolve
 from openrlhf_tis.cli.rollout_engines import prepare_rollout_engines
 from openrlhf_tis.cli.run_dir import RunFinished, interrupted_account, open_run_dir
@@ -169,6 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     except (UsageError, UnsupportedUpstreamError) as err:
         print(f"openrlhf_tis.cli.train_ppo_ray: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except RayStartError as err:  # not the user's input: the machine's load
+        print(f"openrlhf_tis.cli.train_ppo_ray: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
     watch = ActorWatch().start()  # upstream waits on its actors without a time limit, even on dead ones
     try:
         run_upstream_main(args)
