@@ -190,3 +190,14 @@ def test_an_unknown_correction_option_is_refused_naming_it():
     first = str(err.value).splitlines()[0]
     assert first.startswith("train: correction_options = ") and "'uper' is not a CorrectionConfig field" in first
     assert TrainParams.checked({"correction_options": {"upper": 3}}).correction_options == {"upper": 3}
+
+
+def test_eval_every_minus_one_scores_only_the_kept_policy(parser):
+    """-1: upstream never evaluates in the run (its --eval.steps -1), the held-out file still goes to the kept
+    policy's scoring; below -1 is refused by the parameter's own check."""
+    values = {"eval_prompts": "/x/eval.jsonl", "eval_every": -1}
+    args = vars(parser.parse_args(_argv(values)))
+    assert args["eval.steps"] == -1 and args["eval.dataset"] == "/x/eval.jsonl"
+    assert TrainParams(**values).eval_file() is not None
+    with pytest.raises(ParameterError, match="eval_every.*-1 \\(no in-run evaluation\\)"):
+        TrainParams.checked({"eval_every": -2})

@@ -52,6 +52,10 @@ def _not_negative(value: int) -> str | None:
     return None if value >= 0 else "must be >= 0"
 
 
+def _eval_every(value: int) -> str | None:
+    return None if value >= -1 else "must be >= 0, or -1 (no in-run evaluation)"
+
+
 def micro_batch(batch: int, largest: int = 8) -> int:
     """The largest micro batch up to `largest` that divides `batch` (DeepSpeed needs whole micro batches)."""
     return max(d for d in range(1, min(batch, largest) + 1) if batch % d == 0)
@@ -80,8 +84,9 @@ class TrainParams(ParamObject):
                             "final model, in the trainer's dtype, unquantized) and the base model on the same "
                             "questions and samples (<run_dir>/heldout_kept.json); the in-run score goes through the "
                             "rollout engine", (bool,))
-    eval_every: int = param(0, "score the held-out set every N steps (0: before the first step and after the last)",
-                            (int,), check=_not_negative, flag="--eval.steps")
+    eval_every: int = param(0, "score the held-out set every N steps (0: before the first step and after the last; "
+                            "-1: never in the run, only the kept policy after it)", (int,), check=_eval_every,
+                            flag="--eval.steps")
     rollout_precision: str = FLAGS[PRECISION_FLAG].param("vLLM rollout precision")
     int8_weight_bits: str = FLAGS[WEIGHT_BITS_FLAG].param(
         "int8 rollouts' weight grid (--vllm.int8_weight_bits): auto (8 bits, 7 where the CPU's int8 GEMM saturates "
