@@ -80,8 +80,9 @@ def adaptive_bound(r: torch.Tensor, valid: torch.Tensor, ess_target: float, min_
     rho = ess_target
 
     def ess(total: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
-        """(Σw)² / (n Σw²) from the sums; 1 where no weight is above 0 (all equal)."""
-        return torch.where(squares > 0, total * total / (n * squares), 1.0)
+        """(Σw)² / (n Σw²) from the sums, at most 1 (Cauchy–Schwarz; float sums can land a ulp above); 1 where no
+        weight is above 0 (all equal)."""
+        return torch.where(squares > 0, total * total / (n * squares), 1.0).clamp(max=1.0)
 
     # ESS(C_min) and ESS(C_max), a pass each: the zeros after V add nothing to either sum
     cut = [s.clamp(max=cap) for cap in (min_bound, max_bound)]
@@ -109,7 +110,9 @@ def adaptive_bound(r: torch.Tensor, valid: torch.Tensor, ess_target: float, min_
     q = -0.5 * (b + (b * b - 4 * a * c).clamp(min=0).sqrt())
     first, second = (q / a).nan_to_num(nan=-1.0), (c / q).nan_to_num(nan=-1.0)
     root = torch.where((first >= lo) & (first <= s_j), first, second)
-    root = root.clamp(min=max(min_bound, 0.0)).maximum(lo).minimum(s_j).clamp(max=max_bound)  # in the bracket
+    # in the bracket, then in [C_min, C_max] last: where rounding put the target between two tiny ratios (ESS(C_max)
+    # a ulp under ρ = 1 with one valid token), the cap still never leaves the range the user gave
+    root = root.maximum(lo).minimum(s_j).clamp(min=min_bound, max=max_bound)
     bound = torch.where(at_max, max_bound, torch.where(at_min, min_bound, root))
     # ESS(C_t): at a limit, read above; inside, segment J's sums (C_t lies in it)
     inside = ess(a_sum + m * bound, b_sum + m * bound * bound)
