@@ -46,16 +46,19 @@ def test_one_code_revision_per_study(tmp_path):
 
 
 def test_report_counts_falls_by_the_endpoint_and_tests_them_with_fisher():
-    arms = {(1e-4, 1, "off"): [0.3, 0.4, 0.35, 0.2],
-            (1e-4, 8, "off"): [0.05, -0.1, 0.3, 0.0],  # 3 of 4 below 0.1
-            (1e-4, 8, "tis"): [0.2, 0.3, 0.09, 0.4]}  # 1 of 4
+    arms = {(1e-4, 1, "off"): dict(enumerate([0.3, 0.4, 0.35, 0.2], 1)),
+            (1e-4, 8, "off"): dict(enumerate([0.05, -0.1, 0.3, 0.0], 1)),  # 3 of 4 below 0.1
+            (1e-4, 8, "tis"): {1: 0.2, 2: 0.3, 3: 0.09, 5: 0.4}}  # 1 of 4; seed 5, not 4
     text = collapse.collapse_markdown(arms, collapse.Endpoint(0.1, 6))
     assert "| lr 0.0001, K = 8, off | 4 (fewer than planned) | 3 | 0.75 [" in text
     assert "| lr 0.0001, reference (K = 1) | 4 (fewer than planned) | 0 | 0.00 [0.00, 0.60] |" in text
     p = fisher_exact([[3, 1], [1, 3]]).pvalue
     assert f"| lr 0.0001, K = 8, off vs tis | 3/4 vs 1/4 | {p:.3f} |" in text
     assert collapse.collapse_markdown({}, collapse.Endpoint(0.1, 6)).startswith("(no run")
-    one = collapse.collapse_markdown({(1e-4, 8, "off"): [-0.2]}, collapse.Endpoint(0.1, 6))
+    # every run by seed, arms as columns in the report's order, a gap where a seed has no run of an arm
+    assert "| seed | lr 0.0001, reference (K = 1) | lr 0.0001, K = 8, off | lr 0.0001, K = 8, tis |" in text
+    assert "| 4 | +0.200 | +0.000 |  |" in text and "| 5 |  |  | +0.400 |" in text
+    one = collapse.collapse_markdown({(1e-4, 8, "off"): {1: -0.2}}, collapse.Endpoint(0.1, 6))
     assert "| 1 | 1.00 [0.03, 1.00] | -0.200 (one run: no interval) |" in one
 
 

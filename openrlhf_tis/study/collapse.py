@@ -107,9 +107,13 @@ def collapse_grid(out: Path, model: str, lrs: list[float], every: int, seeds: li
     return {"base": specs[0]["base"], "grid": [table for spec in specs for table in spec["grid"]]}
 
 
-def arm_outcomes(result: SweepResult, fall_below: float) -> dict[tuple[float, int, str], list[float]]:
-    """(lr, K, correction) -> the kept-policy gain of each finished run (runs without a kept score left out)."""
-    arms: dict[tuple[float, int, str], list[float]] = {}
+Arm = tuple[float, int, str]  # (lr, K, correction)
+
+
+def arm_outcomes(result: SweepResult) -> dict[Arm, dict[int, float]]:
+    """(lr, K, correction) -> seed -> the kept-policy gain of each finished run (runs without a kept score left
+    out)."""
+    arms: dict[Arm, dict[int, float]] = {}
     for cell in result.results:
         if cell.status == "failed":
             continue
@@ -117,24 +121,31 @@ def arm_outcomes(result: SweepResult, fall_below: float) -> dict[tuple[float, in
         if kept is None:
             continue
         params = TrainParams(**cell.cell.params)
-        arms.setdefault((params.lr, params.sync_every, params.correction), []).append(
+        arms.setdefault((params.lr, params.sync_every, params.correction), {})[params.seed] = (
             kept.after.pass1 - kept.before.pass1)
     return arms
 
 
-def _name(arm: tuple[float, int, str]) -> str:
+def _order(arm: Arm) -> tuple:
+    return arm[0], arm[1] != 1, arm[2] != "off", arm[2]
+
+
+def _name(arm: Arm) -> str:
     lr, every, correction = arm
     return f"lr {lr:g}, " + ("reference (K = 1)" if every == 1 else f"K = {every}, {correction}")
 
 
-def collapse_markdown(arms: dict[tuple[float, int, str], list[float]], endpoint: Endpoint) -> str:
-    """The arms' fall rates and gains, the primary comparisons and the runs 80% power needs (module docstring)."""
-    if not arms:
+def collapse_markdown(by_seed: dict[Arm, dict[int, float]], endpoint: Endpoint) -> str:
+    """The arms' fall rates and gains, the primary comparisons, the runs 80% power needs (module docstring), and
+    every run's gain by seed (runs of one seed share their data order and, on the untrained policy, their first
+    samples: the pairs a paired comparison reads)."""
+    if not by_seed:
         return "(no run finished with a kept-policy score)"
+    arms = {arm: list(gains.values()) for arm, gains in by_seed.items()}
     lines = [f"Endpoint (fixed before the first cell): a run fell when its {endpoint.metric} < {endpoint.fall_below}."
              f" Primary test: {endpoint.test}. Planned runs per arm: {endpoint.runs_per_arm}.", "",
              "| arm | runs | fell | fall rate [95% exact] | mean gain [95% t] |", "|---|---|---|---|---|"]
-    for arm in sorted(arms, key=lambda a: (a[0], a[1] != 1, a[2] != "off", a[2])):
+    for arm in sorted(arms, key=_order):
         gains = np.asarray(arms[arm])
         falls = int((gains < endpoint.fall_below).sum())
         rate, gain = rate_interval(falls, len(gains)), t_interval(gains)
@@ -153,13 +164,18 @@ def collapse_markdown(arms: dict[tuple[float, int, str], list[float]], endpoint:
         needed = runs_for_power(a / len(base), b / len(gains))
         lines.append(f"| {_name((lr, every, 'off'))} vs {correction} | {a}/{len(base)} vs {b}/{len(gains)} | "
                      f"{fisher_p(a, len(base), b, len(gains)):.3f} | {needed if needed else 'not within 200'} |")
+    columns = sorted(by_seed, key=_order)
+    lines += ["", "| seed | " + " | ".join(_name(arm) for arm in columns) + " |", "|---|" + "---|" * len(columns)]
+    for seed in sorted({seed for gains in by_seed.values() for seed in gains}):
+        cells = [f"{by_seed[arm][seed]:+.3f}" if seed in by_seed[arm] else "" for arm in columns]
+        lines.append(f"| {seed} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def write_collapse_report(out: Path) -> str:
     """collapse.md from every cell recorded under `out`, by the endpoint written there; returned too."""
     endpoint = Endpoint(**json.loads((out / ENDPOINT_FILE).read_text()))
-    text = collapse_markdown(arm_outcomes(recorded_cells(out), endpoint.fall_below), endpoint)
+    text = collapse_markdown(arm_outcomes(recorded_cells(out)), endpoint)
     atomic_write(out / REPORT_FILE, (text + "\n").encode())
     return text
 
