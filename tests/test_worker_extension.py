@@ -67,9 +67,8 @@ def test_override_names_the_fork_extension_on_cpu_only():
         worker_extension_override("other.Ext", cuda=False)
 
 
-def test_cpu_engine_kwargs_carry_the_fork_extension(monkeypatch, tiny_model_dir):
-    """Upstream's factory passes its WorkerWrap; the fork's actor hands vLLM its own class and, on CPU, turns off
-    chunked prefill."""
+def _engine_kwargs(monkeypatch, model_dir) -> tuple[dict, dict]:
+    """What upstream's factory passes the engine actor for `model_dir`, and what the fork's actor hands vLLM."""
     import openrlhf.trainer.ray.vllm_engine as upstream_engine
 
     built = []
@@ -80,7 +79,7 @@ def test_cpu_engine_kwargs_carry_the_fork_extension(monkeypatch, tiny_model_dir)
             return types.SimpleNamespace(remote=lambda **kwargs: built.append(kwargs))
 
     monkeypatch.setattr(upstream_engine, "RolloutRayActor", RecordingActor)
-    upstream_engine.create_vllm_engines(1, 1, str(tiny_model_dir), 0, False, False, True, 128, shared_pg=object())
+    upstream_engine.create_vllm_engines(1, 1, str(model_dir), 0, False, False, True, 128, shared_pg=object())
     (upstream_kwargs,) = built
     assert upstream_kwargs["worker_extension_cls"] == UPSTREAM_WORKER_EXTENSION
 
@@ -94,11 +93,26 @@ def test_cpu_engine_kwargs_carry_the_fork_extension(monkeypatch, tiny_model_dir)
     actor = PrecisionRolloutRayActor.__new__(PrecisionRolloutRayActor)
     asyncio.run(actor.__init__(**upstream_kwargs))
     (engine_kwargs,) = received
+    return upstream_kwargs, engine_kwargs
+
+
+def test_cpu_engine_kwargs_carry_the_fork_extension(monkeypatch, tiny_model_dir):
+    """Upstream's factory passes its WorkerWrap; the fork's actor hands vLLM its own class and, on CPU, turns off
+    chunked prefill."""
+    upstream_kwargs, engine_kwargs = _engine_kwargs(monkeypatch, tiny_model_dir)
     assert engine_kwargs["worker_extension_cls"] == CPU_WORKER_EXTENSION
     # and no chunked prefill on CPU: a seeded request's generator cannot rewind there (rollout/sampling_seeds.py)
     assert engine_kwargs.pop("enable_chunked_prefill") is False
     assert {k: v for k, v in engine_kwargs.items() if k != "worker_extension_cls"} == {
         k: v for k, v in upstream_kwargs.items() if k != "worker_extension_cls"}
+
+
+def test_a_cuda_engine_of_a_float_model_gets_upstreams_kwargs_unchanged(monkeypatch, tiny_model_dir):
+    """On a CUDA run (the run's device, as its driver decided) a CUDA generator rewinds, so chunked prefill stays as
+    upstream leaves it, and a float engine keeps upstream's WorkerWrap: nothing is changed."""
+    monkeypatch.setenv("OPENRLHF_TIS_RUN_DEVICE", "cuda")
+    upstream_kwargs, engine_kwargs = _engine_kwargs(monkeypatch, tiny_model_dir)
+    assert engine_kwargs == upstream_kwargs
 
 
 class _FilledGroup:
