@@ -87,6 +87,9 @@ def chromium(profile: Path) -> Iterator:
     # A Voilà page is the notebook executed by a fresh kernel before the HTML is sent: on 2 busy cores (the suite's
     # other worker, a real run) that alone took over 60 s once.
     browser.set_page_load_timeout(PAGE_LOAD_S)
+    # Selenium's own HTTP client gives chromedriver 120 s per command: a reload that the page-load bound allows
+    # outlived it once (CI, 2 busy cores), so the client waits for the browser's bound, not under it.
+    browser.command_executor.client_config.timeout = PAGE_LOAD_S + WAIT_S
     try:
         yield browser
     finally:
