@@ -295,6 +295,9 @@ def plot(runs: Sequence[Run], path: Path) -> None:
             ax.plot(np.arange(1, len(worst) + 1), worst, color="tab:red" if run.fell else "0.7",
                     lw=1.2 if run.fell else 0.8, alpha=0.9 if run.fell else 0.6)
         ax.axvline(HORIZON, color="k", ls=":", lw=0.8)
+        if signal.metric == ESS_SEQ:
+            ax.axhline(FALL_WARNING_ESS, color="tab:blue", lw=0.8, label="the trainer's warning")
+            ax.legend(fontsize=7, loc="upper right")
         ax.set_title(f"{signal.name} (worse {signal.worse})", fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         if signal.worse == "high" and signal.relative is None and positive:
