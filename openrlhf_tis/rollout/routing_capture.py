@@ -63,46 +63,45 @@ class _RequestRouting:
         self.length = max(self.length, end)
 
 
-class RoutingCapture:
-    """Captures, per request, the experts every MoE layer of a vLLM model runner's model chose for each token."""
+def moe_routers(model: nn.Module) -> dict[int, object]:
+    """The router of every MoE layer of a vLLM model, by decoder layer index (as vLLM's own capture binds them)."""
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
-    def __init__(self, runner, num_layers: int):
+    routers = {}
+    for module in model.modules():
+        if not isinstance(module, MoERunner):
+            continue
+        # A monolithic kernel routes inside itself and never calls the router's callback: nothing would come back.
+        if module.is_monolithic or not isinstance(module.router, BaseRouter):
+            raise RuntimeError(f"routing capture: the MoE layer {module.layer_name} routes inside its kernel "
+                               f"({type(module.router).__name__}); its router never reports the chosen experts")
+        routers[module.layer_id] = module.router
+    if not routers:
+        raise RuntimeError("routing capture: the engine's model has no MoE layer")
+    return dict(sorted(routers.items()))
+
+
+class RoutingCapture:
+    """Captures, per request, the experts the given routers (a vLLM model runner's MoE layers) chose for each token.
+
+    `routers`: decoder layer index -> a router with vLLM's `set_capture_fn`; each forward step calls them in layer
+    order, so the first one's call starts a step.
+    """
+
+    def __init__(self, runner, num_layers: int, routers: Mapping[int, object]):
         for name in ("input_batch", "query_start_loc"):
             if not hasattr(runner, name):
                 raise RuntimeError(f"routing capture: vLLM's model runner has no {name!r} (read in vLLM 0.32's "
                                    "GPUModelRunner); review openrlhf_tis/rollout/routing_capture.py")
         self.runner = runner
         self.num_layers = num_layers
-        self.layer_ids: list[int] = []
-        self.routers: list = []
+        self.routers = dict(routers)
+        self.first_layer = min(self.routers)
         self.step: _Step | None = None
         self.requests: dict[str, _RequestRouting] = {}
-
-    def install(self, model: nn.Module) -> list[int]:
-        """Set the capture callback on every MoE layer of `model`; return their decoder layer indices."""
-        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
-        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
-
-        for module in model.modules():
-            if not isinstance(module, MoERunner):
-                continue
-            # A monolithic kernel routes inside itself and never calls the router's callback: nothing would come back.
-            if module.is_monolithic or not isinstance(module.router, BaseRouter):
-                raise RuntimeError(f"routing capture: the MoE layer {module.layer_name} routes inside its kernel "
-                                   f"({type(module.router).__name__}); its router never reports the chosen experts")
-            self.routers.append(module.router)
-            self.layer_ids.append(module.layer_id)
-        if not self.routers:
-            raise RuntimeError("routing capture: the engine's model has no MoE layer")
-        self.first_layer = min(self.layer_ids)
-        for router, layer in zip(self.routers, self.layer_ids, strict=True):
+        for layer, router in self.routers.items():
             router.set_capture_fn(lambda topk_ids, layer=layer: self._capture(layer, topk_ids))
-        return sorted(self.layer_ids)
-
-    def uninstall(self) -> None:
-        for router in self.routers:
-            router.set_capture_fn(None)
-        self.routers, self.layer_ids, self.step, self.requests = [], [], None, {}
 
     def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
         if layer == self.first_layer:  # the forward reaches its first MoE layer: a new step
@@ -128,8 +127,8 @@ class RoutingCapture:
         step, self.step = self.step, None
         if step is None:
             return
-        if set(step.layers) != set(self.layer_ids):
-            missing = sorted(set(self.layer_ids) - set(step.layers))
+        if set(step.layers) != set(self.routers):
+            missing = sorted(set(self.routers) - set(step.layers))
             raise RuntimeError(f"routing capture: a step ran without reporting MoE layers {missing}")
         k = next(iter(step.layers.values())).shape[1]
         stacked = np.full((int(step.row_starts[-1]), self.num_layers, k), NO_ROUTE, dtype=ROUTED_DTYPE)
@@ -150,12 +149,15 @@ class RoutingCapture:
         """
         self._file_step()
         found = {name: self._engine_id(name) for name in lengths}
-        taken = {}
+        if len(set(found.values())) < len(found):
+            raise ValueError("routing capture: two of the names asked for are the same engine request")
         for name, engine_id in found.items():
+            if self.requests[engine_id].length > lengths[name]:
+                raise ValueError(f"routing capture: request {name!r} has {self.requests[engine_id].length} routed "
+                                 f"positions but {lengths[name]} tokens were asked for")
+        taken = {}
+        for name, engine_id in found.items():  # checked above: nothing is forgotten when a request is refused
             routing = self.requests.pop(engine_id)
-            if routing.length > lengths[name]:
-                raise ValueError(f"routing capture: request {name!r} has {routing.length} routed positions but "
-                                 f"{lengths[name]} tokens were asked for")
             out = np.full((lengths[name], self.num_layers, routing.array.shape[2]), NO_ROUTE, dtype=ROUTED_DTYPE)
             out[:routing.length] = routing.array[:routing.length]
             taken[name] = out

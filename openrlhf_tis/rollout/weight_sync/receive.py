@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
-from openrlhf_tis.rollout.routing_capture import RoutingCapture
+from openrlhf_tis.rollout.routing_capture import RoutingCapture, moe_routers
 from openrlhf_tis.rollout.weight_sync.group import GlooBroadcastGroup
 from openrlhf_tis.rollout.weight_sync.reload import pending_weights, reload_if_last
 
@@ -83,10 +83,10 @@ class CPUWorkerExtension(WorkerWrap):
         decoder layers with experts. Idempotent."""
         capture = getattr(self, "_routing_capture", None)
         if capture is None:
-            capture = RoutingCapture(self.model_runner, self.model_config.hf_text_config.num_hidden_layers)
-            capture.install(self.model_runner.get_model())
+            capture = RoutingCapture(self.model_runner, self.model_config.hf_text_config.num_hidden_layers,
+                                     moe_routers(self.model_runner.get_model()))
             self._routing_capture = capture
-        return sorted(capture.layer_ids)
+        return list(capture.routers)
 
     def take_routed_experts(self, lengths: Mapping[str, int]) -> dict[str, np.ndarray]:
         """The routing of each named request, (lengths[id] tokens, layers, k) with NO_ROUTE where the engine routed
