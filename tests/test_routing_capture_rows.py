@@ -118,6 +118,14 @@ def test_requests_are_named_by_the_callers_id_or_the_engines_and_taken_once():
         engine.capture.take({"r0": 6})
 
 
+def test_a_layer_the_routing_has_no_slot_for_is_refused():
+    runner = SimpleNamespace(input_batch=SimpleNamespace(), query_start_loc=SimpleNamespace())
+    with pytest.raises(RuntimeError, match=r"MoE layers \[3\] lie outside the model's 3 decoder layers"):
+        RoutingCapture(runner, LAYERS, {0: _Router(), 3: _Router()})
+    with pytest.raises(RuntimeError, match="model runner has no 'query_start_loc'"):
+        RoutingCapture(SimpleNamespace(input_batch=None), LAYERS, {0: _Router()})
+
+
 def test_a_step_that_breaks_the_row_map_stops_the_engine():
     engine = _Engine()
     engine.step([("r0-aaaaaaaa", 0, 4, 0)])

@@ -94,6 +94,10 @@ class RoutingCapture:
             if not hasattr(runner, name):
                 raise RuntimeError(f"routing capture: vLLM's model runner has no {name!r} (read in vLLM 0.32's "
                                    "GPUModelRunner); review openrlhf_tis/rollout/routing_capture.py")
+        outside = sorted(layer for layer in routers if not 0 <= layer < num_layers)
+        if outside:
+            raise RuntimeError(f"routing capture: MoE layers {outside} lie outside the model's {num_layers} decoder "
+                               "layers")
         self.runner = runner
         self.num_layers = num_layers
         self.routers = dict(routers)
