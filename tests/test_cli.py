@@ -10,7 +10,8 @@ import pytest
 from _support import refused
 
 from openrlhf_tis.cli import train_ppo_ray
-from openrlhf_tis.cli.checks import CPU_DEFAULTS, explicit_dests
+from openrlhf_tis.cli.checks import explicit_dests
+from openrlhf_tis.cli.resolve import CPU_DEFAULTS
 from openrlhf_tis.patches.upstream_cli import upstream_parser
 
 
@@ -96,7 +97,7 @@ def test_unsupported_upstream_version_is_refused(valid_argv, monkeypatch, capsys
 
 
 def test_cpu_defaults_replace_unset_gpu_defaults(parsers):
-    from openrlhf_tis.cli.checks import cpu_replacements
+    from openrlhf_tis.cli.resolve import cpu_replacements
 
     _, fork = parsers
     args = fork.parse_args(["--ds.attn_implementation", "eager"])

@@ -165,7 +165,7 @@ def add_correction_arguments(parser: argparse.ArgumentParser) -> None:
 
     `preset`, then one flag per CorrectionConfig field, generated from the field: its annotation gives the
     type (bool: a switch; the rejection tuple: one or more STAT:AGG:... strings), its metadata the choices
-    and the help. Every flag defaults to None, meaning "as the preset says"; cli/checks.py
+    and the help. Every flag defaults to None, meaning "as the preset says"; cli/resolve.py
     `resolve_correction` resolves preset + overrides (or upstream's --algo.advantage.is_correction_* flags)
     into the run spec's CorrectionConfig.
     """
