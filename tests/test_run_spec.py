@@ -25,7 +25,7 @@ from openrlhf_tis.runs.config import (
     read_run_config,
     resolve_config,
 )
-from openrlhf_tis.spec import SPEC_DEST, ClusterPlan, DumpPlan, RolloutPlan, RunSpec, SyncPlan, run_spec
+from openrlhf_tis.spec import SPEC_DEST, ClusterPlan, DumpPlan, RewardPlan, RolloutPlan, RunSpec, SyncPlan, run_spec
 
 OLD_ONLY = ("algo.correction.resolved", "cluster.device", "cluster.resources")  # moved into the spec
 STARTED = "logger.wandb.run_name"  # upstream's default is the start time
@@ -65,6 +65,9 @@ def test_the_spec_holds_each_decision(resolved):
     fp8 = _spec_part(resolved["cuda_fp8_seq_tis"], "rollout")
     assert (fp8["precision"], fp8["fp8_block"], fp8["weight_bits"]) == ("fp8", [128, 128], None)
     assert _spec_part(resolved["cuda_fp8_seq_tis"], "cluster")["cpu_defaults"] == []
+    reward = _spec_part(resolved["cpu_defaults"], "reward")
+    assert reward["nonfinite"] == "fail" and reward["timeout_s"] > 0  # the flags' defaults, decided once
+    assert _spec_part(resolved["cpu_defaults"], "staleness") == {"max_lag": None}
 
 
 @pytest.mark.parametrize("name", ["cpu_int8_icepop_overrides", "cpu_upstream_seq_flags"])
@@ -104,7 +107,7 @@ def test_the_spec_is_frozen_and_recorded_field_by_field():
     assert flat["fork.spec.sync.every"] == 4 and flat["fork.spec.dumps.samples"] == 3
     # what a resume may change freely (where the run computes, how often it checks and dumps) is not its identity
     moved = dataclasses.replace(spec, cluster=ClusterPlan("cuda", "elsewhere"), sync=SyncPlan(4, 0, 2.0),
-                                dumps=DumpPlan(0, 0))
+                                dumps=DumpPlan(0, 0), reward=RewardPlan(3600.0, "drop"))
     assert fingerprint(flat, RESUME_IGNORED) == fingerprint(resolve_config({SPEC_DEST: moved, "train.seed": 1}),
                                                            RESUME_IGNORED)
     retrained = dataclasses.replace(spec, rollout=RolloutPlan("int8", weight_bits=6))

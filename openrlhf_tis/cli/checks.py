@@ -249,7 +249,8 @@ def check_inputs(args: argparse.Namespace, spec: RunSpec) -> int | None:
     from openrlhf_tis.cli.reward_probe import probe_reward_script
     from openrlhf_tis.rollout.precision import check_cli_precision_files
 
-    check_cli_precision_files(args, cuda=spec.cluster.device == "cuda")
+    check_cli_precision_files(getattr(args, "actor.model_name_or_path"), spec.rollout,
+                              cuda=spec.cluster.device == "cuda")
     check_prompt_lengths(args, train.prompts + evaluated.prompts)
     if train.first is not None:
         probe_reward_script("--reward.remote_url", getattr(args, "reward.remote_url"), train.first, args)

@@ -1,7 +1,8 @@
 """The run resolved once, on the driver: the command line's flags and the cluster in, one frozen RunSpec out.
 
 Every decision lives here: `resolve` decides (the device, upstream's defaults a CPU run replaces:
-`cpu_replacements`, the correction: `resolve_correction`, the rollout plan, the sync and the dumps) and runs the
+`cpu_replacements`, the correction: `resolve_correction`, the rollout plan, the sync, the dumps, the reward's limits
+and the staleness bound) and runs the
 checks of cli/checks.py, which only check; `apply_spec` is the one place the fork writes into upstream's namespace,
 so what upstream and every actor see follows from the spec (openrlhf_tis/spec/run_spec.py).
 
@@ -23,7 +24,7 @@ from openrlhf_tis.cli.cluster_device import DEVICE_DEST, ClusterResources, decid
 from openrlhf_tis.correction.config import CorrectionConfig
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.rollout.precision import rollout_plan
-from openrlhf_tis.spec import SPEC_DEST, ClusterPlan, DumpPlan, RunSpec, SyncPlan
+from openrlhf_tis.spec import SPEC_DEST, ClusterPlan, DumpPlan, RewardPlan, RunSpec, StalenessPlan, SyncPlan
 
 # Upstream asks vLLM for the rollout log-probs only when its own correction level is not off; the mismatch metrics
 # need them every step, whatever the loss, so a run whose correction came from the fork's flags sets upstream's to a
@@ -104,6 +105,8 @@ def resolve(args: argparse.Namespace, explicit: set[str], cluster: ClusterResour
                       check_tolerance=getattr(run, "vllm.sync_check_tolerance")),
         dumps=DumpPlan(steps=getattr(run, "logger.token_dump_steps"),
                        samples=getattr(run, "logger.token_dump_samples")),
+        reward=RewardPlan(timeout_s=getattr(run, "reward.timeout_s"), nonfinite=getattr(run, "reward.nonfinite")),
+        staleness=StalenessPlan(max_lag=getattr(run, "train.async_max_lag")),
     )
 
 

@@ -128,14 +128,14 @@ class ForkController:
         schedule = EvalSchedule.of(args, self.eval_dataloader)
         # Sleeping engines (--vllm.enable_sleep) are checked too: the checker wakes them to score.
         checker = make_sync_checker(args, self.tokenizer, self.vllm_engines, self.actor_model_group)
-        reward_limit = getattr(args.reward, "timeout_s", None)
+        reward_limit = spec.reward.timeout_s
         parts = [
             RolloutOrderPart(),
             RewardLimitPart(self.vllm_engines, reward_limit) if self.vllm_engines and reward_limit else None,
             PolicyVersionPart(self.vllm_engines) if self.vllm_engines else None,
             QueueWaitPart() if self.waits_on_rollout_queue else None,
             RewardScreenPart(rules),
-            StalenessPart(rules, getattr(args.train, "async_max_lag", None),
+            StalenessPart(rules, spec.staleness.max_lag,
                           partial_rollouts=getattr(args.train, "partial_rollout_enable", False)),
             TokenDumpPart(args, spec.dumps, self.actor_model_group) if self.actor_model_group is not None else None,
             CoveragePart(),
