@@ -3,8 +3,9 @@
 Every decision lives here: `resolve` decides (the device, upstream's defaults a CPU run replaces:
 `cpu_replacements`, the correction: `resolve_correction`, the rollout plan, the sync, the dumps, the reward's limits
 and the staleness bound) and runs the
-checks of cli/checks.py, which only check; `apply_spec` is the one place the fork writes into upstream's namespace,
-so what upstream and every actor see follows from the spec (openrlhf_tis/spec/run_spec.py).
+checks of cli/checks.py, which only check. This module is the one place the fork writes into upstream's namespace:
+`apply_spec`, so what upstream and every actor see follows from the spec (openrlhf_tis/spec/run_spec.py), and
+`apply_run_id`, the run directory's identity once it is opened.
 
 On a CPU cluster (cli/cluster_device.py), upstream's GPU *defaults* are replaced by choices that run there
 (docs/design.md §5) unless the user set the flag; a GPU-only choice the user did make is refused. On a CUDA cluster,
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +33,9 @@ from openrlhf_tis.spec import SPEC_DEST, ClusterPlan, DumpPlan, RewardPlan, RunS
 # need them every step, whatever the loss, so a run whose correction came from the fork's flags sets upstream's to a
 # level upstream accepts and that collects them. Upstream's PolicyLoss, which would read it, is replaced by the
 # fork's (trainer/policy_loss.py), which reads only the spec's correction.
+RUN_DIR_DEST = "logger.run_dir"
+RUN_ID_DEST = "logger.run_id"
+
 COLLECT_ROLLOUT_LOG_PROBS = {
     "algo.advantage.is_correction_level": "token",
     "algo.advantage.is_correction_mode": "mask",
@@ -107,19 +113,29 @@ def resolve(args: argparse.Namespace, explicit: set[str], cluster: ClusterResour
                        samples=getattr(run, "logger.token_dump_samples")),
         reward=RewardPlan(timeout_s=getattr(run, "reward.timeout_s"), nonfinite=getattr(run, "reward.nonfinite")),
         staleness=StalenessPlan(max_lag=getattr(run, "train.async_max_lag")),
+        run_dir=os.path.abspath(getattr(run, "logger.run_dir") or time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())),
     )
 
 
 def apply_spec(args: argparse.Namespace, spec: RunSpec) -> None:
     """Write `spec` into upstream's namespace: the CPU replacements, upstream's flags that make vLLM return log-probs
-    (when its own correction flags were not given), and the spec itself at `fork.spec`, which Ray hands to every
-    actor and the run store records in config.json."""
+    (when its own correction flags were not given), the run directory, and the spec itself at `fork.spec`, which Ray
+    hands to every actor and the run store records in config.json."""
     for dest, value in spec.cluster.cpu_defaults:
         setattr(args, dest, value)
     if getattr(args, "algo.advantage.is_correction_level") == "off" and getattr(args, "vllm.num_engines"):
         for dest, value in COLLECT_ROLLOUT_LOG_PROBS.items():
             setattr(args, dest, value)
+    if spec.run_dir is not None:
+        setattr(args, RUN_DIR_DEST, spec.run_dir)
     setattr(args, SPEC_DEST, spec)
+
+
+def apply_run_id(args: argparse.Namespace, run_id: str | None) -> None:
+    """Write the opened run directory's history id (cli/run_dir.py open_run_dir, from config.json) into upstream's
+    namespace, for the actors to stamp on every checkpoint they save (trainer/ppo_actor.py). Not a flag, and not
+    the spec's: it is known only once the directory is opened, after config.json recorded the applied spec."""
+    setattr(args, RUN_ID_DEST, run_id)
 
 
 def resolve_correction(args: argparse.Namespace) -> CorrectionConfig:

@@ -102,6 +102,9 @@ class RunSpec:
     dumps: DumpPlan = field(default_factory=DumpPlan)
     reward: RewardPlan = field(default_factory=RewardPlan)
     staleness: StalenessPlan = field(default_factory=StalenessPlan)
+    run_dir: str | None = None
+    """The run directory, absolute (the flag's, or ./runs/<UTC timestamp> when it names none), so every Ray process
+    writes to the same place; None in a spec that no command line resolved (tests)."""
 
 
 def run_spec(args: Any) -> RunSpec:
