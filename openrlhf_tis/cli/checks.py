@@ -253,7 +253,7 @@ def check_inputs(args: argparse.Namespace, spec: RunSpec) -> int | None:
                               cuda=spec.cluster.device == "cuda")
     check_prompt_lengths(args, train.prompts + evaluated.prompts)
     if train.first is not None:
-        probe_reward_script("--reward.remote_url", getattr(args, "reward.remote_url"), train.first, args)
+        probe_reward_script("--reward.remote_url", getattr(args, "reward.remote_url"), train.first, args, spec.reward)
     return planned_steps(args, train.records)
 
 
