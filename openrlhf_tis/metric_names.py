@@ -103,6 +103,8 @@ def mismatch_lag_key(stat: str, lag: int | str) -> str:
     return f"{BY_LAG}{stat}_lag_{lag}"
 
 
+HEALTH_ESS_WORST, HEALTH_FALL_WARNING = "health/ess_seq_worst", "health/fall_warning"
+"""The run's lowest sequence ESS so far, and 1 from the step it fell below the fall-warning bound (runs/health.py)."""
 REWARD_NONFINITE, REWARD_DROPPED = "reward/nonfinite_samples", "reward/dropped_samples"
 QUEUE_WAIT = "timing/queue_wait"
 """Async: seconds the trainer blocked on the rollout queue (not summed into STEP_SECONDS)."""

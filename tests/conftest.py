@@ -64,6 +64,13 @@ def tiny_model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny_model")
 
 
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory):
+    from _support import build_tiny_moe
+
+    return build_tiny_moe(tmp_path_factory.mktemp("models") / "tiny_moe")
+
+
 @pytest.fixture()
 def valid_argv(tiny_model_dir, tmp_path):
     """A minimal command line the training CLI accepts (local model, prompts, reward script, run dir)."""

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
-from scipy.stats import fisher_exact
+from scipy.stats import fisher_exact, ttest_1samp
+from scipy.stats import t as student_t
 
 from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.sweep import load_grid
 from openrlhf_tis.study import collapse
+from openrlhf_tis.viz.stats import detectable_effect
 
 
 def test_the_grid_is_seed_major_then_lr_with_the_reference_beside_each_pair(tmp_path):
@@ -60,6 +63,37 @@ def test_report_counts_falls_by_the_endpoint_and_tests_them_with_fisher():
     assert "| 4 | +0.200 | +0.000 |  |" in text and "| 5 |  |  | +0.400 |" in text
     one = collapse.collapse_markdown({(1e-4, 8, "off"): {1: -0.2}}, collapse.Endpoint(0.1, 6))
     assert "| 1 | 1.00 [0.03, 1.00] | -0.200 (one run: no interval) |" in one
+
+
+def test_the_paired_comparison_reads_only_the_seeds_both_arms_ran():
+    off, tis = {1: 0.05, 2: -0.1, 3: 0.3, 4: 0.0}, {1: 0.2, 2: 0.3, 3: 0.09, 5: 0.4}
+    lines = collapse.paired_lines({(1e-4, 8, "off"): off, (1e-4, 8, "tis"): tis}, collapse.Endpoint(0.1, 6))
+    diff = np.array([0.15, 0.4, -0.21])  # seeds 1-3
+    sd = diff.std(ddof=1)
+    half = student_t.ppf(0.975, 2) * sd / np.sqrt(3)
+    p = ttest_1samp(diff, 0.0).pvalue
+    # falls: seeds 1, 2 uncorrected only, seed 3 TIS only: McNemar's exact p = P(binomial(3, 1/2) this far) = 1
+    assert lines[2] == (f"| lr 0.0001, K = 8, off vs tis | 3 | {diff.mean():+.3f} [{diff.mean() - half:+.3f}, "
+                        f"{diff.mean() + half:+.3f}] | {p:.3f} | {sd:.3f} | 0 / 2 / 1 / 0 | 1.000 | "
+                        f"{collapse.seeds_for_paired_power(sd)} |")
+
+
+def test_seeds_for_paired_power_is_the_first_that_detects_the_effect():
+    # one SD of differences as the effect (d = 1): the textbook paired t-test needs 10 pairs for 80% at 0.05
+    assert collapse.seeds_for_paired_power(0.1, effect=0.1) == 10
+    n = collapse.seeds_for_paired_power(0.25)
+    assert detectable_effect(0.25, n) <= collapse.PAIRED_EFFECT < detectable_effect(0.25, n - 1)
+    assert collapse.seeds_for_paired_power(float("nan")) is None and collapse.seeds_for_paired_power(5.0) is None
+
+
+def test_a_paired_primary_is_fixed_like_the_endpoint(tmp_path):
+    collapse.check_endpoint(tmp_path, collapse.Endpoint.of(0.1, 8, "paired"), cells=0)
+    with pytest.raises(ParameterError, match="--primary fisher: .* fixed primary = paired"):
+        collapse.check_endpoint(tmp_path, collapse.Endpoint.of(0.1, 8, "fisher"), cells=2)
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / collapse.ENDPOINT_FILE).write_text(json.dumps({"fall_below": 0.1, "runs_per_arm": 6}))
+    collapse.check_endpoint(old, collapse.Endpoint.of(0.1, 6, "fisher"), cells=7)  # written before the field: Fisher
 
 
 def test_bad_arguments_are_refused_naming_the_flag(tmp_path, capsys):

@@ -197,6 +197,12 @@ def test_step_line_and_curves_show_the_adaptive_cap_only_where_it_runs():
     assert panel_keys(pd.DataFrame({"step": [1]}), panel) == []
 
 
+def test_step_line_flags_the_fall_warning_once_it_fired():
+    record = {"step": 4, "timing/step_total": 3.0, "health/ess_seq_worst": 0.08, "health/fall_warning": 0.0}
+    assert "FALL RISK" not in step_line(record, 8)
+    assert step_line({**record, "health/fall_warning": 1.0}, 8).endswith("3.0 s  FALL RISK (ESS 0.08)")
+
+
 def test_staleness_is_drawn_for_async_runs():
     frame = pd.DataFrame({"step": [1, 2, 3], "staleness/mean": [0.0, 0.5, 1.0], "staleness/max": [0.0, 1.0, 2.0]})
     panel = next(p for p in PANELS if p.title.startswith("staleness"))

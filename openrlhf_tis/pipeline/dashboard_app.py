@@ -30,8 +30,9 @@ import pandas as pd
 
 from openrlhf_tis.params import ParamObject, param
 from openrlhf_tis.pipeline.report import ipython_display, show_comparison
+from openrlhf_tis.runs.health import health_label
 from openrlhf_tis.runs.layout import METRICS_FILE
-from openrlhf_tis.runs.reader import find_runs, run_info
+from openrlhf_tis.runs.reader import find_runs, read_metrics_records, run_info
 from openrlhf_tis.viz.explorer import TokenExplorer
 
 
@@ -72,8 +73,8 @@ def table_style(table: pd.DataFrame) -> str:
 
 
 def run_table(root: Path, runs: list[Path]) -> pd.DataFrame:
-    """One row per run: its path relative to `root`, steps logged, last step, dumped steps, when it started and
-    when metrics.jsonl last changed (UTC; a run in progress keeps moving it)."""
+    """One row per run: its path relative to `root`, steps logged, last step, dumped steps, when it started, when
+    metrics.jsonl last changed (UTC; a run in progress keeps moving it) and its fall warning (runs/health.py)."""
     info = [run_info(path) for path in runs]
 
     def updated(path: Path) -> str | None:
@@ -85,6 +86,7 @@ def run_table(root: Path, runs: list[Path]) -> pd.DataFrame:
         "last step": pd.array([i["last_step"] for i in info], dtype="Int64"),
         "dumped steps": [i["token_steps"] for i in info], "created": [i["created"] for i in info],
         "updated": [updated(path) for path in runs],
+        "health": [health_label(read_metrics_records(path)) for path in runs],
     })
 
 

@@ -16,7 +16,10 @@ endpoint, or a folder holding cells but no endpoint, is refused naming the flag.
 
 The report (`collapse.md`, beside the sweep's report) gives per arm the runs, the falls with an exact 95% interval,
 the mean gain with its t interval; the primary comparisons with Fisher's p; and the runs per arm that 80% power
-needs at the rates seen (an arm with fewer runs than the plan asks for is flagged).
+needs at the rates seen (an arm with fewer runs than the plan asks for is flagged). Then the same comparisons paired
+by seed, which repeatable runs make worth reading (a seed's arms share data order and first samples): the gain
+difference with its t interval, the falls as pairs with McNemar's exact p, and the seeds a paired design needs;
+`--primary paired` makes that t-test the primary one of a new study.
 """
 
 from __future__ import annotations
@@ -39,7 +42,14 @@ from openrlhf_tis.runs.kept_score import read_kept_heldout
 from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.study.dose_response import cell_count, check_profile, estimate_seconds, rebuild_report, write_outputs
 from openrlhf_tis.study.staleness import staleness_grid
-from openrlhf_tis.viz.stats import fisher_p, rate_interval, runs_for_power, t_interval
+from openrlhf_tis.viz.stats import (
+    detectable_effect,
+    fisher_p,
+    rate_interval,
+    runs_for_power,
+    t_interval,
+    t_test_p,
+)
 
 LRS = (1e-4,)
 EVERY = 8
@@ -51,6 +61,12 @@ PLANNED_RUNS = 6  # the pilot's runs per arm; the powered study sets its own fro
 ENDPOINT_FILE = "endpoint.json"
 REVISION_FILE = "revision.json"
 REPORT_FILE = "collapse.md"
+PRIMARY_TESTS = {
+    "fisher": "Fisher's exact test, two-sided, alpha 0.05: K uncorrected against each correction",
+    "paired": "paired t-test of the kept gain (correction - K uncorrected) over the seeds both ran, two-sided, "
+              "alpha 0.05",
+}
+PAIRED_EFFECT = 0.1  # the gain difference a paired design is sized to detect: a fall's size (the endpoint's margin)
 
 
 @dataclass(frozen=True)
@@ -60,7 +76,12 @@ class Endpoint:
     fall_below: float
     runs_per_arm: int
     metric: str = "kept policy's held-out gain (pass@1 after - before, heldout_kept.json)"
-    test: str = "Fisher's exact test, two-sided, alpha 0.05: K uncorrected against each correction"
+    test: str = PRIMARY_TESTS["fisher"]
+    primary: str = "fisher"  # a study folder written before this field existed fixed Fisher's test
+
+    @classmethod
+    def of(cls, fall_below: float, runs_per_arm: int, primary: str) -> Endpoint:
+        return cls(fall_below, runs_per_arm, test=PRIMARY_TESTS[primary], primary=primary)
 
 
 def check_endpoint(out: Path, endpoint: Endpoint, cells: int) -> None:
@@ -74,7 +95,8 @@ def check_endpoint(out: Path, endpoint: Endpoint, cells: int) -> None:
         atomic_write(path, (json.dumps(asdict(endpoint), indent=1) + "\n").encode())
         return
     fixed = json.loads(path.read_text())
-    for field, flag in (("fall_below", "--fall_below"), ("runs_per_arm", "--runs_per_arm")):
+    fixed.setdefault("primary", "fisher")
+    for field, flag in (("fall_below", "--fall_below"), ("runs_per_arm", "--runs_per_arm"), ("primary", "--primary")):
         if fixed.get(field) != getattr(endpoint, field):
             raise ParameterError(f"{flag} {getattr(endpoint, field)}: the study under {out} fixed {field} = "
                                  f"{fixed.get(field)} before its cells ran ({path}); keep it, or start a new --out")
@@ -164,12 +186,57 @@ def collapse_markdown(by_seed: dict[Arm, dict[int, float]], endpoint: Endpoint) 
         needed = runs_for_power(a / len(base), b / len(gains))
         lines.append(f"| {_name((lr, every, 'off'))} vs {correction} | {a}/{len(base)} vs {b}/{len(gains)} | "
                      f"{fisher_p(a, len(base), b, len(gains)):.3f} | {needed if needed else 'not within 200'} |")
+    lines += ["", *paired_lines(by_seed, endpoint)]
     columns = sorted(by_seed, key=_order)
     lines += ["", "| seed | " + " | ".join(_name(arm) for arm in columns) + " |", "|---|" + "---|" * len(columns)]
     for seed in sorted({seed for gains in by_seed.values() for seed in gains}):
         cells = [f"{by_seed[arm][seed]:+.3f}" if seed in by_seed[arm] else "" for arm in columns]
         lines.append(f"| {seed} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def seeds_for_paired_power(sd: float, effect: float = PAIRED_EFFECT, most: int = 200) -> int | None:
+    """The fewest seeds at which a paired t-test over differences spread by `sd` detects `effect` with 80% power
+    (viz/stats.py detectable_effect), or None: not within `most`, or no spread measured."""
+    for n in range(2, most + 1):
+        detectable = detectable_effect(sd, n)
+        if not np.isfinite(detectable):
+            return None
+        if detectable <= effect:
+            return n
+    return None
+
+
+def paired_lines(by_seed: dict[Arm, dict[int, float]], endpoint: Endpoint) -> list[str]:
+    """Each correction against K uncorrected over the seeds both ran: the gain difference with its t interval and
+    p, the falls as pairs (both, uncorrected only, corrected only, neither) with the exact McNemar p of the discordant
+    ones, and the seeds a paired design needs (80% power for a PAIRED_EFFECT difference at the spread seen)."""
+    from scipy.stats import binomtest
+
+    lines = ["| paired over seeds | seeds | gain difference [95% t] | p | SD of differences | falls: both / off only / "
+             f"correction only / neither | McNemar p | seeds for 80% power at ±{PAIRED_EFFECT:g} |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (lr, every, correction), gains in sorted(by_seed.items()):
+        base = by_seed.get((lr, every, "off"))
+        if correction == "off" or base is None:
+            continue
+        seeds = sorted(set(base) & set(gains))
+        if not seeds:
+            continue
+        diff = np.array([gains[s] - base[s] for s in seeds])
+        fell_off = np.array([base[s] < endpoint.fall_below for s in seeds])
+        fell_cor = np.array([gains[s] < endpoint.fall_below for s in seeds])
+        off_only, cor_only = int((fell_off & ~fell_cor).sum()), int((fell_cor & ~fell_off).sum())
+        discordant = off_only + cor_only
+        mcnemar = float(binomtest(off_only, discordant).pvalue) if discordant else 1.0
+        gap, sd = t_interval(diff), float(diff.std(ddof=1)) if len(diff) > 1 else float("nan")
+        spread = f"[{gap.low:+.3f}, {gap.high:+.3f}]" if gap.defined else "(one seed: no interval)"
+        needed = seeds_for_paired_power(sd)
+        lines.append(f"| {_name((lr, every, 'off'))} vs {correction} | {len(seeds)} | {gap.estimate:+.3f} {spread} | "
+                     f"{t_test_p(diff):.3f} | {sd:.3f} | {int((fell_off & fell_cor).sum())} / {off_only} / "
+                     f"{cor_only} / {int((~fell_off & ~fell_cor).sum())} | {mcnemar:.3f} | "
+                     f"{needed if needed else 'not within 200'} |")
+    return lines
 
 
 def write_collapse_report(out: Path) -> str:
@@ -195,6 +262,9 @@ def main(argv: list[str] | None = None) -> None:
                         "fixed in endpoint.json by the first sitting")
     parser.add_argument("--runs_per_arm", type=int, default=PLANNED_RUNS,
                         help=f"runs per arm the study plans (default {PLANNED_RUNS}); fixed like the endpoint")
+    parser.add_argument("--primary", choices=sorted(PRIMARY_TESTS), default="fisher",
+                        help="the primary test (default fisher: fall rates, unpaired; paired: the seeds' gain "
+                        "differences, which a study of repeatable runs can afford); fixed like the endpoint")
     parser.add_argument("--dry_run", action="store_true", help="check every cell, print the grid, run nothing")
     parser.add_argument("--report", action="store_true", help="rebuild the reports from the cells, run nothing")
     args = parser.parse_args(argv)
@@ -218,7 +288,8 @@ def main(argv: list[str] | None = None) -> None:
         grid_file.write_text(json.dumps(grid, indent=1))
         load_grid(grid_file)
         if not args.dry_run:
-            check_endpoint(out, Endpoint(args.fall_below, args.runs_per_arm), len(recorded_cells(out).results))
+            check_endpoint(out, Endpoint.of(args.fall_below, args.runs_per_arm, args.primary),
+                           len(recorded_cells(out).results))
             check_revision(out, code_revision())
     except ParameterError as err:
         parser.error(str(err))

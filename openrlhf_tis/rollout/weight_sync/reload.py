@@ -2,7 +2,8 @@
 
 One `reload_weights` (vLLM's layer-wise reload: each layer re-materialised, loaded and re-processed, its kernel
 tensors copied back into the storage the engine already points at) reaches the packed oneDNN weights that
-per-tensor loads miss on CPU; the tied head and any cached fp32 head copy are refreshed after it.
+per-tensor loads miss on CPU; the tied head and any cached fp32 head copy are refreshed after it, and a
+mixture-of-experts model's expert weights packed again for the CPU kernel (moe_prepack.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from contextlib import contextmanager
 import torch
 
 from openrlhf_tis.rollout.fp32_head import forget_fp32_heads
+from openrlhf_tis.rollout.weight_sync.moe_prepack import repack_moe_experts
 from openrlhf_tis.rollout.weight_sync.requantize import prepare_for_engine
 
 # A sync's tensors received and not yet reloaded, on the worker instance (not a class attribute: vLLM refuses an
@@ -62,6 +64,7 @@ def reload_into_engine(model_runner, named_tensors: list[tuple[str, torch.Tensor
     with as_vllm_loads(model_runner):
         model_runner.reload_weights(weights_iterator=iter(named_tensors))
     refresh_after_reload(model_runner.model)
+    repack_moe_experts(model_runner.model)  # the CPU experts' packed layout, which vLLM 0.32 skips on an update
     return stats
 
 
