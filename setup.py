@@ -33,8 +33,8 @@ setup(
     version="0.1.0",
     description="OpenRLHF fork that measures and corrects the rollout-training mismatch",
     python_requires=">=3.11",
-    packages=find_packages(include=["openrlhf_tis", "openrlhf_tis.*"]) + ["openrlhf_tis.patches"],
-    package_dir={"openrlhf_tis.patches": "patches"},
+    # openrlhf_tis.patches is a plain subpackage (the top-level patches/ links to it), so a checkout imports it too
+    packages=find_packages(include=["openrlhf_tis", "openrlhf_tis.*"]),
     # The notebooks are package data: the pipeline executes them from the installed package (pipeline/execute.py).
     package_data={
         "openrlhf_tis": ["notebooks/*.ipynb"],

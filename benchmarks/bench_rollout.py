@@ -129,7 +129,7 @@ def upstream_fp32_head(enabled: bool):
         return
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    from openrlhf_tis.patches._guard import upstream_original
+    from openrlhf_tis.upstream_guards import upstream_original
 
     patched = LogitsProcessor._apply_head
     LogitsProcessor._apply_head = upstream_original(LogitsProcessor, "_apply_head")

@@ -31,8 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LIMIT_MIB = 64
 """What a GPU machine of this workplace takes along with the repository (the device tool's working-tree limit)."""
-SOURCES = {"openrlhf_tis": "openrlhf_tis", "benchmarks": "benchmarks", "patches": "openrlhf_tis/patches"}
-"""Repository folder -> its place in the bundle (patches/ where setup.py's package_dir installs it)."""
+SOURCES = {"openrlhf_tis": "openrlhf_tis", "benchmarks": "benchmarks"}
+"""Repository folder -> its place in the bundle (the top-level patches/ is a link into openrlhf_tis/)."""
 VENDORED = ("rich",)
 """Distributions gpu_check uses where installed that a machine with only torch, transformers and triton may lack.
 rich's own requirements (markdown-it-py, pygments) serve Markdown and syntax highlighting only, not tables."""

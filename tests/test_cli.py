@@ -10,7 +10,8 @@ import pytest
 from _support import refused
 
 from openrlhf_tis.cli import train_ppo_ray
-from openrlhf_tis.cli.checks import CPU_DEFAULTS, explicit_dests
+from openrlhf_tis.cli.checks import explicit_dests
+from openrlhf_tis.cli.resolve import CPU_DEFAULTS
 from openrlhf_tis.patches.upstream_cli import upstream_parser
 
 
@@ -96,7 +97,7 @@ def test_unsupported_upstream_version_is_refused(valid_argv, monkeypatch, capsys
 
 
 def test_cpu_defaults_replace_unset_gpu_defaults(parsers):
-    from openrlhf_tis.cli.checks import cpu_replacements
+    from openrlhf_tis.cli.resolve import cpu_replacements
 
     _, fork = parsers
     args = fork.parse_args(["--ds.attn_implementation", "eager"])
@@ -127,3 +128,19 @@ def test_run_dir_is_made_absolute_for_every_process(valid_argv, tmp_path, monkey
     args = train_ppo_ray.parse(argv, cpu=True)
     assert getattr(args, "logger.run_dir") == str(tmp_path / "relative_run")
     assert (tmp_path / "relative_run" / "config.json").is_file()
+
+
+def test_the_spec_carries_the_reward_limits_and_the_staleness_bound(parsers):
+    """What the controller reads of the reward flags and the async lag bound is the run spec's, decided once."""
+    from openrlhf_tis.cli.cluster_device import assumed_cluster
+    from openrlhf_tis.cli.resolve import resolve
+    from openrlhf_tis.spec import RewardPlan, StalenessPlan
+
+    _, fork = parsers
+    argv = ["--reward.timeout_s", "7.5", "--reward.nonfinite", "drop", "--train.async_enable",
+            "--train.async_max_lag", "2"]
+    spec = resolve(fork.parse_args(argv), explicit_dests(fork, argv), assumed_cluster(cuda=False))
+    assert (spec.reward, spec.staleness) == (RewardPlan(timeout_s=7.5, nonfinite="drop"), StalenessPlan(max_lag=2))
+    default = resolve(fork.parse_args([]), set(), assumed_cluster(cuda=False))
+    assert (default.reward.nonfinite, default.staleness.max_lag) == ("fail", None)
+    assert default.reward.timeout_s == fork.get_default("reward.timeout_s") > 0

@@ -54,7 +54,15 @@ from openrlhf_tis.metric_names import (  # noqa: E402
 )
 from openrlhf_tis.rollout.versions import VERSION_FIRST, VERSION_LAST  # noqa: E402
 from openrlhf_tis.runs.tokens import select_samples  # noqa: E402
-from openrlhf_tis.spec import ClusterPlan, DumpPlan, RolloutPlan, RunSpec, SyncPlan  # noqa: E402
+from openrlhf_tis.spec import (  # noqa: E402
+    ClusterPlan,
+    DumpPlan,
+    RewardPlan,
+    RolloutPlan,
+    RunSpec,
+    StalenessPlan,
+    SyncPlan,
+)
 from openrlhf_tis.trainer import ppo_trainer, sync_check  # noqa: E402
 from openrlhf_tis.trainer.rewards import DROP_FLAG, NonFiniteRewardError  # noqa: E402
 from openrlhf_tis.trainer.staleness import LAG, MAX_LAG_FLAG, StalenessError  # noqa: E402
@@ -295,14 +303,16 @@ class World:
 def make_args(run_dir, ckpt, *, eval_steps=2, sync_check_steps=2, dump_every=2, nonfinite="fail", max_lag=None,
               partial=False, precision="bf16", cuda=False, load=False, logged=True):
     ns = SimpleNamespace
+    # the reward flags and the lag bound are the spec's only: the namespace below has none of them to fall back on
     spec = RunSpec(ClusterPlan("cuda" if cuda else "cpu", "a test"), CorrectionConfig(), RolloutPlan(precision),
-                   SyncPlan(check_steps=sync_check_steps), DumpPlan(steps=dump_every, samples=DUMP_SAMPLES))
+                   SyncPlan(check_steps=sync_check_steps), DumpPlan(steps=dump_every, samples=DUMP_SAMPLES),
+                   RewardPlan(timeout_s=7.5, nonfinite=nonfinite), StalenessPlan(max_lag=max_lag))
     return ns(
         fork=ns(spec=spec),
         logger=ns(run_dir=str(run_dir) if logged else None, logging_steps=1, wandb=ns(key=None), tensorboard_dir=None),
         rollout=ns(n_samples_per_prompt=GROUP, micro_batch_size=1, temperature=1.0, batch_size=PROMPTS,
                    vllm_generate_batch_size=None),
-        train=ns(seed=SEED, async_max_lag=max_lag, partial_rollout_enable=partial, micro_batch_size=1,
+        train=ns(seed=SEED, partial_rollout_enable=partial, micro_batch_size=1,
                  dynamic_batch_enable=False, num_episodes=1),
         critic=ns(freezing_steps=-1),
         ds=ns(enable_sleep=False, ring_attn_size=1, tensor_parallel_size=1),
@@ -312,7 +322,7 @@ def make_args(run_dir, ckpt, *, eval_steps=2, sync_check_steps=2, dump_every=2, 
         algo=ns(kl=ns(init_coef=0.0, target=None, horizon=1), dynamic_filtering_enable=False,
                 advantage=ns(estimator="group_norm")),
         actor=ns(num_nodes=1, num_gpus_per_node=1),
-        reward=ns(remote_url=["reward.py"], nonfinite=nonfinite, timeout_s=7.5),
+        reward=ns(remote_url=["reward.py"]),
     )
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from openrlhf_tis.cli import train_ppo_ray
-from openrlhf_tis.cli.checks import UPSTREAM_0110_FLAGS, refuse_upstream_0110_flags, resolve_correction
+from openrlhf_tis.cli.checks import UPSTREAM_0110_FLAGS, refuse_upstream_0110_flags
+from openrlhf_tis.cli.resolve import resolve_correction
 from openrlhf_tis.errors import UsageError
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "gpu.md").read_text(encoding="utf-8")

@@ -46,7 +46,7 @@ def _sections(block: str) -> dict[str, str]:
 
 
 def _modules() -> list[Path]:
-    """Every module of the package (patches/ lives outside it and has its own table in patches/README.md)."""
+    """Every module of the package but the patches (patches/README.md is their table)."""
     return sorted(p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py")
                   if p.name != "__init__.py" and "patches" not in p.relative_to(PACKAGE).parts)
 

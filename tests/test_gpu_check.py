@@ -304,7 +304,7 @@ def test_the_prepared_folder_is_under_64_mib_and_runs_the_check_alone(tmp_path):
     assert size <= 64 * 2**20
     assert f"{bundle}: {len(files)} files, {size / 2**20:.2f} MiB (limit 64 MiB)" in prep.stdout
     assert "python3 gpu_check_bundle/benchmarks/gpu_check.py" in prep.stdout
-    assert (bundle / "openrlhf_tis" / "patches" / "__init__.py").is_file()  # where setup.py installs patches/
+    assert (bundle / "openrlhf_tis" / "patches" / "__init__.py").is_file()  # the patch package travels with the fork
     assert not [path for path in files if "__pycache__" in path.parts or path.suffix == ".pyc"]
 
     work = tmp_path / "elsewhere"

@@ -1,4 +1,4 @@
-"""Held-out accuracy of the kept policy (pipeline/heldout.py): the pass@k arithmetic, and a real engine run
+"""Held-out accuracy of the kept policy (pipeline/kept_eval.py): the pass@k arithmetic, and a real engine run
 that scores a base model and a "trained" one on the same questions and samples, with the base cached."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 from _support import save_as_source, trainer_model
 
-from openrlhf_tis.pipeline.heldout import cache_key, evaluate_kept
-from openrlhf_tis.runs.heldout import HeldoutSettings, kept_label, pass_at_k, read_kept
+from openrlhf_tis.pipeline.kept_eval import cache_key, evaluate_kept
+from openrlhf_tis.runs.kept_score import HeldoutSettings, kept_label, pass_at_k, read_kept
 
 
 def test_pass_at_k_against_a_hand_computed_case():
@@ -90,7 +90,7 @@ def test_a_run_without_a_saved_model_is_refused(tiny_model_dir, held_out_files, 
 def test_the_notebook_job_asks_for_the_runs_own_settings(tmp_path, monkeypatch):
     """pipeline/train.py's command line for the kept-policy evaluation: the run's dtype, samples, seed, eval
     temperature and lengths, parsed by heldout's own parser."""
-    from openrlhf_tis.pipeline.heldout import build_parser, settings_from_args
+    from openrlhf_tis.pipeline.kept_eval import build_parser, settings_from_args
     from openrlhf_tis.pipeline.train import kept_eval_argv
     from openrlhf_tis.pipeline.train_params import DEMO_REWARD, TrainParams
 
@@ -100,7 +100,7 @@ def test_the_notebook_job_asks_for_the_runs_own_settings(tmp_path, monkeypatch):
     params = TrainParams.checked({"eval_prompts": str(questions), "eval_samples": 4, "seed": 9, "train_dtype": "fp32",
                                   "max_new_tokens": 20}, where="test")
     argv = kept_eval_argv(params, tmp_path / "base", tmp_path / "run")
-    assert argv[1:3] == ["-m", "openrlhf_tis.pipeline.heldout"]
+    assert argv[1:3] == ["-m", "openrlhf_tis.pipeline.kept_eval"]
     args = build_parser().parse_args(argv[3:])
     assert (args.dtype, args.n_samples, args.seed, args.temperature, args.max_new_tokens, args.max_len) == (
         "fp32", 4, 9, 1.0, 20, 148)
@@ -111,17 +111,17 @@ def test_the_notebook_job_asks_for_the_runs_own_settings(tmp_path, monkeypatch):
 
 
 def test_the_settings_round_trip_through_the_command_line_and_key_the_cache_as_before(tmp_path):
-    """pipeline/heldout.py's own command line carries every setting its parser reads back, and the base model's
+    """pipeline/kept_eval.py's own command line carries every setting its parser reads back, and the base model's
     cache key is built from the same names and values as before HeldoutSettings existed (cached scores stay valid)."""
     import dataclasses
 
-    from openrlhf_tis.pipeline.heldout import build_parser, command, settings_from_args
+    from openrlhf_tis.pipeline.kept_eval import build_parser, command, settings_from_args
 
     for settings in (HeldoutSettings("bf16", 4, 3, 0.7, 16, 144),
                      HeldoutSettings("fp32", 1, 42, 1.0, 24, 152, chat_template=False)):
         argv = command(tmp_path / "run", tmp_path / "base", tmp_path / "q.jsonl", tmp_path / "r.py", settings,
                        tmp_path / "cache")
-        assert argv[1:3] == ["-m", "openrlhf_tis.pipeline.heldout"]
+        assert argv[1:3] == ["-m", "openrlhf_tis.pipeline.kept_eval"]
         assert settings_from_args(build_parser().parse_args(argv[3:])) == settings
     assert dataclasses.asdict(HeldoutSettings("fp32", 4, 9, 1.0, 20, 148)) == {
         "dtype": "fp32", "n_samples": 4, "seed": 9, "temperature": 1.0, "max_new_tokens": 20, "max_len": 148,
@@ -129,9 +129,9 @@ def test_the_settings_round_trip_through_the_command_line_and_key_the_cache_as_b
 
 
 def test_the_command_runs_the_evaluation_with_the_settings_it_carries(held_out_files, tmp_path, monkeypatch, capsys):
-    """`python -m openrlhf_tis.pipeline.heldout` as train.py starts it: main hands evaluate_kept the same files,
+    """`python -m openrlhf_tis.pipeline.kept_eval` as train.py starts it: main hands evaluate_kept the same files,
     settings and cache directory (the engine itself is the engine tests' business)."""
-    from openrlhf_tis.pipeline import heldout
+    from openrlhf_tis.pipeline import kept_eval
 
     questions, reward = held_out_files
     settings = HeldoutSettings("fp32", 3, 5, 1.0, 8, 136)
@@ -142,15 +142,15 @@ def test_the_command_runs_the_evaluation_with_the_settings_it_carries(held_out_f
         score = {"pass1": 0.25}
         return {"policy": "trainer weights", "dtype": "fp32", "questions": 5, "before": score, "after": score}
 
-    monkeypatch.setattr(heldout, "evaluate_kept", evaluate)
-    argv = heldout.command(tmp_path / "run", tmp_path / "base", questions, reward, settings, tmp_path / "cache")
-    heldout.main(argv[3:])
+    monkeypatch.setattr(kept_eval, "evaluate_kept", evaluate)
+    argv = kept_eval.command(tmp_path / "run", tmp_path / "base", questions, reward, settings, tmp_path / "cache")
+    kept_eval.main(argv[3:])
     assert calls == [(tmp_path / "run", tmp_path / "base", questions, reward, settings, tmp_path / "cache")]
     assert "kept policy (trainer weights, fp32): pass1 0.250 -> 0.250 (5 questions x 3)" in capsys.readouterr().err
 
 
 def test_the_kept_file_is_written_as_documented_and_read_back(tmp_path):
-    from openrlhf_tis.runs.heldout import KEPT_FILE, read_kept_heldout, write_kept
+    from openrlhf_tis.runs.kept_score import KEPT_FILE, read_kept_heldout, write_kept
 
     score = {"model": "m", "pass1": 0.5, "passk": 1.0, "k": 2, "per_question": [0.5, 0.5], "seconds": 1.0,
              "cached": False}

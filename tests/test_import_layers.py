@@ -1,6 +1,6 @@
 """The package's imports flow one way (docs/design.md §2): no module cycle, no upward import.
 
-Every `.py` file under `openrlhf_tis/` and `patches/` (imported as `openrlhf_tis.patches`) is parsed
+Every `.py` file under `openrlhf_tis/` (the top-level `patches/` links to `openrlhf_tis/patches/`) is parsed
 with `ast`; every `import` / `from ... import` of an `openrlhf_tis.*` module is an edge, wherever it sits
 (module level, inside a function, under `if TYPE_CHECKING:`): a function-local import only hides a cycle
 from the interpreter, it does not remove the dependency. Relative imports are resolved against the
@@ -26,19 +26,18 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ROOTS = {"openrlhf_tis": REPO / "openrlhf_tis", "openrlhf_tis.patches": REPO / "patches"}
+ROOT = REPO / "openrlhf_tis"
 
 
 def _module_files() -> dict[str, tuple[Path, bool]]:
     """Module name -> (file, is_package)."""
     modules = {}
-    for prefix, root in ROOTS.items():
-        for path in sorted(root.rglob("*.py")):
-            parts = list(path.relative_to(root).with_suffix("").parts)
-            is_package = parts[-1] == "__init__"
-            if is_package:
-                parts = parts[:-1]
-            modules[".".join([prefix, *parts])] = (path, is_package)
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        modules[".".join(["openrlhf_tis", *parts])] = (path, is_package)
     return modules
 
 
@@ -206,6 +205,26 @@ def test_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def _folder(module: str) -> str:
+    """The folder a module sits in (`openrlhf_tis.trainer`; nested ones count as theirs), or `openrlhf_tis` for the
+    package's own bottom modules."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or MODULES[module][1] else parts[0]
+
+
+FOLDER_GRAPH = {folder: set() for folder in map(_folder, MODULES)}
+for _module, _targets in GRAPH.items():
+    FOLDER_GRAPH[_folder(_module)].update(_folder(t) for t in _targets if _folder(t) != _folder(_module))
+
+
+def test_no_folder_cycle():
+    """Folders import one way too: two folders that import each other form no module cycle, yet neither can be read,
+    tested or moved without the other (the guards every layer uses are bottom modules for that reason)."""
+    cycle = _find_cycle(FOLDER_GRAPH)
+    assert cycle is None, "folder cycle: " + " -> ".join(cycle)
+    assert {"openrlhf_tis", "openrlhf_tis.rollout"} <= FOLDER_GRAPH["openrlhf_tis.patches"]  # guards the test
+
+
 def test_core_layers_import_nothing_above_them():
     upward = _upward(("openrlhf_tis.correction", "openrlhf_tis.runs"),
                      ("openrlhf_tis.cli", "openrlhf_tis.trainer", "openrlhf_tis.rollout", "openrlhf_tis.pipeline",
@@ -242,21 +261,21 @@ def test_viz_imports_no_pipeline():
     assert not upward, "\n".join(upward)
 
 
-def test_patches_import_rollout_never_the_reverse():
-    """Patches wire the fork's rollout classes into upstream; the rollout layer uses no patch, only the guards
-    (patches/_guard.py, which imports nothing of the fork) for its re-classed upstream object."""
-    upward = [edge for edge in _upward(("openrlhf_tis.rollout",), ("openrlhf_tis.patches",))
-              if not edge.endswith(" imports openrlhf_tis.patches._guard")]
+def test_patches_import_rollout_and_trainer_never_the_reverse():
+    """Patches wire the fork's rollout and trainer classes into upstream; no layer below the entry points uses a
+    patch: the guards and import hooks every layer uses are bottom modules (upstream_guards, import_hooks)."""
+    below = ("openrlhf_tis.correction", "openrlhf_tis.runs", "openrlhf_tis.rollout", "openrlhf_tis.trainer",
+             "openrlhf_tis.moe", "openrlhf_tis.spec", "openrlhf_tis.demo", "openrlhf_tis.viz")
+    upward = _upward(below, ("openrlhf_tis.patches",))
     assert not upward, "\n".join(upward)
-    assert not GRAPH["openrlhf_tis.patches._guard"]
     assert "openrlhf_tis.rollout.fp32_head" in GRAPH["openrlhf_tis.patches.cpu_fp32_head"]  # guards the test
+    assert "openrlhf_tis.upstream_guards" in GRAPH["openrlhf_tis.trainer.ppo_trainer"]  # guards the test
 
 
 def test_bottom_modules_import_only_each_other():
     """The top-level modules (errors, params, model_files, ...) are the layer every other may use."""
-    bottom = {m for m, (path, is_package) in MODULES.items()
-              if m.count(".") == 1 and not is_package and m != "openrlhf_tis.patches"}
-    assert {"openrlhf_tis.errors", "openrlhf_tis.params"} <= bottom
+    bottom = {m for m, (path, is_package) in MODULES.items() if m.count(".") == 1 and not is_package}
+    assert {"openrlhf_tis.errors", "openrlhf_tis.params", "openrlhf_tis.upstream_guards"} <= bottom
     upward = sorted(f"{m} imports {t}" for m in bottom for t in GRAPH[m] - bottom)
     assert not upward, "\n".join(upward)
 

@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openrlhf_tis import patches
-from openrlhf_tis.patches import _import_hooks, flash_attn_standin
-from openrlhf_tis.patches._guard import (
+from openrlhf_tis import import_hooks, patches
+from openrlhf_tis.patches import flash_attn_standin
+from openrlhf_tis.upstream_guards import (
     PatchTargetMissingError,
     UnsupportedUpstreamError,
     reclass,
@@ -154,12 +154,12 @@ def test_after_import_fires_once_on_first_import(tmp_path, monkeypatch):
     (tmp_path / "hooked_mod_xyz.py").write_text("VALUE = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     seen = []
-    _import_hooks.after_import("hooked_mod_xyz", lambda m: seen.append(m.VALUE))
-    assert seen == [] and "hooked_mod_xyz" in _import_hooks.pending()
+    import_hooks.after_import("hooked_mod_xyz", lambda m: seen.append(m.VALUE))
+    assert seen == [] and "hooked_mod_xyz" in import_hooks.pending()
     import hooked_mod_xyz  # noqa: F401
 
-    assert seen == [1] and "hooked_mod_xyz" not in _import_hooks.pending()
-    _import_hooks.after_import("hooked_mod_xyz", lambda m: seen.append(2))  # already imported: runs now
+    assert seen == [1] and "hooked_mod_xyz" not in import_hooks.pending()
+    import_hooks.after_import("hooked_mod_xyz", lambda m: seen.append(2))  # already imported: runs now
     assert seen == [1, 2]
 
 

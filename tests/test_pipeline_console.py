@@ -39,7 +39,7 @@ def test_the_summary_says_where_reward_went_and_where_the_report_is(tmp_path):
             "0.250 -> 0.500") in text
     assert "kept policy" not in text  # not scored: no row
     assert "masked fraction (last): 0.020" in text and f"report: {tmp_path / 'report.html'}" in text
-    # The kept policy's score, when pipeline/heldout.py wrote it, is a row of its own, named by what it scored.
+    # The kept policy's score, when pipeline/kept_eval.py wrote it, is a row of its own, named by what it scored.
     kept = {"schema": 1, "policy": "trainer weights", "dtype": "fp32", "n_samples": 2, "seed": 1, "questions": 3,
             "before": {"pass1": 0.5, "passk": 2 / 3}, "after": {"pass1": 0.75, "passk": 1.0}}
     (tmp_path / "heldout_kept.json").write_text(json.dumps(kept))

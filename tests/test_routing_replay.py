@@ -29,7 +29,7 @@ from transformers import (
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.moe.routing_metrics import NO_ROUTE
 from openrlhf_tis.moe.routing_replay import install_routing_replay, replaying
-from openrlhf_tis.patches._guard import UnsupportedUpstreamError
+from openrlhf_tis.upstream_guards import UnsupportedUpstreamError
 
 SHAPES = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 

@@ -77,9 +77,9 @@ def _hook_code(entry: str) -> str:
     were touched or replaced, and which upstream modules a patch waits for (a CPU patch waits for its target)."""
     return f"""
         from openrlhf_tis import patches
-        from openrlhf_tis.patches import _import_hooks
+        from openrlhf_tis import import_hooks
         patches.{entry}()
-        report(_import_hooks.pending())
+        report(import_hooks.pending())
     """
 
 

@@ -8,8 +8,10 @@ namespace carried; and the spec's other parts say what the flags asked, with eve
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from run_spec_cases import CASES, PIN, resolve_cases
@@ -25,7 +27,7 @@ from openrlhf_tis.runs.config import (
     read_run_config,
     resolve_config,
 )
-from openrlhf_tis.spec import SPEC_DEST, ClusterPlan, DumpPlan, RolloutPlan, RunSpec, SyncPlan, run_spec
+from openrlhf_tis.spec import SPEC_DEST, ClusterPlan, DumpPlan, RewardPlan, RolloutPlan, RunSpec, SyncPlan, run_spec
 
 OLD_ONLY = ("algo.correction.resolved", "cluster.device", "cluster.resources")  # moved into the spec
 STARTED = "logger.wandb.run_name"  # upstream's default is the start time
@@ -65,6 +67,11 @@ def test_the_spec_holds_each_decision(resolved):
     fp8 = _spec_part(resolved["cuda_fp8_seq_tis"], "rollout")
     assert (fp8["precision"], fp8["fp8_block"], fp8["weight_bits"]) == ("fp8", [128, 128], None)
     assert _spec_part(resolved["cuda_fp8_seq_tis"], "cluster")["cpu_defaults"] == []
+    assert resolved["cpu_defaults"][f"{SPEC_DEST}.run_dir"] == resolved["cpu_defaults"]["logger.run_dir"] == \
+        "/runs/pinned"  # absolute already: as given
+    reward = _spec_part(resolved["cpu_defaults"], "reward")
+    assert reward["nonfinite"] == "fail" and reward["timeout_s"] > 0  # the flags' defaults, decided once
+    assert _spec_part(resolved["cpu_defaults"], "staleness") == {"max_lag": None}
 
 
 @pytest.mark.parametrize("name", ["cpu_int8_icepop_overrides", "cpu_upstream_seq_flags"])
@@ -83,10 +90,15 @@ def test_resolving_changes_nothing_and_applying_is_the_one_writer(monkeypatch):
     from openrlhf_tis.cli import resolve as resolve_module
 
     args = argparse.Namespace(**{"cluster.device": "auto", "algo.advantage.is_correction_level": "off",
-                                 "vllm.num_engines": 1, "ds.attn_implementation": "flash_attention_2"})
-    spec = RunSpec(ClusterPlan("cpu", "a test", (("ds.attn_implementation", "sdpa"),)), preset("tis"))
+                                 "vllm.num_engines": 1, "ds.attn_implementation": "flash_attention_2",
+                                 "logger.run_dir": "runs/x"})
+    spec = RunSpec(ClusterPlan("cpu", "a test", (("ds.attn_implementation", "sdpa"),)), preset("tis"),
+                   run_dir="/abs/runs/x")
     resolve_module.apply_spec(args, spec)
     assert getattr(args, "ds.attn_implementation") == "sdpa" and run_spec(args) is spec
+    assert getattr(args, "logger.run_dir") == "/abs/runs/x"
+    resolve_module.apply_run_id(args, "0123abcd")
+    assert getattr(args, "logger.run_id") == "0123abcd"  # what the actors stamp on their checkpoints
     assert getattr(args, "algo.advantage.is_correction_level") == "token"  # vLLM returns the rollout log-probs
     hierarchized = argparse.Namespace(fork=argparse.Namespace(spec=spec))  # as upstream hands it to its actors
     assert run_spec(hierarchized) is spec
@@ -104,9 +116,48 @@ def test_the_spec_is_frozen_and_recorded_field_by_field():
     assert flat["fork.spec.sync.every"] == 4 and flat["fork.spec.dumps.samples"] == 3
     # what a resume may change freely (where the run computes, how often it checks and dumps) is not its identity
     moved = dataclasses.replace(spec, cluster=ClusterPlan("cuda", "elsewhere"), sync=SyncPlan(4, 0, 2.0),
-                                dumps=DumpPlan(0, 0))
+                                dumps=DumpPlan(0, 0), reward=RewardPlan(3600.0, "drop"), run_dir="/moved/run")
     assert fingerprint(flat, RESUME_IGNORED) == fingerprint(resolve_config({SPEC_DEST: moved, "train.seed": 1}),
                                                            RESUME_IGNORED)
     retrained = dataclasses.replace(spec, rollout=RolloutPlan("int8", weight_bits=6))
     assert fingerprint(flat, RESUME_IGNORED) != fingerprint(resolve_config({SPEC_DEST: retrained, "train.seed": 1}),
                                                            RESUME_IGNORED)
+
+
+
+def _namespace_writes(source: str) -> list[int]:
+    """Lines of `source` that write an attribute of a namespace named `args`, the object upstream receives
+    (`setattr(args, ...)`, `args.x = ...`, `self.args.x = ...`, `vars(args)[...] = ...`, `vars(args).update(...)`)."""
+
+    def is_args(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "args") or (
+            isinstance(node, ast.Attribute) and node.attr == "args")
+
+    def is_vars_args(node: ast.AST) -> bool:
+        return isinstance(node, ast.Call) and getattr(node.func, "id", None) == "vars" and bool(node.args) and \
+            is_args(node.args[0])
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and node.args and (
+                (getattr(node.func, "id", None) == "setattr" and is_args(node.args[0]))
+                or (isinstance(node.func, ast.Attribute) and node.func.attr == "update"
+                    and is_vars_args(node.func.value))):
+            lines.append(node.lineno)
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any((isinstance(t, ast.Attribute) and is_args(t.value))
+                   or (isinstance(t, ast.Subscript) and is_vars_args(t.value)) for t in targets):
+                lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_only_cli_resolve_writes_upstreams_namespace():
+    """The flags become what upstream receives in one place (cli/resolve.py: apply_spec, apply_run_id); a write
+    anywhere else would be a decision the spec does not carry."""
+    assert _namespace_writes("setattr(args, 'a', 1)\nself.args.b = 2\nvars(args)['c'] = 3\nx.y = 4\n"
+                             "vars(args).update(d)\nsetattr(x, 'a', 1)\n") == [1, 2, 3, 5]  # guards the test
+    package = Path(__file__).resolve().parents[1] / "openrlhf_tis"
+    writers = {str(path.relative_to(package)): lines for path in sorted(package.rglob("*.py"))
+               if (lines := _namespace_writes(path.read_text(encoding="utf-8")))}
+    assert set(writers) == {"cli/resolve.py"}, writers

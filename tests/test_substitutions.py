@@ -1,10 +1,10 @@
 """patches/README.md's table is the list of every substitution of upstream behaviour, wherever it lives.
 
-The package and patches/ are scanned for the ways the fork substitutes upstream code (below, `scan_substitutions`);
-each place found must be named in the table's `where` column, and every place the table names must exist. The
-guard helpers themselves (patches/_guard.py) are the mechanism, not a substitution: their call sites are scanned,
-and so is every place that checks upstream with a guard, since a guard is there because something of upstream is
-relied on or changed. The kinds, each with a sample below: the helpers' substitutions (`replace`, `swapped`,
+The package, patches/ included, is scanned for the ways the fork substitutes upstream code (`scan_substitutions`);
+each place found must be named in the table's `where` column, and every place the table names must exist. The guard
+helpers themselves (openrlhf_tis/upstream_guards.py) are the mechanism, not a substitution: their call sites are
+scanned, and so is every place that checks upstream with a guard, since a guard is there because something of
+upstream is relied on or changed. The kinds, each with a sample below: the helpers' substitutions (`replace`, `swapped`,
 `reclass`, import hooks); assignments to upstream modules and classes, by statement or `setattr`; a function of ours
 assigned over an object's method; `__class__` / `__bases__`; `sys.modules`; `runpy`; a fork class placed below an
 upstream one in a class's bases, and its methods that rely on upstream's `super()` call; a component upstream's
@@ -29,22 +29,26 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from openrlhf_tis.patches._guard import PatchTargetMissingError, UnsupportedUpstreamError, reclass, require_super_chain
+from openrlhf_tis.upstream_guards import PatchTargetMissingError, UnsupportedUpstreamError, reclass, require_super_chain
 
 REPO = Path(__file__).resolve().parent.parent
-TABLE = REPO / "patches" / "README.md"
-SCANNED = (REPO / "openrlhf_tis", REPO / "patches")
-GUARD_HELPERS = REPO / "patches" / "_guard.py"
+PACKAGE = REPO / "openrlhf_tis"
+PATCHES = PACKAGE / "patches"
+"""The patch package. The repository's top-level `patches` links here: the table names its files `patches/x.py`."""
+TABLE = PATCHES / "README.md"
+GUARD_HELPERS = PACKAGE / "upstream_guards.py"
 
 UPSTREAM_PACKAGES = {"openrlhf", "vllm", "torch", "deepspeed", "transformers", "ray", "flash_attn"}
 """Top-level packages whose attributes the fork must not assign outside the table."""
 SUBSTITUTING_HELPERS = {"replace", "add", "swapped", "reclass", "after_import", "around_import"}
-"""Helpers of patches/_guard.py and patches/_import_hooks.py that change upstream objects or imports."""
+"""Helpers of openrlhf_tis/upstream_guards.py and openrlhf_tis/import_hooks.py that change upstream objects or
+imports."""
 GUARDS = {"require_version", "require_super_chain"}
-"""Guards of patches/_guard.py: a place that checks upstream before it relies on or changes it is a substitution's."""
+"""Guards of openrlhf_tis/upstream_guards.py: a place that checks upstream before it relies on or changes it is a
+substitution's."""
 GUARD_ERRORS = {"PatchTargetMissingError", "PatchConflictError", "UnsupportedUpstreamError"}
 """Raised by hand outside the helpers, one of these is a hand-written guard: its place is a substitution's too."""
-HELPER_MODULES = ("_guard", "_import_hooks")
+HELPER_MODULES = ("upstream_guards", "import_hooks")
 PATCH_PACKAGE = "openrlhf_tis.patches"
 PATCH_ENTRY = "apply_platform_patches"
 """The documented way in to the platform patches (patches/README.md's first paragraph). Any other call from the fork
@@ -162,7 +166,7 @@ class _Scanner(ast.NodeVisitor):
         self.scope: list[tuple[str, str]] = []  # ("class" | "def", name), outermost first
         self.upstream_names: set[str] = set()  # names bound to an upstream package, a module of it or a member
         self.helper_names: set[str] = set()  # SUBSTITUTING_HELPERS as imported here
-        self.helper_modules: set[str] = set()  # `_guard` / `_import_hooks` imported as modules
+        self.helper_modules: set[str] = set()  # `upstream_guards` / `import_hooks` imported as modules
         self.local_functions: list[set[str]] = [_defined_in(tree)]  # the functions each scope defines
         self.functions: list[ast.AST] = []  # the function statements being visited, outermost first
         self.fork_classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
@@ -313,7 +317,7 @@ class _Scanner(ast.NodeVisitor):
         self.generic_visit(node)
 
     def visit_Try(self, node: ast.Try) -> None:
-        """An object's attribute set, then restored in `finally`: `_guard.swapped` written out (a value upstream
+        """An object's attribute set, then restored in `finally`: `swapped` written out (a value upstream
         reads, changed for one call). A module's attribute (`sys.stderr`) is not an upstream object, nor is the fork
         object's own state (`self.X`; an upstream attribute of self is caught as a replaced component)."""
         restored = {_dotted(t) for n in node.finalbody for t in _assigned(n) if isinstance(t, ast.Attribute)
@@ -354,7 +358,12 @@ class _Scanner(ast.NodeVisitor):
 
 
 def _python_files() -> list[Path]:
-    return sorted(p for root in SCANNED for p in root.rglob("*.py") if p != GUARD_HELPERS)
+    return sorted(p for p in PACKAGE.rglob("*.py") if p != GUARD_HELPERS)
+
+
+def _table_name(path: Path) -> str:
+    """How the table names a file of the package: a patch by its top-level path, any other from the repository."""
+    return f"patches/{path.relative_to(PATCHES)}" if path.is_relative_to(PATCHES) else str(path.relative_to(REPO))
 
 
 def scan_source(source: str) -> set[str]:
@@ -367,7 +376,7 @@ def scan_source(source: str) -> set[str]:
 
 def scan_substitutions() -> set[tuple[str, str]]:
     """(file relative to the repository, place) of every substitution the scan recognises."""
-    return {(str(path.relative_to(REPO)), place)
+    return {(_table_name(path), place)
             for path in _python_files() for place in scan_source(path.read_text(encoding="utf-8"))}
 
 
@@ -424,12 +433,19 @@ def test_every_place_the_table_names_exists():
 def test_every_substitution_found_is_in_the_table():
     unlisted = sorted(scan_substitutions() - table_places())
     assert not unlisted, ("substitutions of upstream behaviour missing from patches/README.md's table (add a row, "
-                          f"guarded: see patches/_guard.py): {[f'{file}:{place}' for file, place in unlisted]}")
+                          "guarded: see openrlhf_tis/upstream_guards.py): "
+                          f"{[f'{file}:{place}' for file, place in unlisted]}")
+
+
+def test_top_level_patches_is_the_patch_package():
+    """The repository's top-level patches/ (docs and the table name files by it) is the package's own folder."""
+    assert (REPO / "patches").is_symlink() and (REPO / "patches").resolve() == PATCHES
+    assert Path(importlib.util.find_spec("openrlhf_tis.patches").origin).resolve() == PATCHES / "__init__.py"
 
 
 def test_every_patch_module_has_a_row():
     named = {file for file, _ in table_places()}
-    modules = {f"patches/{p.name}" for p in (REPO / "patches").glob("*.py")
+    modules = {_table_name(p) for p in PATCHES.glob("*.py")
                if "\nNAME = " in p.read_text(encoding="utf-8")}
     assert modules and modules <= named, sorted(modules - named)
 
@@ -443,7 +459,7 @@ SAMPLE = textwrap.dedent("""
     import openrlhf.trainer.ppo_trainer as upstream
     from openrlhf.models import Actor
 
-    from openrlhf_tis.patches._guard import reclass
+    from openrlhf_tis.upstream_guards import reclass
     from openrlhf_tis.trainer.mixins import Mixin
 
 
@@ -496,7 +512,7 @@ SAMPLE_OF_CONTROL_FLOW = textwrap.dedent("""
 
     from openrlhf_tis import patches
     from openrlhf_tis.patches import rollout_engine
-    from openrlhf_tis.patches._guard import PatchTargetMissingError, require_version
+    from openrlhf_tis.upstream_guards import PatchTargetMissingError, require_version
     from openrlhf_tis.patches.upstream_cli import upstream_parser
 
 
@@ -639,7 +655,7 @@ def test_entropy_capture_refuses_a_forward_of_another_shape():
         with capture_response_entropy(Renamed(), [0]):
             pass
     with pytest.raises(PatchTargetMissingError, match=r"token_dumps\.py.*forward no longer exists"):
-        from openrlhf_tis.patches._guard import swapped
+        from openrlhf_tis.upstream_guards import swapped
 
         with swapped(SimpleNamespace(), "forward", None, patch="openrlhf_tis/trainer/token_dumps.py"):
             pass
@@ -768,14 +784,14 @@ def test_whole_set_eval_refuses_another_openrlhf(openrlhf_moved):
 def test_a_hook_on_a_module_that_cannot_be_hooked_is_refused(monkeypatch):
     import importlib.machinery
 
-    from openrlhf_tis.patches import _import_hooks
+    from openrlhf_tis import import_hooks
 
     class NoLoader:
         def find_spec(self, fullname, path, target=None):
             return importlib.machinery.ModuleSpec(fullname, None) if fullname == "openrlhf_tis_unhookable" else None
 
     monkeypatch.setattr(sys, "meta_path", [*sys.meta_path, NoLoader()])
-    monkeypatch.setattr(_import_hooks, "_after", {})
-    _import_hooks.after_import("openrlhf_tis_unhookable", lambda module: None)
+    monkeypatch.setattr(import_hooks, "_after", {})
+    import_hooks.after_import("openrlhf_tis_unhookable", lambda module: None)
     with pytest.raises(PatchTargetMissingError, match="openrlhf_tis_unhookable.*cannot be hooked"):
         importlib.import_module("openrlhf_tis_unhookable")

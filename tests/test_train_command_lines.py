@@ -41,7 +41,7 @@ CASES = {
         "--train.async_queue_size 2 --logger.token_dump_steps 1 --logger.run_dir /r/run "
         + FIXED.format(max_len=152, estimator="group_norm", micro=8, batch=8)
         + " --eval.temperature 1.0 --train.async_enable --vllm.fp32_lm_head"), (
-        "openrlhf_tis.pipeline.heldout --run_dir /r/run --base /m/model --eval_prompts /data/eval.jsonl --reward "
+        "openrlhf_tis.pipeline.kept_eval --run_dir /r/run --base /m/model --eval_prompts /data/eval.jsonl --reward "
         "/data/reward.py --dtype bf16 --n_samples 3 --seed 42 --temperature 1.0 --max_new_tokens 24 --max_len 152 "
         "--cache_dir /c/heldout")),
     "single_sample_evaluated": ({
@@ -55,7 +55,8 @@ CASES = {
         "--rollout.batch_size 6 --rollout.n_samples_per_prompt 1 --rollout.max_new_tokens 64 --actor.adam.lr 2.5e-06 "
         "--train.seed 7 --logger.token_dump_steps 0 --logger.run_dir /r/run "
         + FIXED.format(max_len=192, estimator="reinforce", micro=6, batch=6) + " --eval.temperature 1.0"), (
-        "openrlhf_tis.pipeline.heldout --run_dir /r/run --base /m/model --eval_prompts /data/eval.jsonl --reward DEMO "
+        "openrlhf_tis.pipeline.kept_eval --run_dir /r/run --base /m/model --eval_prompts /data/eval.jsonl "
+        "--reward DEMO "
         "--dtype fp32 --n_samples 1 --seed 7 --temperature 1.0 --max_new_tokens 64 --max_len 192 "
         "--cache_dir /c/heldout")),
 }

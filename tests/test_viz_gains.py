@@ -14,7 +14,7 @@ from scipy.stats import nct
 
 from openrlhf_tis.pipeline.report import show_comparison
 from openrlhf_tis.runs import RunStoreWarning, RunWriter
-from openrlhf_tis.runs.heldout import KEPT_FILE, read_kept_heldout
+from openrlhf_tis.runs.kept_score import KEPT_FILE, read_kept_heldout
 from openrlhf_tis.runs.layout import unique_dir_name
 from openrlhf_tis.viz.compare import dose_of, run_facts, setting_diff
 from openrlhf_tis.viz.gain_plots import plot_dose_response, plot_gains

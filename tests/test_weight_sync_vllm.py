@@ -93,8 +93,8 @@ def _head_paths(worker):
     """On the engine's own tied head: the patched fp32 projection vs upstream's cast-every-step one."""
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    from openrlhf_tis.patches._guard import upstream_original
     from openrlhf_tis.rollout.fp32_head import fp32_head_weight
+    from openrlhf_tis.upstream_guards import upstream_original
 
     model = worker.model_runner.model
     processor, head = model.logits_processor, model.lm_head

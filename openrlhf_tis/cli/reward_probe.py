@@ -39,6 +39,7 @@ from openrlhf_tis.rollout.reward_calls import (
     result_message,
     timeout_message,
 )
+from openrlhf_tis.spec import RewardPlan
 
 
 def load_reward_func(path: str):
@@ -84,11 +85,12 @@ def _post_json(url: str, payload: Mapping[str, Any], timeout_s: float) -> Any:
         return json.loads(answer.read())
 
 
-def probe_reward_server(flag: str, url: str, record: Mapping[str, Any], args: argparse.Namespace) -> None:
-    """Refuse an HTTP reward server that cannot be reached, answers an error or no JSON, does not answer within
-    `--reward.timeout_s`, or answers no usable reward for `record`, asked as upstream's engines ask it."""
+def probe_reward_server(flag: str, url: str, record: Mapping[str, Any], args: argparse.Namespace,
+                        plan: RewardPlan) -> None:
+    """Refuse an HTTP reward server that cannot be reached, answers an error or no JSON, does not answer within the
+    run spec's limit (`plan`), or answers no usable reward for `record`, asked as upstream's engines ask it."""
     prompt, label = formatted_prompt(record, args)
-    timeout_s = getattr(args, "reward.timeout_s")
+    timeout_s = plan.timeout_s
     where = describe_call(f"the reward server {url}", prompt, label)
     payload = {"query": [prompt], "prompts": [prompt], "labels": [label]}
     print(f"[openrlhf_tis] {flag}: asking {url} for the reward of the first prompt ...", file=sys.stderr, flush=True)
@@ -113,12 +115,13 @@ def probe_reward_server(flag: str, url: str, record: Mapping[str, Any], args: ar
         raise UsageError(flag, result_message(where, err, result)) from None
 
 
-def probe_reward_script(flag: str, url: str | None, record: Mapping[str, Any], args: argparse.Namespace) -> None:
+def probe_reward_script(flag: str, url: str | None, record: Mapping[str, Any], args: argparse.Namespace,
+                        plan: RewardPlan) -> None:
     """Refuse a local reward script that cannot be imported or called on `record`, returns no usable reward, or does
-    not return within `--reward.timeout_s` (its call is abandoned on a daemon thread: rollout/reward_calls.py); an
-    HTTP reward server is asked instead (probe_reward_server)."""
+    not return within the run spec's limit (`plan`; the call is abandoned on a daemon thread: rollout/reward_calls.py);
+    an HTTP reward server is asked instead (probe_reward_server)."""
     if url and url.startswith(("http://", "https://")):
-        probe_reward_server(flag, url, record, args)
+        probe_reward_server(flag, url, record, args, plan)
         return
     if not url or not url.split(",")[0].endswith(".py"):
         return
@@ -132,7 +135,7 @@ def probe_reward_script(flag: str, url: str | None, record: Mapping[str, Any], a
         raise UsageError(flag, f"reward script {path} fails to import: {type(err).__name__}: {err}"
                          f"{_where(err, path)}") from None
     prompt, label = formatted_prompt(record, args)
-    timeout_s = getattr(args, "reward.timeout_s")
+    timeout_s = plan.timeout_s
     where = describe_call(f"reward_func in {path}", prompt, label)
     try:
         result = call_within(reward_func, ([prompt], [prompt], [label]), timeout_s)
@@ -149,4 +152,4 @@ def probe_reward_script(flag: str, url: str | None, record: Mapping[str, Any], a
     if not math.isfinite(reward):
         print(f"[openrlhf_tis] warning: reward_func in {path} returned {reward} for the first prompt with no "
               f"response; a non-finite reward in training is handled by --reward.nonfinite "
-              f"({getattr(args, 'reward.nonfinite')})", file=sys.stderr)
+              f"({plan.nonfinite})", file=sys.stderr)

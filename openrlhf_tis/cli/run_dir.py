@@ -39,7 +39,6 @@ LOAD_FLAG = "--ckpt.load_enable"
 LOCK_FILE = ".lock"
 # flock answers these, at once, where the filesystem cannot lock (never a wait: the lock is taken with LOCK_NB)
 NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
-RUN_ID_DEST = "logger.run_id"
 _held_locks: dict[Path, int] = {}  # run directory -> the descriptor holding its lock, open for the process's life
 
 
@@ -156,8 +155,9 @@ def erase_run_store(run_dir: Path) -> None:
     (run_dir / CONFIG_FILE).unlink(missing_ok=True)
 
 
-def open_run_dir(args: argparse.Namespace, planned_steps: int | None = None) -> None:
-    """Decide new run / resume / overwrite, then record or check the configuration (before Ray starts).
+def open_run_dir(args: argparse.Namespace, planned_steps: int | None = None) -> str | None:
+    """Decide new run / resume / overwrite, then record or check the configuration (before Ray starts); return the
+    directory's run id (config.json's, kept across resumes), which cli/resolve.py `apply_run_id` hands the actors.
 
     `planned_steps`: how many steps the run will train, when the CLI could count them (config.json). A resume of a
     run that logged them all and saved its final model raises RunFinished, before anything is written.
@@ -205,5 +205,4 @@ def open_run_dir(args: argparse.Namespace, planned_steps: int | None = None) -> 
                               planned_steps=planned_steps)
     except RunConfigMismatch as err:
         raise UsageError(FLAG, str(err)) from None
-    # Not a flag: the actors stamp it on every checkpoint they save (trainer/ppo_actor.py).
-    setattr(args, RUN_ID_DEST, record.get(RUN_ID_KEY))
+    return record.get(RUN_ID_KEY)

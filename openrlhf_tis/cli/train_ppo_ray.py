@@ -10,7 +10,6 @@ import argparse
 import os
 import signal
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,16 +39,16 @@ from openrlhf_tis.cli.lifetime import die_with_parent, take_sigint
 from openrlhf_tis.cli.placement import check_cluster_fits
 from openrlhf_tis.cli.ray_address import ADDRESS_VAR
 from openrlhf_tis.cli.ray_cluster import CPU_ENV, RayStartError, start_ray
-from openrlhf_tis.cli.resolve import apply_spec, resolve
+from openrlhf_tis.cli.resolve import apply_run_id, apply_spec, resolve
 from openrlhf_tis.cli.rollout_engines import prepare_rollout_engines
 from openrlhf_tis.cli.run_dir import RunFinished, interrupted_account, open_run_dir
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.patches import fork_classes
-from openrlhf_tis.patches._guard import UnsupportedUpstreamError
 from openrlhf_tis.patches.upstream_cli import run_upstream_main, upstream_parser
 from openrlhf_tis.run_device import DEVICE_ENV
 from openrlhf_tis.runs.reader import last_logged_step
 from openrlhf_tis.spec import run_spec
+from openrlhf_tis.upstream_guards import UnsupportedUpstreamError
 
 INTERRUPTED_EXIT = 130  # a shell's code for a command ended by SIGINT
 ACTOR_DIED_EXIT = 3  # an actor of the run died of an error (cli/actor_watch.py)
@@ -124,11 +123,9 @@ def parse(argv: list[str], cpu: bool | None = None, cluster: ClusterResources | 
     spec = run_spec(args)
     if spec.cluster.device == "cuda" or os.environ.get(ADDRESS_VAR):  # a local CPU run declares its own slots
         check_cluster_fits(args, cluster)
-    run_dir = getattr(args, "logger.run_dir") or time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())
-    setattr(args, "logger.run_dir", os.path.abspath(run_dir))  # every Ray process writes to the same place
     planned = check_inputs(args, spec)
     check_quantized_receive(args, spec, cluster.accelerators, str(cluster))
-    open_run_dir(args, planned_steps=planned)
+    apply_run_id(args, open_run_dir(args, planned_steps=planned))
     return args
 
 

@@ -14,7 +14,6 @@ undefined, `validate(training=True)` also those that are wrong for training; bot
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -449,10 +448,6 @@ class CorrectionConfig:
                 del d[name]
         return d
 
-    def to_json(self) -> str:
-        """`to_dict` as one JSON text; with `from_json`, the round trip the tests hold every preset to."""
-        return json.dumps(self.to_dict(), sort_keys=True)
-
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CorrectionConfig:
         known = {f.name for f in dataclasses.fields(cls)}
@@ -460,11 +455,6 @@ class CorrectionConfig:
         if unknown:
             raise CorrectionConfigError(FLAG_PREFIX + sorted(unknown)[0], "unknown correction option")
         return cls(**d)
-
-    @classmethod
-    def from_json(cls, text: str) -> CorrectionConfig:
-        """The config `to_json` wrote (the tests' round trip; a run reads its correction from the run spec)."""
-        return cls.from_dict(json.loads(text))
 
 
 def from_upstream(level: str, mode: str = "mask", gating: str = "ratio",

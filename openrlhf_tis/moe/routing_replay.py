@@ -7,7 +7,7 @@ replayed: the gating weights are the trainer's own router probabilities at the r
 way the architecture renormalises its own top-k, so the router still receives its gradient (the method of "Stabilizing
 MoE Reinforcement Learning by Aligning Training and Inference Routers", arXiv 2510.11370).
 
-Each covered router of the live model is re-classed (`patches/_guard.py reclass`) to a subclass whose `forward`
+Each covered router of the live model is re-classed (`upstream_guards.reclass`) to a subclass whose `forward`
 runs upstream's own routing first, records its top-k (what the trainer would have chosen: the routing-mismatch
 metrics need it with replay on) and, inside `replaying`, swaps in the replayed experts. Outside `replaying` the
 subclass returns upstream's result untouched.
@@ -34,7 +34,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.moe.coverage import REPLAY_FLAG, replay_refusal
 from openrlhf_tis.moe.routing_metrics import NO_ROUTE
-from openrlhf_tis.patches._guard import reclass
+from openrlhf_tis.upstream_guards import reclass
 
 _THIS_FILE = "openrlhf_tis/moe/routing_replay.py"
 TRANSFORMERS_SUPPORTED = ">=5.19,<5.20"

@@ -5,7 +5,7 @@ with INT8 rollouts and token TIS by executing openrlhf_tis/notebooks/train.ipynb
 notebook and its HTML export are the report), while the console shows a progress bar and one line per step; every
 log of Ray, vLLM and DeepSpeed goes to `<run_dir>/train.log`. The held-out questions are scored before the first
 step and at the end, through the rollout engine (INT8 here) and, after training, on the policy a user keeps: the
-saved final weights in the trainer's dtype against the base model (pipeline/heldout.py). Where the CPU emulates
+saved final weights in the trainer's dtype against the base model (pipeline/kept_eval.py). Where the CPU emulates
 bf16 (plain AVX2), the trainer runs in fp32, several times faster there. On a CUDA cluster, which refuses INT8
 rollouts, the same task runs with bf16 rollouts and token TIS (`job_profile`).
 """
@@ -33,7 +33,7 @@ from openrlhf_tis.pipeline.failure import log_tail, notebook_error
 from openrlhf_tis.pipeline.interrupt import EXIT_CODE, execute_stoppable, kept, resumable, stopped
 from openrlhf_tis.pipeline.train import LOG_FILE, check_training_command
 from openrlhf_tis.pipeline.train_params import TrainParams
-from openrlhf_tis.runs.heldout import engine_label
+from openrlhf_tis.runs.kept_score import engine_label
 from openrlhf_tis.runs.reader import last_logged_step, load_metrics
 from openrlhf_tis.runs.summary import summary
 from openrlhf_tis.viz.compare import held_out_key

@@ -24,10 +24,10 @@ from openrlhf_tis.cli.lifetime import PARENT_ENV, stop_process_tree
 from openrlhf_tis.cli.run_dir import check_fork_made, lock_owner
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.params import ParameterError
-from openrlhf_tis.pipeline import heldout
+from openrlhf_tis.pipeline import kept_eval
 from openrlhf_tis.pipeline.failure import failure
 from openrlhf_tis.pipeline.train_params import TrainParams
-from openrlhf_tis.runs.heldout import KEPT_FILE
+from openrlhf_tis.runs.kept_score import KEPT_FILE
 from openrlhf_tis.runs.reader import read_metrics_records
 
 LOG_FILE = "train.log"
@@ -86,9 +86,9 @@ def resolve_prompts(prompts: str, run_dir: Path, count: int) -> Path:
 
 
 def kept_eval_argv(params: TrainParams, model_dir: Path, run_dir: Path, device: str | None = None) -> list[str]:
-    """The held-out evaluation of the kept policy and the base model (pipeline/heldout.py), after training;
+    """The held-out evaluation of the kept policy and the base model (pipeline/kept_eval.py), after training;
     `device`: the run's (TrainParams.run_device)."""
-    return heldout.command(run_dir, model_dir, params.eval_file(), params.reward_file(),
+    return kept_eval.command(run_dir, model_dir, params.eval_file(), params.reward_file(),
                            params.heldout_settings(device),
                            heldout_cache_dir())
 

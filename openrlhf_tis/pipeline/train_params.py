@@ -20,9 +20,9 @@ from openrlhf_tis.cli.fork_flags import FLAGS, correction_option_problem
 from openrlhf_tis.correction.config import FLAG_PREFIX, PRESETS
 from openrlhf_tis.cpu_features import default_train_dtype
 from openrlhf_tis.params import ParamObject, param, positive
-from openrlhf_tis.pipeline.heldout import KEPT_MODEL_DIR
+from openrlhf_tis.pipeline.kept_eval import KEPT_MODEL_DIR
 from openrlhf_tis.rollout.precision import PRECISION_FLAG, WEIGHT_BITS_FLAG
-from openrlhf_tis.runs.heldout import HeldoutSettings
+from openrlhf_tis.runs.kept_score import HeldoutSettings
 from openrlhf_tis.trainer.sync_cadence import SYNC_EVERY_FLAG
 
 DEMO_REWARD = Path(str(resources.files("openrlhf_tis") / "demo" / "dense_reward.py"))

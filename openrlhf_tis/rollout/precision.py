@@ -259,13 +259,13 @@ def rollout_plan(args, *, cuda: bool) -> RolloutPlan:
                        fp8_block=FP8_CUDA_BLOCK if precision == "fp8" and cuda else None)
 
 
-def check_cli_precision_files(args, *, cuda: bool) -> None:
-    """The train_ppo_ray checks of the model directory and the calibration file (after check_cli_precision)."""
-    check_precision_files(rollout_option(args, PRECISION_FLAG), getattr(args, "actor.model_name_or_path"),
-                          cuda=cuda, calibration=rollout_option(args, CALIBRATION_FLAG),
-                          activations=rollout_option(args, ACTIVATIONS_FLAG))
-    if cuda and rollout_option(args, PRECISION_FLAG) == "fp8":
-        check_fp8_blocks(getattr(args, "actor.model_name_or_path"))
+def check_cli_precision_files(model_dir: str, plan: RolloutPlan, *, cuda: bool) -> None:
+    """The train_ppo_ray checks of the model directory and the calibration file for the run spec's rollout `plan`
+    on a CUDA (`cuda`) or CPU cluster."""
+    check_precision_files(plan.precision, model_dir, cuda=cuda, calibration=plan.calibration,
+                          activations=plan.activations)
+    if cuda and plan.precision == "fp8":
+        check_fp8_blocks(model_dir)
 
 
 def check_fp8_blocks(model_dir: str) -> None:

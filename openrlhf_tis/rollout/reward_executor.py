@@ -23,7 +23,6 @@ from typing import Any
 
 from openrlhf.utils.agent import SingleTurnAgentExecutor
 
-from openrlhf_tis.patches._guard import reclass
 from openrlhf_tis.rollout.reward_calls import (
     DEFAULT_TIMEOUT_S,
     RewardCallTimeout,
@@ -36,6 +35,7 @@ from openrlhf_tis.rollout.reward_calls import (
     result_message,
     timeout_message,
 )
+from openrlhf_tis.upstream_guards import reclass
 
 _failures: ContextVar[list[BaseException] | None] = ContextVar("openrlhf_tis_reward_failures", default=None)
 

@@ -57,6 +57,9 @@ RESUME_IGNORED: tuple[str, ...] = (
     f"{SPEC_KEY}.cluster.*",
     f"{SPEC_KEY}.sync.check_*",
     f"{SPEC_KEY}.dumps.*",
+    f"{SPEC_KEY}.reward.*",
+    f"{SPEC_KEY}.staleness.*",  # restates --train.async_max_lag, which is compared itself
+    f"{SPEC_KEY}.run_dir",
     f"{SPEC_KEY}.correction.compile_metrics",
 )
 

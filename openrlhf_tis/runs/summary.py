@@ -18,7 +18,7 @@ import pandas as pd
 
 from openrlhf_tis.metric_names import MASKED_KEYS, MISMATCH_KEYS, REWARD_KEYS
 from openrlhf_tis.runs.config import PLANNED_STEPS_KEY, read_run_config
-from openrlhf_tis.runs.heldout import kept_label, read_kept
+from openrlhf_tis.runs.kept_score import kept_label, read_kept
 from openrlhf_tis.runs.query import mask_reason_counts, token_steps
 from openrlhf_tis.runs.reader import load_metrics, run_info
 

@@ -1,5 +1,16 @@
 """What a run is, resolved once by the driver and read the same by every process (spec/run_spec.py)."""
 
-from .run_spec import SPEC_DEST, ClusterPlan, DumpPlan, RolloutPlan, RunSpec, SyncPlan, run_spec
+from .run_spec import (
+    SPEC_DEST,
+    ClusterPlan,
+    DumpPlan,
+    RewardPlan,
+    RolloutPlan,
+    RunSpec,
+    StalenessPlan,
+    SyncPlan,
+    run_spec,
+)
 
-__all__ = ["SPEC_DEST", "ClusterPlan", "DumpPlan", "RolloutPlan", "RunSpec", "SyncPlan", "run_spec"]
+__all__ = ["SPEC_DEST", "ClusterPlan", "DumpPlan", "RewardPlan", "RolloutPlan", "RunSpec", "StalenessPlan",
+           "SyncPlan", "run_spec"]

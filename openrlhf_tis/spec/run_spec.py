@@ -6,8 +6,8 @@ correction is a preset overlaid with fields (or upstream's `is_correction_*` fla
 replaces upstream's GPU defaults. `cli/resolve.py` makes these decisions once on the driver, after the checks (which
 only check), into a `RunSpec`; `apply_spec` puts it into upstream's namespace at `fork.spec`, so Ray hands it to every
 actor with the arguments, and the run store's config.json records it field by field (`fork.spec.*`). Nothing
-downstream re-derives a decision from the flags: the actor's loss, the controller's sync cadence, sync check and
-token dumps, and the driver's rollout model all read the spec.
+downstream re-derives a decision from the flags: the actor's loss, the controller's sync cadence, sync check, token
+dumps, reward limits and staleness bound, and the driver's rollout model all read the spec.
 
 Imports only the correction's config and the run store's name for it, so every layer above the core may read it.
 """
@@ -74,6 +74,24 @@ class DumpPlan:
 
 
 @dataclass(frozen=True)
+class RewardPlan:
+    """What the run does with its reward function's calls and answers (rollout/reward_calls.py, trainer/rewards.py)."""
+
+    timeout_s: float | None = None
+    """Seconds one reward call may take in the engines; None sends them no limit."""
+    nonfinite: str = "fail"
+    """A NaN/inf reward: fail the step, or drop its prompt groups."""
+
+
+@dataclass(frozen=True)
+class StalenessPlan:
+    """How old an async run's samples may be (trainer/staleness.py)."""
+
+    max_lag: int | None = None
+    """Policy versions a sample may lag behind the policy it trains; None: no bound."""
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """A run as the driver resolved it (module docstring)."""
 
@@ -82,6 +100,11 @@ class RunSpec:
     rollout: RolloutPlan = field(default_factory=RolloutPlan)
     sync: SyncPlan = field(default_factory=SyncPlan)
     dumps: DumpPlan = field(default_factory=DumpPlan)
+    reward: RewardPlan = field(default_factory=RewardPlan)
+    staleness: StalenessPlan = field(default_factory=StalenessPlan)
+    run_dir: str | None = None
+    """The run directory, absolute (the flag's, or ./runs/<UTC timestamp> when it names none), so every Ray process
+    writes to the same place; None in a spec that no command line resolved (tests)."""
 
 
 def run_spec(args: Any) -> RunSpec:

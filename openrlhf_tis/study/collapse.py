@@ -38,7 +38,7 @@ from openrlhf_tis.pipeline.main_job import check_model_option
 from openrlhf_tis.pipeline.sweep import SweepResult, load_grid, recorded_cells, run_command
 from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.runs.config import git_revision
-from openrlhf_tis.runs.heldout import read_kept_heldout
+from openrlhf_tis.runs.kept_score import read_kept_heldout
 from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.study.dose_response import cell_count, check_profile, estimate_seconds, rebuild_report, write_outputs
 from openrlhf_tis.study.staleness import staleness_grid

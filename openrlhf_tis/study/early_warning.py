@@ -37,7 +37,7 @@ from scipy.stats import bootstrap, mannwhitneyu
 
 from openrlhf_tis.metric_names import ESS_SEQ
 from openrlhf_tis.runs.health import FALL_WARNING_ESS
-from openrlhf_tis.runs.heldout import read_kept_heldout
+from openrlhf_tis.runs.kept_score import read_kept_heldout
 from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.runs.reader import find_runs, read_metrics_records
 from openrlhf_tis.study.collapse import FALL_BELOW

@@ -12,8 +12,8 @@ import ray
 import torch
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
-from openrlhf_tis.patches._guard import reclass
 from openrlhf_tis.spec import run_spec
+from openrlhf_tis.upstream_guards import reclass
 
 
 class RolloutAsOldExperienceMaker(RemoteExperienceMaker):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
-from openrlhf_tis.patches._guard import require_version
+from openrlhf_tis.upstream_guards import require_version
 
 
 class WholeSetEvalSamplesGenerator(SamplesGenerator):

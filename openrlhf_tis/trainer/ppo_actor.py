@@ -36,7 +36,6 @@ from openrlhf.utils.loss_utils import _get_dp_group
 
 from openrlhf_tis.correction import compute_correction, kept_weight_totals
 from openrlhf_tis.metric_names import TOKEN_DUMP_SECONDS, TOKEN_DUMP_TOKENS
-from openrlhf_tis.patches._guard import PatchTargetMissingError, reclass
 from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.runs.identity import write_checkpoint_identity
 from openrlhf_tis.runs.tokens import TokenDumpWriter
@@ -50,6 +49,7 @@ from openrlhf_tis.trainer.token_dumps import (
     dp_rank_and_size,
     dump_part,
 )
+from openrlhf_tis.upstream_guards import PatchTargetMissingError, reclass
 
 _UpstreamPolicyModelActor = ray_actor_class(_UpstreamActorClass)
 _THIS_FILE = "openrlhf_tis/trainer/ppo_actor.py"  # named by the guards' errors: the file to review

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import time
 
+import openrlhf.trainer.ppo_trainer_async as upstream_async
 import ray
 import torch
 from openrlhf.trainer.ppo_trainer import BasePPOTrainer, compute_eval_metrics, prepare_datasets
@@ -46,7 +47,6 @@ from openrlhf.trainer.ppo_trainer_async import PPOTrainerAsync as _UpstreamAsync
 from openrlhf.trainer.ppo_trainer_async import TrainingActor as _UpstreamTrainingClass
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
-from openrlhf_tis.patches._guard import require_super_chain
 from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.rollout.precision import CUDA_QUANTIZED
 from openrlhf_tis.rollout.sampling_seeds import seed_data_order
@@ -75,6 +75,9 @@ from openrlhf_tis.trainer.step_part import (
 )
 from openrlhf_tis.trainer.sync_cadence import SyncCadencePart
 from openrlhf_tis.trainer.sync_check import make_sync_checker
+from openrlhf_tis.upstream_guards import replace, require_super_chain, require_version
+
+_THIS_FILE = "openrlhf_tis/trainer/ppo_trainer.py"  # the file a guard's message names for review
 
 _UpstreamPPOTrainer = ray_actor_class(_UpstreamSyncClass)
 _UpstreamTrainingActor = ray_actor_class(_UpstreamTrainingClass)
@@ -127,14 +130,14 @@ class ForkController:
         schedule = EvalSchedule.of(args, self.eval_dataloader)
         # Sleeping engines (--vllm.enable_sleep) are checked too: the checker wakes them to score.
         checker = make_sync_checker(args, self.tokenizer, self.vllm_engines, self.actor_model_group)
-        reward_limit = getattr(args.reward, "timeout_s", None)
+        reward_limit = spec.reward.timeout_s
         parts = [
             RolloutOrderPart(),
             RewardLimitPart(self.vllm_engines, reward_limit) if self.vllm_engines and reward_limit else None,
             PolicyVersionPart(self.vllm_engines) if self.vllm_engines else None,
             QueueWaitPart() if self.waits_on_rollout_queue else None,
             RewardScreenPart(rules),
-            StalenessPart(rules, getattr(args.train, "async_max_lag", None),
+            StalenessPart(rules, spec.staleness.max_lag,
                           partial_rollouts=getattr(args.train, "partial_rollout_enable", False)),
             TokenDumpPart(args, spec.dumps, self.actor_model_group) if self.actor_model_group is not None else None,
             CoveragePart(),
@@ -278,12 +281,16 @@ class _TisGenerateSamplesActor(_UpstreamGenerateSamplesActor):
 
 
 class _TisPPOTrainerAsync(_UpstreamPPOTrainerAsync):
-    """Upstream's async driver, building the fork's trainer and generator; the trainer gets the generate kwargs."""
+    """Upstream's async driver, building the fork's trainer and generator; the trainer gets the generate kwargs.
+
+    Upstream's `__init__` builds both from the module globals `TrainingActor` and `GenerateSamplesActor` of
+    `openrlhf.trainer.ppo_trainer_async`, with no seam, in this actor's own Ray worker (not the driver, where
+    patches/fork_classes.py applies): they point at the fork's classes from just before it runs, never restored."""
 
     def __init__(self, *args, **generate_kwargs):
-        from openrlhf_tis.patches import async_actors  # in this actor's own process: see the patch's doc
-
-        async_actors.apply(TisTrainingActor, TisGenerateSamplesActor)
+        require_version("openrlhf", "==0.11.2", patch=_THIS_FILE)
+        replace(upstream_async, "TrainingActor", TisTrainingActor, patch=_THIS_FILE)
+        replace(upstream_async, "GenerateSamplesActor", TisGenerateSamplesActor, patch=_THIS_FILE)
         super().__init__(*args, **generate_kwargs)
         ray.get(self.trainer_actor.set_generate_kwargs.remote(generate_kwargs))
 
@@ -292,8 +299,7 @@ def check_sync_hooks_reached() -> None:
     """Refuse an upstream in which a sync no longer reaches `InsideSyncHooks` (every class above it in the fork's
     controllers must call `super().broadcast_to_vllm()`; otherwise the parts' `synced` hook silently never runs)."""
     for controller in (_TisPPOTrainer, _TisTrainingActor):
-        require_super_chain(controller, "broadcast_to_vllm", InsideSyncHooks,
-                            patch="openrlhf_tis/trainer/ppo_trainer.py")
+        require_super_chain(controller, "broadcast_to_vllm", InsideSyncHooks, patch=_THIS_FILE)
 
 
 TisPPOTrainer = ray.remote(_TisPPOTrainer)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from openrlhf_tis.metric_names import REWARD_DROPPED, REWARD_NONFINITE
+from openrlhf_tis.spec import run_spec
 
 DROP_FLAG = "--reward.nonfinite drop"
 
@@ -41,11 +42,11 @@ class RewardPolicy:
 
     @classmethod
     def from_args(cls, args) -> RewardPolicy:
-        """From upstream's hierarchical args (the controller's `self.args`)."""
+        """From upstream's hierarchical args (the controller's `self.args`): the policy is the run spec's."""
         urls = args.reward.remote_url
         processes = args.actor.num_nodes * args.actor.num_gpus_per_node
         return cls(
-            policy=getattr(args.reward, "nonfinite", "fail"),
+            policy=run_spec(args).reward.nonfinite,
             group_size=max(int(args.rollout.n_samples_per_prompt), 1),
             source=", ".join(urls) if isinstance(urls, (list, tuple)) else str(urls),
             data_parallel=max(processes // args.ds.ring_attn_size // args.ds.tensor_parallel_size, 1),

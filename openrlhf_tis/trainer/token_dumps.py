@@ -23,11 +23,11 @@ import torch.distributed as dist
 from openrlhf.utils.loss_utils import _get_dp_group
 
 from openrlhf_tis.correction import CorrectionConfig, PolicyLossOutput
-from openrlhf_tis.patches._guard import PatchTargetMissingError, require_version, swapped
 from openrlhf_tis.runs.schema import mask_reason_codes
 from openrlhf_tis.runs.tokens import flatten_response_tokens
 from openrlhf_tis.trainer.policy_loss import LossCall
 from openrlhf_tis.trainer.staleness import LAG
+from openrlhf_tis.upstream_guards import PatchTargetMissingError, require_version, swapped
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def capture_response_entropy(actor: torch.nn.Module, rows: Sequence[int]) -> Ite
 
     Upstream's `training_step` calls the actor with no seam for extras; an instance-level `forward`
     wraps the class's for the one micro-batch being dumped and is removed afterwards, even on error
-    (`_guard.swapped`; a forward of another shape, or another openrlhf, is refused first).
+    (`upstream_guards.swapped`; a forward of another shape, or another openrlhf, is refused first).
     """
     _check_actor_forward(actor)
     found: dict[str, Any] = {}

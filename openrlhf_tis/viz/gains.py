@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import numpy as np
 import pandas as pd
 
-from openrlhf_tis.runs.heldout import read_kept_heldout
+from openrlhf_tis.runs.kept_score import read_kept_heldout
 from openrlhf_tis.runs.reader import load_metrics
 from openrlhf_tis.viz.compare import held_out_key
 from openrlhf_tis.viz.curves import held_out

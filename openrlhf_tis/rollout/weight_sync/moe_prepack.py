@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from openrlhf_tis.patches._guard import require_version
+from openrlhf_tis.upstream_guards import require_version
 
 _THIS_FILE = "openrlhf_tis/rollout/weight_sync/moe_prepack.py"
 VLLM_SUPPORTED = ">=0.32,<0.33"

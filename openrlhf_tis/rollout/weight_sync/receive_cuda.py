@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
-from openrlhf_tis.patches._guard import PatchTargetMissingError, require_version, swapped
 from openrlhf_tis.rollout.weight_sync.layerwise import LayerwiseSync
+from openrlhf_tis.upstream_guards import PatchTargetMissingError, require_version, swapped
 
 _THIS_FILE = "openrlhf_tis/rollout/weight_sync/receive_cuda.py"  # named by the guards' errors: the file to review
 _SYNC = "_openrlhf_tis_layerwise_sync"  # the sync in progress, on the worker instance (vLLM refuses class names)

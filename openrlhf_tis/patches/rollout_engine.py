@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ray
 
-from ._guard import replace, require_version
+from openrlhf_tis.upstream_guards import replace, require_version
 
 NAME = "rollout_engine"
 

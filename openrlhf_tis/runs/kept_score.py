@@ -1,7 +1,7 @@
 """The held-out score of the policy a user keeps: `<run_dir>/heldout_kept.json`, its settings, arithmetic, writer,
 labels and readers.
 
-pipeline/heldout.py scores it after a run: the trainer's saved weights in the trainer's dtype (what a user
+pipeline/kept_eval.py scores it after a run: the trainer's saved weights in the trainer's dtype (what a user
 deploys) and the base model, scored on the held-out questions, beside the rollout engine's in-run score in
 metrics.jsonl (`eval_start/*`, `eval/*`: the possibly quantized rollout policy). This module owns the file:
 `write_kept` writes it, `read_kept` returns the raw record (the summary, the console), `read_kept_heldout` a
@@ -40,7 +40,7 @@ KEPT_FILE = "heldout_kept.json"
 @dataclass(frozen=True)
 class HeldoutSettings:
     """How both models are sampled and scored: the run's own settings (pipeline/train_params.py
-    `TrainParams.heldout_settings`). Every field is part of the base model's cache key (pipeline/heldout.py)."""
+    `TrainParams.heldout_settings`). Every field is part of the base model's cache key (pipeline/kept_eval.py)."""
 
     dtype: str  # the trainer's dtype: what the saved model holds
     n_samples: int  # responses per question

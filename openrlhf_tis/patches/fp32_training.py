@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ._guard import replace, require_version
-from ._import_hooks import after_import
+from openrlhf_tis.import_hooks import after_import
+from openrlhf_tis.upstream_guards import replace, require_version
 
 NAME = "fp32_training"
 DEVICES = ("cpu", "cuda")

@@ -13,8 +13,8 @@ Every sync is verified end to end by the trainer's sync check (openrlhf_tis.trai
 
 from __future__ import annotations
 
-from ._guard import replace, require_version, upstream_original
-from ._import_hooks import after_import
+from openrlhf_tis.import_hooks import after_import
+from openrlhf_tis.upstream_guards import replace, require_version, upstream_original
 
 NAME = "cpu_weight_sync"
 DEVICES = ("cpu",)  # the run's device, decided by its driver (patches/__init__.py)

@@ -14,7 +14,7 @@ import argparse
 import runpy
 from collections.abc import Callable
 
-from ._guard import require_version, swapped
+from openrlhf_tis.upstream_guards import require_version, swapped
 
 NAME = "upstream_cli"
 UPSTREAM_CLI = "openrlhf.cli.train_ppo_ray"

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ._guard import PatchTargetMissingError, replace, require_version
-from ._import_hooks import after_import
+from openrlhf_tis.import_hooks import after_import
+from openrlhf_tis.upstream_guards import PatchTargetMissingError, replace, require_version
 
 NAME = "cpu_replay_buffer"
 DEVICES = ("cpu",)  # the run's device, decided by its driver (patches/__init__.py)

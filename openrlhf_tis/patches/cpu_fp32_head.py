@@ -17,10 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from openrlhf_tis.import_hooks import after_import
 from openrlhf_tis.rollout.fp32_head import fp32_head_weight
-
-from ._guard import replace, require_version, unpatched
-from ._import_hooks import after_import
+from openrlhf_tis.upstream_guards import replace, require_version, unpatched
 
 NAME = "cpu_fp32_head"
 DEVICES = ("cpu",)  # the run's device, decided by its driver (patches/__init__.py)

@@ -8,12 +8,12 @@ response length, the same per-question sampling seeds (common random numbers: a 
 noise between two draws) and the run's own reward function, exactly as upstream builds its query (the
 prompt formatted by upstream's `preprocess_data`, prompt + response decoded with special tokens).
 
-It writes `<run_dir>/heldout_kept.json` (runs/heldout.py owns the file and documents its schema).
+It writes `<run_dir>/heldout_kept.json` (runs/kept_score.py owns the file and documents its schema).
 The base model's score is cached under `cache_dir` (pipeline/train.py: ~/.cache/openrlhf_tis/heldout, or
 $OPENRLHF_TIS_CACHE/heldout) keyed by everything it depends on (model files and their mtimes, eval file,
 reward file and every HeldoutSettings field), so every cell of a study seed shares one evaluation.
 
-Run as `python -m openrlhf_tis.pipeline.heldout --run_dir R --base MODEL --eval_prompts F --reward F ...`
+Run as `python -m openrlhf_tis.pipeline.kept_eval --run_dir R --base MODEL --eval_prompts F --reward F ...`
 (a subprocess of the notebook's job: vLLM never lives in a notebook kernel); `command` writes that command line
 for a HeldoutSettings and `settings_from_args` reads it back.
 """
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from openrlhf_tis.runs.heldout import HeldoutSettings, kept_label, pass_at_k, write_kept
+from openrlhf_tis.runs.kept_score import HeldoutSettings, kept_label, pass_at_k, write_kept
 from openrlhf_tis.runs.layout import atomic_write
 
 KEPT_MODEL_DIR = "model"  # --ckpt.output_dir of pipeline/train.py: upstream saves the final HF weights there
@@ -135,7 +135,7 @@ def command(run_dir: Path, base: Path, eval_prompts: Path, reward: Path, setting
             cache_dir: Path) -> list[str]:
     """The command line that runs `evaluate_kept` with these arguments in a process of its own (`main` parses it;
     input_key and label_key keep their defaults)."""
-    return [sys.executable, "-m", "openrlhf_tis.pipeline.heldout", "--run_dir", str(run_dir), "--base", str(base),
+    return [sys.executable, "-m", "openrlhf_tis.pipeline.kept_eval", "--run_dir", str(run_dir), "--base", str(base),
             "--eval_prompts", str(eval_prompts), "--reward", str(reward), "--dtype", settings.dtype,
             "--n_samples", str(settings.n_samples), "--seed", str(settings.seed),
             "--temperature", str(settings.temperature), "--max_new_tokens", str(settings.max_new_tokens),
@@ -151,7 +151,7 @@ def settings_from_args(args: argparse.Namespace) -> HeldoutSettings:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="heldout", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="kept_eval", description=__doc__.split("\n")[0])
     parser.add_argument("--run_dir", required=True, help="the finished run (its final model under model/)")
     parser.add_argument("--base", required=True, help="the model the run started from")
     parser.add_argument("--eval_prompts", required=True, help="held-out JSONL (input/label keys)")

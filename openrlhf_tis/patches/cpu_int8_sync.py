@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ._guard import replace, require_version, unpatched
-from ._import_hooks import after_import
+from openrlhf_tis.import_hooks import after_import
+from openrlhf_tis.upstream_guards import replace, require_version, unpatched
 
 NAME = "cpu_int8_sync"
 DEVICES = ("cpu",)  # the run's device, decided by its driver (patches/__init__.py)

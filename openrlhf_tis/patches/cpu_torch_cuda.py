@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._guard import replace, require_version
+from openrlhf_tis.upstream_guards import replace, require_version
 
 NAME = "cpu_torch_cuda"
 DEVICES = ("cpu",)  # the run's device, decided by its driver (patches/__init__.py)

@@ -14,9 +14,10 @@ import contextlib
 import sys
 import types
 
+from openrlhf_tis.import_hooks import around_import, is_available
+from openrlhf_tis.upstream_guards import require_version
+
 from . import flash_attn_standin
-from ._guard import require_version
-from ._import_hooks import around_import, is_available
 
 NAME = "cpu_flash_attn"
 DEVICES = ("cpu", "cuda")

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from types import ModuleType
 
-from ._guard import PatchTargetMissingError
+from openrlhf_tis.upstream_guards import PatchTargetMissingError
 
 _after: dict[str, list[Callable[[ModuleType], None]]] = {}
 _around: dict[str, list[Callable[[], AbstractContextManager]]] = {}

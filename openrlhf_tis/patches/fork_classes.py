@@ -6,7 +6,7 @@ seam, so the module attribute is pointed at the fork's subclass before `train()`
 is a Ray actor class in an importable module, so Ray workers load it by reference.
 
 Async training's driver class likewise (`ppo_trainer_async.PPOTrainerAsync`); it runs in a Ray worker of
-its own and wires the fork's trainer and generator there (patches/async_actors.py).
+its own and wires the fork's trainer and generator there (trainer/ppo_trainer.py's `_TisPPOTrainerAsync`).
 
 The policy actor likewise: `openrlhf.cli.train_ppo_ray` binds `PolicyModelActor` with a module-level
 `from openrlhf.trainer.ray.ppo_actor import PolicyModelActor`; the fork runs that module (runpy) after
@@ -17,7 +17,7 @@ openrlhf_tis/trainer/ppo_actor.py) reaches `train()`. The engine actor class is 
 
 from __future__ import annotations
 
-from ._guard import replace, require_version
+from openrlhf_tis.upstream_guards import replace, require_version
 
 NAME = "fork_classes"
 
@@ -32,7 +32,7 @@ def apply() -> bool:
     replace(upstream, "PPOTrainer", TisPPOTrainer, patch=NAME)
 
     # Async training (--train.async_enable): `train()` imports PPOTrainerAsync from its module inside the
-    # function body; the fork's builds its two actors from the fork's classes (patches/async_actors.py).
+    # function body; the fork's builds its two actors from the fork's classes (`_TisPPOTrainerAsync`).
     import openrlhf.trainer.ppo_trainer_async as upstream_async
 
     from openrlhf_tis.trainer.ppo_trainer import TisPPOTrainerAsync
