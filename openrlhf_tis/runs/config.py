@@ -51,6 +51,7 @@ RESUME_IGNORED: tuple[str, ...] = (
     "ds.adam_offload",
     "reward.nonfinite",  # resuming a run that failed on a NaN reward with `drop` is what the flag is for
     "reward.timeout_s",  # likewise a longer limit for a run whose reward ran out of time
+    "train.stall_timeout_s",  # likewise a longer bound for a run stopped as stalled
     "cluster.*",  # where the run computes: what the device changes in training shows in the flags it sets
     "algo.correction.compile_metrics",  # how the metrics are reduced, never what is trained
     # the run spec's parts that only restate the above (its correction and rollout plan are checked)
