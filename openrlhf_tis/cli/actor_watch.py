@@ -56,6 +56,7 @@ _RAY_GUESSES = re.compile(r" (?:There are some potential root causes|Some common
 # What Ray's ActorDiedError says of an actor that died while a task waited on it (ray/exceptions.py, Ray 2.55).
 _ACTOR_DIED = re.compile(r"The actor died unexpectedly before finishing this task\.\n\tclass_name: (?P<cls>\S+)\n"
                          r"(?:\t(?!pid:)\w+: .*\n)*(?:\tpid: (?P<pid>\d+)\n)?(?:\t\w+: .*\n)*(?P<why>[\s\S]*)")
+_DIED_TYPE = "ray.exceptions.ActorDiedError"
 ENGINE_DEAD = "EngineDeadError"  # vLLM's error once an engine's engine core process is gone
 # Where a task's error says it was raised: "ray::Class.method() (pid=N, ...", the innermost task last.
 _TASK_PLACE = re.compile(r"ray::(?P<cls>\w+)\.\w+\(\) \(pid=(?P<pid>\d+)")
@@ -119,14 +120,15 @@ def death_in_error(err: BaseException) -> ActorDeath | None:
     """The actor death that `err` (a Ray error raised in the driver, perhaps wrapping the controller's) reports: an
     actor that died while a task waited on it, or an engine whose vLLM engine core process died; None for any other
     error (the controller's own exceptions keep their traceback)."""
-    from ray.exceptions import ActorDiedError, RayTaskError
+    from ray.exceptions import ActorDiedError, RayError, RayTaskError
 
     tasks, root = [], err
     while isinstance(root, RayTaskError) and root.cause is not None and root.cause is not root:
         tasks.append(root)
         root = root.cause
-    if isinstance(root, ActorDiedError):
-        died = _ACTOR_DIED.search(str(root))
+    # Ray keeps the ActorDiedError itself as the cause, or, where it could not pickle it, its text in a RayError.
+    if isinstance(root, ActorDiedError) or (isinstance(root, RayError) and _DIED_TYPE in str(root)):
+        died = _ACTOR_DIED.search(_ANSI.sub("", str(root)))
         if died is None:
             return None
         return ActorDeath(died["cls"], int(died["pid"] or 0), _without_guesses(died["why"]))
