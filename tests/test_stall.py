@@ -78,7 +78,7 @@ def test_a_stall_names_its_stage_and_the_class_and_pid_of_each_actor_it_waits_on
     clock.now = 61.5
     stall = check()
     assert stall == Stall(SYNC, 61.5, ("_CorrectionPolicyModelActor (pid 11)", "PrecisionRolloutRayActor (pid 22)",
-                                       "actor cc"))  # an actor the GCS no longer lists
+                                       "actor cc"), ("aa", "bb", "cc"))  # cc: an actor the GCS no longer lists
     assert str(stall) == ("stalled: sync weights made no progress for 62 s, waiting on _CorrectionPolicyModelActor "
                           "(pid 11), PrecisionRolloutRayActor (pid 22), actor cc; raise --train.stall_timeout_s or set "
                           "it to 0 to disable the bound")

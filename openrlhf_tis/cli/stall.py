@@ -24,13 +24,18 @@ DEST = "train.stall_timeout_s"
 DEFAULT_STALL_TIMEOUT_S = 1800.0  # ~30x the longest stage measured on the 2-core CPU machine (docs/run_store.md)
 
 
+KILL_WAIT_S = 10.0  # how long the stalled actors' end is awaited before Ray's shutdown
+
+
 @dataclass(frozen=True)
 class Stall:
-    """A stage that made no progress for `seconds`, waiting on `actors` (each "Class (pid N)")."""
+    """A stage that made no progress for `seconds`, waiting on `actors` (each "Class (pid N)"; their Ray actor ids:
+    `actor_ids`)."""
 
     stage: str
     seconds: float
     actors: tuple[str, ...]
+    actor_ids: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         waited = ", ".join(self.actors) or "no actor of the run"
@@ -109,4 +114,28 @@ class StallCheck:
         stalled = self._judge.observe(self._read(), now)
         if stalled is None:
             return None
-        return Stall(stalled.stage, self._judge.stalled_for(now), name_actors(stalled.actors, self._actors()))
+        return Stall(stalled.stage, self._judge.stalled_for(now), name_actors(stalled.actors, self._actors()),
+                     stalled.actors)
+
+
+def kill_stalled(stall: Stall, timeout: float = KILL_WAIT_S) -> None:
+    """End the actors a stalled stage waited on, before Ray's shutdown: the shutdown asks each worker to exit, which a
+    stopped (SIGSTOP) or deadlocked one never does, so it would outlive the run. `ray.kill` has the actor's node kill
+    its process; this returns once the GCS says each is dead, or after `timeout` seconds."""
+    import ray
+    from ray._private import state
+    from ray._private.worker import global_worker
+
+    for actor_id in stall.actor_ids:
+        try:  # the driver created the run's actors, so it holds their handles
+            ray.kill(global_worker.core_worker.get_actor_handle(ray.ActorID.from_hex(actor_id)), no_restart=True)
+        except Exception:  # dead already, or not this driver's
+            pass
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if all(state.actors(actor_id=actor_id).get("State", "DEAD") == "DEAD" for actor_id in stall.actor_ids):
+                return
+        except Exception:  # the GCS busy for a moment
+            pass
+        time.sleep(0.5)
