@@ -214,14 +214,14 @@ class ForkController:
     def broadcast_to_vllm(self) -> None:
         if any(isinstance(part, SyncCadencePart) and not part.due for part in self.parts):
             return  # --vllm.sync_every: not a step of the cadence, the engines keep their weights
-        for part in self.parts:
-            part.before_sync()
-        t0 = time.perf_counter()
-        with self._stage(SYNC):
+        with self._stage(SYNC):  # the parts' hooks too: the sync check scores on the engines and the trainer
+            for part in self.parts:
+                part.before_sync()
+            t0 = time.perf_counter()
             super().broadcast_to_vllm()
-        seconds = time.perf_counter() - t0
-        for part in self.parts:
-            part.after_sync(seconds)
+            seconds = time.perf_counter() - t0
+            for part in self.parts:
+                part.after_sync(seconds)
 
     def _compute_rollout_stats(self, experiences) -> dict:
         stats = super()._compute_rollout_stats(experiences)
