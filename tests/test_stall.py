@@ -8,7 +8,15 @@ import math
 
 import pytest
 
-from openrlhf_tis.cli.stall import DEFAULT_STALL_TIMEOUT_S, FLAG, Stall, StallCheck, StallJudge, check_stall_timeout
+from openrlhf_tis.cli.stall import (
+    DEFAULT_STALL_TIMEOUT_S,
+    FLAG,
+    Stall,
+    StallCheck,
+    StallJudge,
+    check_stall_timeout,
+    kill_stalled,
+)
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.trainer.stage_board import GENERATE, SYNC, TRAIN, StageBoard, StageRecord
 
@@ -82,6 +90,15 @@ def test_a_stall_names_its_stage_and_the_class_and_pid_of_each_actor_it_waits_on
     assert str(stall) == ("stalled: sync weights made no progress for 62 s, waiting on _CorrectionPolicyModelActor "
                           "(pid 11), PrecisionRolloutRayActor (pid 22), actor cc; raise --train.stall_timeout_s or set "
                           "it to 0 to disable the bound")
+
+
+def test_the_stalled_actors_on_this_node_get_sigkill_and_the_others_ray_kill():
+    stall = Stall(SYNC, 40.0, ("a (pid 1)", "b (pid 2)", "c (pid 3)", "actor d"), ("a", "b", "c", "d"))
+    table = {key: {"Pid": pid, "Address": {"NodeID": node}}
+             for key, pid, node in (("a", 1, "here"), ("b", 2, "there"), ("c", 3, "here"), ("x", 9, "here"))}
+    signalled, ray_killed = [], []
+    kill_stalled(stall, table, "here", signalled.append, ray_killed.append)
+    assert signalled == [1, 3] and ray_killed == ["b"]  # d: gone from the GCS; x: not waited on
 
 
 @pytest.mark.parametrize("seconds", [-1.0, -1e-9, math.nan, math.inf])

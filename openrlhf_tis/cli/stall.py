@@ -12,6 +12,9 @@ is not bounded; nor is the final model's save after it.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -22,9 +25,6 @@ from openrlhf_tis.trainer.stage_board import NAMESPACE, StageRecord, record_key
 FLAG = "--train.stall_timeout_s"
 DEST = "train.stall_timeout_s"
 DEFAULT_STALL_TIMEOUT_S = 1800.0  # ~30x the longest stage measured on the 2-core CPU machine (docs/run_store.md)
-
-
-KILL_WAIT_S = 10.0  # how long the stalled actors' end is awaited before Ray's shutdown
 
 
 @dataclass(frozen=True)
@@ -118,24 +118,38 @@ class StallCheck:
                      stalled.actors)
 
 
-def kill_stalled(stall: Stall, timeout: float = KILL_WAIT_S) -> None:
-    """End the actors a stalled stage waited on, before Ray's shutdown: the shutdown asks each worker to exit, which a
-    stopped (SIGSTOP) or deadlocked one never does, so it would outlive the run. `ray.kill` has the actor's node kill
-    its process; this returns once the GCS says each is dead, or after `timeout` seconds."""
+def kill_stalled(stall: Stall, records: Mapping[str, Mapping[str, Any]], here: str,
+                 kill_pid: Callable[[int], None], ray_kill: Callable[[str], None]) -> None:
+    """End the actors a stalled stage waited on, before Ray's shutdown, which asks each worker to exit: a stopped
+    (SIGSTOP) or deadlocked one never does, and a SIGSTOPped engine outlived the run (the CPU e2e run). One on this
+    driver's node (`here`, a node id) gets SIGKILL from `kill_pid` (it ends a stopped process too); one on another node
+    `ray_kill`, the best the driver can do there. `records`: the GCS actor table (id -> record)."""
+    for actor_id in stall.actor_ids:
+        record = records.get(actor_id)
+        if record is None:
+            continue
+        if record["Address"]["NodeID"] == here:
+            kill_pid(record["Pid"])
+        else:
+            ray_kill(actor_id)
+
+
+def kill_stalled_actors(stall: Stall) -> None:
+    """kill_stalled on this driver's Ray session; an actor already gone, or one this driver holds no handle of, is
+    left to Ray's shutdown."""
     import ray
-    from ray._private import state
     from ray._private.worker import global_worker
 
-    for actor_id in stall.actor_ids:
-        try:  # the driver created the run's actors, so it holds their handles
+    def kill_pid(pid: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def ray_kill(actor_id: str) -> None:
+        with contextlib.suppress(Exception):  # the driver created the run's actors, so it holds their handles
             ray.kill(global_worker.core_worker.get_actor_handle(ray.ActorID.from_hex(actor_id)), no_restart=True)
-        except Exception:  # dead already, or not this driver's
-            pass
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if all(state.actors(actor_id=actor_id).get("State", "DEAD") == "DEAD" for actor_id in stall.actor_ids):
-                return
-        except Exception:  # the GCS busy for a moment
-            pass
-        time.sleep(0.5)
+
+    try:
+        records = actors_of_this_job()
+    except Exception:  # the GCS unreachable: nothing to go on
+        return
+    kill_stalled(stall, records, ray.get_runtime_context().get_node_id(), kill_pid, ray_kill)

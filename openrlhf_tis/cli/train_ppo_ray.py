@@ -47,7 +47,7 @@ from openrlhf_tis.cli.resolve import apply_spec, resolve
 from openrlhf_tis.cli.rollout_engines import prepare_rollout_engines
 from openrlhf_tis.cli.run_dir import RunFinished, interrupted_account, open_run_dir
 from openrlhf_tis.cli.stall import DEST as STALL_DEST
-from openrlhf_tis.cli.stall import Stall, StallCheck, kill_stalled
+from openrlhf_tis.cli.stall import Stall, StallCheck, kill_stalled_actors
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.patches import fork_classes
 from openrlhf_tis.patches._guard import UnsupportedUpstreamError
@@ -215,7 +215,7 @@ def stop_after_actor_death(args: argparse.Namespace, death: ActorDeath) -> NoRet
 def stop_after_stall(args: argparse.Namespace, stall: Stall) -> NoReturn:
     """The controller made no progress within --train.stall_timeout_s (cli/stall.py): the run ended (end_run) naming
     the stage and the actors it waited on, which are killed first (a stopped process outlives Ray's shutdown)."""
-    kill_stalled(stall)
+    kill_stalled_actors(stall)
     end_run(args, f"error: {stall}; ", STALLED_EXIT)
 
 
