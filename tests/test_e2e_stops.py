@@ -52,9 +52,9 @@ def _ray_kill(ray_tmp: str, pid: int) -> None:
     import grpc
     from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
 
-    gcs = next(pid for pid, cmd in processes_naming(ray_tmp).items() if "gcs_server" in cmd.split()[0])
-    port = re.search(r"--gcs_server_port=(\d+)", " ".join(psutil.Process(gcs).cmdline()))[1]
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    raylet = next(pid for pid, cmd in processes_naming(ray_tmp).items() if "raylet" in cmd.split()[0])
+    address = re.search(r"--gcs-address=(\S+)", " ".join(psutil.Process(raylet).cmdline()))[1]
+    with grpc.insecure_channel(address) as channel:
         actors = gcs_service_pb2_grpc.ActorInfoGcsServiceStub(channel)
         table = actors.GetAllActorInfo(gcs_service_pb2.GetAllActorInfoRequest(), timeout=30).actor_table
         engine = next(actor for actor in table if actor.pid == pid)
