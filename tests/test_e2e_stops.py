@@ -56,7 +56,7 @@ def _ray_kill(ray_tmp: str, pid: int) -> None:
     address = re.search(r"--gcs-address=(\S+)", " ".join(psutil.Process(raylet).cmdline()))[1]
     with grpc.insecure_channel(address) as channel:
         actors = gcs_service_pb2_grpc.ActorInfoGcsServiceStub(channel)
-        table = actors.GetAllActorInfo(gcs_service_pb2.GetAllActorInfoRequest(), timeout=30).actor_table
+        table = actors.GetAllActorInfo(gcs_service_pb2.GetAllActorInfoRequest(), timeout=30).actor_table_data
         engine = next(actor for actor in table if actor.pid == pid)
         actors.KillActorViaGcs(gcs_service_pb2.KillActorViaGcsRequest(actor_id=engine.actor_id, force_kill=True,
                                                                      no_restart=True), timeout=30)
