@@ -61,7 +61,11 @@ RESUME_IGNORED: tuple[str, ...] = (
     f"{SPEC_KEY}.correction.compile_metrics",
 )
 
-ADDED_LATER: dict[str, Any] = {"vllm.routing_replay": "off"}
+ADDED_LATER: dict[str, Any] = {
+    "vllm.routing_replay": "off",
+    "train.stall_timeout_s": 1800.0,  # cli/stall.py's default (tests/test_run_spec.py holds them equal); a bound
+                                      # never changes what is trained, and RESUME_IGNORED skips it on resume anyway
+}
 """Flags added after runs were recorded, each with the value that does what those runs did: a stored config
 without the key compares as that value, so resuming across the addition is no configuration change (any other
 value still is)."""
