@@ -21,10 +21,12 @@ from openrlhf_tis.cli.actor_watch import (
     WAKE_SIGNAL,
     ActorDeath,
     ActorWatch,
+    death_in_error,
     failure_cause,
     first_failure,
     with_root_cause,
 )
+from openrlhf_tis.cli.stall import Stall
 from openrlhf_tis.cli.train_ppo_ray import ACTOR_DIED_EXIT
 from openrlhf_tis.demo.task import write_prompts
 
@@ -158,6 +160,79 @@ def test_the_watch_interrupts_the_main_thread_at_a_failure_and_stops_cleanly():
     finally:
         quiet.stop()
     assert not quiet.woke_main and quiet.death is None and signal.getsignal(WAKE_SIGNAL) == before
+
+
+def test_the_watch_interrupts_the_main_thread_at_a_stall_when_no_actor_died():
+    stall = Stall("generate samples", 31.0, ("PrecisionRolloutRayActor (pid 9)",))
+    checks = []
+
+    def check():
+        checks.append(1)
+        return stall if len(checks) > 1 else None
+
+    watch = ActorWatch(lambda: [], poll_s=0.05, stall_check=check).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _spin(10)
+    finally:
+        watch.stop()
+    assert watch.woke_main and watch.stalled == stall and watch.death is None and len(checks) == 2
+
+
+# Ray's words for an actor killed by ray.kill, and for one whose process was SIGKILLed (Ray 2.55, seen in the
+# controller's ray.get on a real engine).
+RAY_KILLED = "The actor is dead because it was killed by `ray.kill`."
+SIGKILLED = ("The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit "
+             "detail: Worker unexpectedly exits with a connection error code 2. End of file. Some common causes "
+             "include: (1) the process was killed by the OOM killer due to high memory usage, (2) ray stop --force was "
+             "called, or (3) the worker crashed unexpectedly due to SIGSEGV or another unexpected error.")
+
+
+def _in_controller(cause: BaseException, pickled: bool = False):
+    """What the driver's ray.get on the controller's fit raises when its own ray.get raised `cause`, built with Ray's
+    own classes as Ray builds it. An ActorDiedError does not pickle here (Ray keeps its text in a RayError instead);
+    it did in a real run's controller (`pickled`: it is kept as the cause)."""
+    from ray.exceptions import RayTaskError
+
+    trace = (f"Traceback (most recent call last):\n  File \"ppo_trainer.py\", line 1, in fit\n"
+             f"{type(cause).__module__}.{type(cause).__name__}: {cause}")
+    err = RayTaskError("fit", trace, cause, proctitle="ray::_TisPPOTrainer.fit", pid=300, ip="127.0.0.1")
+    if pickled:
+        err.cause = cause
+    return err.as_instanceof_cause()
+
+
+def _actor_died(message: str, pid: int = 4242):
+    from ray.exceptions import ActorDiedError
+
+    return ActorDiedError(ActorDiedErrorContext(class_name="PrecisionRolloutRayActor", actor_id=bytes(16), pid=pid,
+                                                node_ip_address="127.0.0.1", ray_namespace="ns", error_message=message))
+
+
+@pytest.mark.parametrize("pickled", [False, True])
+def test_a_death_upstream_saw_first_is_named_from_rays_error(pickled):
+    assert death_in_error(_in_controller(_actor_died(RAY_KILLED), pickled)) == ActorDeath("PrecisionRolloutRayActor",
+                                                                                          4242, RAY_KILLED)
+    assert death_in_error(_in_controller(_actor_died(SIGKILLED), pickled)) == ActorDeath(
+        "PrecisionRolloutRayActor", 4242, "The actor is dead because its worker process has died. Worker exit type: "
+        "SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection error code 2. End of file.")
+    assert death_in_error(_actor_died(RAY_KILLED, pid=0)).pid == 0  # Ray omits a pid it does not know
+
+
+def test_an_engine_whose_engine_core_died_is_named_and_any_other_error_keeps_its_traceback():
+    from ray.exceptions import RayTaskError
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    dead = EngineDeadError()
+    in_engine = RayTaskError("generate_responses", "Traceback (most recent call last):\n  File \"core_client.py\", "
+                             f"line 1, in get_output\nvllm.v1.engine.exceptions.EngineDeadError: {dead}", dead,
+                             proctitle="ray::PrecisionRolloutRayActor.generate_responses", pid=77, ip="127.0.0.1")
+    death = death_in_error(_in_controller(in_engine.as_instanceof_cause()))
+    assert death == ActorDeath("PrecisionRolloutRayActor", 77, f"vllm.v1.engine.exceptions.EngineDeadError: {dead}",
+                               what="lost its vLLM engine core process")
+    assert str(death).startswith("the Ray actor PrecisionRolloutRayActor (pid 77) lost its vLLM engine core process: ")
+    assert death_in_error(_in_controller(ValueError("a bug in the controller"))) is None
+    assert death_in_error(ValueError("not Ray's")) is None
 
 
 # Ray's start, then the engine's until its KV cache is sized: 190-255 s on 2 cores busy with another run (load 7-11),

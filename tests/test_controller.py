@@ -611,3 +611,29 @@ def test_async_samples_all_beyond_the_lag_bound_stop_the_run(world_of):
     with pytest.raises(StalenessError, match=f"step 2: 6 of 6 samples are older than {MAX_LAG_FLAG} 0"):
         run_async(world)
     assert sorted(world.lines()) == [1]
+
+
+# ── the stall bound's record (trainer/stage_board.py) ──
+
+def test_each_seam_publishes_its_stage_and_the_actors_it_waits_on(world_of, monkeypatch):
+    """One synchronous step with the start's evaluation (eval every 2 steps): upstream's fit loads the checkpoint
+    state, the start evaluates, the step makes experience around its training and sync, then saves; between seams the
+    loop generates samples, and leaving fit leaves every stage. Each record's count moves by one."""
+    from openrlhf_tis.trainer.stage_board import StageRecord
+
+    records: list[StageRecord] = []
+    monkeypatch.setattr(ppo_trainer, "gcs_publisher", lambda: records.append)
+    world = world_of()
+    world.batches = on_policy(1)
+    for i, engine in enumerate(world.engines):
+        engine._actor_id = SimpleNamespace(hex=lambda i=i: f"engine{i}")
+    world.actors._actor_handlers = [SimpleNamespace(_actor_id=SimpleNamespace(hex=lambda: "policy0"))]
+    run_sync(world)
+    engines, policy = ("engine0", "engine1"), ("policy0",)
+    expected = [("generate samples", engines), ("load checkpoint", policy), ("generate samples", engines),
+                ("evaluate", engines), ("generate samples", engines),
+                ("make experience", policy), ("train", policy), ("make experience", policy),
+                ("sync weights", policy + engines), ("make experience", policy), ("generate samples", engines),
+                ("save checkpoint", policy), ("generate samples", engines), (None, ())]
+    assert [(r.stage, r.actors) for r in records] == expected
+    assert [r.count for r in records] == list(range(1, len(expected) + 1))

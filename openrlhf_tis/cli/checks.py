@@ -14,6 +14,9 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from openrlhf_tis.cli.stall import DEST as STALL_DEST
+from openrlhf_tis.cli.stall import FLAG as STALL_FLAG
+from openrlhf_tis.cli.stall import check_stall_timeout
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.model_files import check_model_path, read_model_config
 from openrlhf_tis.moe.coverage import REPLAY_FLAG, engine_refusal, replay_refusal
@@ -306,6 +309,8 @@ def check_flags(args: argparse.Namespace, *, cuda: bool, cluster: str) -> None:
     if getattr(args, "vllm.sync_check_tolerance") <= 0:
         raise UsageError("--vllm.sync_check_tolerance", "must be > 0")
     check_cadences(args)
+    if (problem := check_stall_timeout(getattr(args, STALL_DEST))) is not None:
+        raise UsageError(STALL_FLAG, problem)
     try:
         check_timeout(getattr(args, "reward.timeout_s"))
     except ValueError as err:

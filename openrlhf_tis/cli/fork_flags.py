@@ -9,6 +9,8 @@ import typing
 from typing import Any
 
 from openrlhf_tis.cli.cluster_device import DEVICE_FLAG, DEVICES
+from openrlhf_tis.cli.stall import DEFAULT_STALL_TIMEOUT_S
+from openrlhf_tis.cli.stall import FLAG as STALL_FLAG
 from openrlhf_tis.correction.config import FLAG_PREFIX
 from openrlhf_tis.moe.coverage import COVERED_MODEL_TYPES, REPLAY_FLAG, REPLAY_MODES
 from openrlhf_tis.params import Check, param
@@ -110,6 +112,11 @@ FORK_FLAGS: tuple[ForkFlag, ...] = (
         "Async training only: drop every prompt group holding a sample whose rollout policy is more than N "
         "steps older than the policy it trains (counted in staleness/dropped_samples); default no bound. "
         "Lags are logged in any mode (staleness/*; 0 in synchronous runs).")),
+    ForkFlag(STALL_FLAG, type=float, default=DEFAULT_STALL_TIMEOUT_S, help=(
+        "Stop the run, naming the stage (generate samples, make experience, train, sync weights, evaluate, save or "
+        "load checkpoint) and the Ray actors it waited on, when the training loop makes no progress for this many "
+        "seconds: an actor that hangs without dying (SIGSTOP, a deadlock). Progress is a change of stage or, while "
+        "generating or evaluating, a finished response; start-up is not bounded. Exit code 4. 0 disables.")),
     ForkFlag("--logger.token_dump_steps", type=int, default=DEFAULT_DUMP_EVERY, help=(
         "Dump per-token data (tokens/step_*.parquet) at step 1 and every N steps; 0 disables.")),
     ForkFlag("--logger.token_dump_samples", type=int, default=DEFAULT_DUMP_SAMPLES, help=(

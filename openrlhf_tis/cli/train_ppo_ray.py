@@ -15,8 +15,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
+import ray
+from ray.exceptions import RayError
+
 from openrlhf_tis import patches
-from openrlhf_tis.cli.actor_watch import ActorDeath, ActorWatch
+from openrlhf_tis.cli.actor_watch import ActorDeath, ActorWatch, death_in_error
 from openrlhf_tis.cli.checks import (
     check_inputs,
     check_quantized_receive,
@@ -42,6 +45,8 @@ from openrlhf_tis.cli.ray_cluster import CPU_ENV, RayStartError, start_ray
 from openrlhf_tis.cli.resolve import apply_run_id, apply_spec, resolve
 from openrlhf_tis.cli.rollout_engines import prepare_rollout_engines
 from openrlhf_tis.cli.run_dir import RunFinished, interrupted_account, open_run_dir
+from openrlhf_tis.cli.stall import DEST as STALL_DEST
+from openrlhf_tis.cli.stall import Stall, StallCheck, kill_stalled_actors
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.patches import fork_classes
 from openrlhf_tis.patches.upstream_cli import run_upstream_main, upstream_parser
@@ -52,6 +57,7 @@ from openrlhf_tis.upstream_guards import UnsupportedUpstreamError
 
 INTERRUPTED_EXIT = 130  # a shell's code for a command ended by SIGINT
 ACTOR_DIED_EXIT = 3  # an actor of the run died of an error (cli/actor_watch.py)
+STALLED_EXIT = 4  # the controller made no progress within --train.stall_timeout_s (cli/stall.py)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,14 +175,24 @@ def main(argv: list[str] | None = None) -> None:
     except RayStartError as err:  # not the user's input: the machine's load
         print(f"openrlhf_tis.cli.train_ppo_ray: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
-    watch = ActorWatch().start()  # upstream waits on its actors without a time limit, even on dead ones
+    # upstream waits on its actors without a time limit, even on dead or stopped ones
+    bound = getattr(args, STALL_DEST)
+    watch = ActorWatch(stall_check=StallCheck(bound) if bound > 0 else None).start()
     try:
         run_upstream_main(args)
     except KeyboardInterrupt:
         watch.stop()
-        if watch.woke_main:
+        if watch.woke_main and watch.death is not None:
             stop_after_actor_death(args, watch.death)
+        if watch.woke_main:
+            stop_after_stall(args, watch.stalled)
         stop_after_interrupt(args)
+    except RayError as err:  # upstream's ray.get saw a death before the watch did, or one the watch leaves alone
+        watch.stop()
+        death = watch.recorded_failure() or death_in_error(err)
+        if death is None:
+            raise
+        stop_after_actor_death(args, death)
     finally:
         watch.stop()
     check_steps_logged(getattr(args, "logger.run_dir"))
@@ -193,11 +209,16 @@ def stop_after_actor_death(args: argparse.Namespace, death: ActorDeath) -> NoRet
     end_run(args, f"error: {death}; ", ACTOR_DIED_EXIT)
 
 
+def stop_after_stall(args: argparse.Namespace, stall: Stall) -> NoReturn:
+    """The controller made no progress within --train.stall_timeout_s (cli/stall.py): the run ended (end_run) naming
+    the stage and the actors it waited on, which are killed first (a stopped process outlives Ray's shutdown)."""
+    kill_stalled_actors(stall)
+    end_run(args, f"error: {stall}; ", STALLED_EXIT)
+
+
 def end_run(args: argparse.Namespace, why: str, code: int) -> NoReturn:
     """Ray shut down (its actors end, so nothing more is logged), then one line: `why`, then what was kept and how to
     go on; exit `code`. A Ctrl-C does not cut the shutdown short."""
-    import ray
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ray.shutdown()
     account = interrupted_account(Path(getattr(args, "logger.run_dir")), getattr(args, "ckpt.path"))

@@ -51,6 +51,7 @@ RESUME_IGNORED: tuple[str, ...] = (
     "ds.adam_offload",
     "reward.nonfinite",  # resuming a run that failed on a NaN reward with `drop` is what the flag is for
     "reward.timeout_s",  # likewise a longer limit for a run whose reward ran out of time
+    "train.stall_timeout_s",  # likewise a longer bound for a run stopped as stalled
     "cluster.*",  # where the run computes: what the device changes in training shows in the flags it sets
     "algo.correction.compile_metrics",  # how the metrics are reduced, never what is trained
     # the run spec's parts that only restate the above (its correction and rollout plan are checked)
@@ -63,7 +64,11 @@ RESUME_IGNORED: tuple[str, ...] = (
     f"{SPEC_KEY}.correction.compile_metrics",
 )
 
-ADDED_LATER: dict[str, Any] = {"vllm.routing_replay": "off"}
+ADDED_LATER: dict[str, Any] = {
+    "vllm.routing_replay": "off",
+    "train.stall_timeout_s": 1800.0,  # cli/stall.py's default (tests/test_run_spec.py holds them equal); a bound
+                                      # never changes what is trained, and RESUME_IGNORED skips it on resume anyway
+}
 """Flags added after runs were recorded, each with the value that does what those runs did: a stored config
 without the key compares as that value, so resuming across the addition is no configuration change (any other
 value still is)."""

@@ -9,13 +9,23 @@ held-out set is dispatched at once, spread over every engine by upstream's own d
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
 from openrlhf_tis.upstream_guards import require_version
 
 
 class WholeSetEvalSamplesGenerator(SamplesGenerator):
-    """Upstream's sample generator whose evaluation sends every held-out prompt in one dispatch."""
+    """Upstream's sample generator whose evaluation sends every held-out prompt in one dispatch, and which calls
+    `on_response` at each finished response (the rollout's progress, trainer/stage_board.py)."""
+
+    on_response: Callable[[], None] = staticmethod(lambda: None)
+
+    def _process_response_into_experience(self, response, **generate_kwargs):
+        experience = super()._process_response_into_experience(response, **generate_kwargs)
+        self.on_response()
+        return experience
 
     def generate_eval_samples(self, **generate_kwargs):
         prompts = len(self.eval_dataloader.dataset) if self.eval_dataloader is not None else 0
@@ -28,10 +38,16 @@ class WholeSetEvalSamplesGenerator(SamplesGenerator):
             rollout.batch_size = chunk
 
 
-def whole_set_eval(generator: SamplesGenerator) -> WholeSetEvalSamplesGenerator:
-    """A generator sharing `generator`'s datasets, tokenizer and engines, evaluating in one dispatch (it stands in for
-    the controller's; refused for another openrlhf than the one whose loop reads `rollout.batch_size`)."""
+def whole_set_eval(generator: SamplesGenerator,
+                   on_response: Callable[[], None] | None = None) -> WholeSetEvalSamplesGenerator:
+    """A generator sharing `generator`'s datasets, tokenizer and engines, evaluating in one dispatch and calling
+    `on_response` at each finished response (it stands in for the controller's; refused for another openrlhf than the
+    one whose loop reads `rollout.batch_size` and turns each response into an experience in
+    `_process_response_into_experience`)."""
     require_version("openrlhf", "==0.11.2", patch="openrlhf_tis/trainer/eval_samples.py")
-    return WholeSetEvalSamplesGenerator(strategy=generator.strategy, prompts_dataloader=generator.prompts_dataloader,
-                                        eval_dataloader=generator.eval_dataloader, tokenizer=generator.tokenizer,
-                                        vllm_engines=generator.vllm_engines)
+    whole = WholeSetEvalSamplesGenerator(strategy=generator.strategy, prompts_dataloader=generator.prompts_dataloader,
+                                         eval_dataloader=generator.eval_dataloader, tokenizer=generator.tokenizer,
+                                         vllm_engines=generator.vllm_engines)
+    if on_response is not None:
+        whole.on_response = on_response
+    return whole

@@ -55,6 +55,19 @@ from openrlhf_tis.spec import run_spec
 from openrlhf_tis.trainer.bypass import install_bypass_experience_maker
 from openrlhf_tis.trainer.eval_samples import whole_set_eval
 from openrlhf_tis.trainer.rewards import RewardPolicy
+from openrlhf_tis.trainer.stage_board import (
+    EVALUATE,
+    GENERATE,
+    LOAD,
+    MAKE_EXPERIENCE,
+    SAVE,
+    SYNC,
+    TRAIN,
+    StageBoard,
+    actor_ids,
+    gcs_publisher,
+    group_ids,
+)
 from openrlhf_tis.trainer.step_part import (
     CoveragePart,
     EvalSchedule,
@@ -110,7 +123,10 @@ class ForkController:
     def __init__(self, *args, **kwargs):
         seed_data_order(*args, **kwargs)  # before upstream builds its prompt loader (rollout/sampling_seeds.py)
         super().__init__(*args, **kwargs)
-        self.samples_generator = whole_set_eval(self.samples_generator) if self.samples_generator else None
+        # What the driver's stall bound reads (trainer/stage_board.py): the stage, the actors it waits on, progress.
+        self.board = StageBoard(gcs_publisher())
+        self.samples_generator = (whole_set_eval(self.samples_generator, self.board.progress)
+                                  if self.samples_generator else None)
         self.parts = self._choose_parts()
         # Bypass mode: the experience maker must not even dispatch the pi_old forward (trainer/bypass.py).
         install_bypass_experience_maker(self)
@@ -151,13 +167,35 @@ class ForkController:
         ]
         return [part for part in parts if part is not None]
 
+    def _waits_on(self, stage: str) -> tuple[str, ...]:
+        """The actor ids `stage` waits on (trainer/stage_board.py)."""
+        engines = actor_ids(self.vllm_engines or ())
+        trainers = group_ids(self.actor_model_group, self.critic_model_group)
+        if stage in (GENERATE, EVALUATE):
+            return engines
+        if stage == SYNC:
+            return trainers + engines
+        if stage == MAKE_EXPERIENCE:
+            return group_ids(self.actor_model_group, self.critic_model_group, self.reference_model_group,
+                             self.reward_model_group)
+        return trainers  # TRAIN, SAVE, LOAD
+
+    def _stage(self, stage: str):
+        return self.board.stage(stage, self._waits_on(stage))
+
+    def fit(self, *args, **kwargs):
+        # Between upstream's seams the loop generates samples (async training: waits for the generator's).
+        with self._stage(GENERATE):
+            return super().fit(*args, **kwargs)
+
     def _evaluate_now(self, step: int) -> dict:
         return self.evaluate(step, **eval_generate_kwargs(self.args, self.generate_kwargs))
 
     def init_checkpoint_states(self) -> dict:
         # fit() calls this before its first rollout: the one point where a fresh run's policy is untrained,
         # and where engines and trainer hold the same weights (the sync check's baseline).
-        states = super().init_checkpoint_states()
+        with self._stage(LOAD):
+            states = super().init_checkpoint_states()
         for part in self.parts:
             part.on_start(int(states["global_step"]))
         if int(states["global_step"]) == 0 and self._sync_before_training():
@@ -172,7 +210,8 @@ class ForkController:
 
     def evaluate(self, global_step, **generate_kwargs):
         t0 = time.perf_counter()
-        logs = super().evaluate(global_step, **generate_kwargs)
+        with self._stage(EVALUATE):
+            logs = super().evaluate(global_step, **generate_kwargs)
         seconds = time.perf_counter() - t0
         for part in self.parts:
             part.on_eval(global_step, logs, seconds)
@@ -181,13 +220,14 @@ class ForkController:
     def broadcast_to_vllm(self) -> None:
         if any(isinstance(part, SyncCadencePart) and not part.due for part in self.parts):
             return  # --vllm.sync_every: not a step of the cadence, the engines keep their weights
-        for part in self.parts:
-            part.before_sync()
-        t0 = time.perf_counter()
-        super().broadcast_to_vllm()
-        seconds = time.perf_counter() - t0
-        for part in self.parts:
-            part.after_sync(seconds)
+        with self._stage(SYNC):  # the parts' hooks too: the sync check scores on the engines and the trainer
+            for part in self.parts:
+                part.before_sync()
+            t0 = time.perf_counter()
+            super().broadcast_to_vllm()
+            seconds = time.perf_counter() - t0
+            for part in self.parts:
+                part.after_sync(seconds)
 
     def _compute_rollout_stats(self, experiences) -> dict:
         stats = super()._compute_rollout_stats(experiences)
@@ -198,7 +238,8 @@ class ForkController:
     def train_step(self, rollout_samples, global_step: int):
         for part in self.parts:
             rollout_samples = part.before_step(rollout_samples, global_step + 1)
-        status, global_step = super().train_step(rollout_samples, global_step)
+        with self._stage(MAKE_EXPERIENCE):
+            status, global_step = super().train_step(rollout_samples, global_step)
         for part in self.parts:
             part.end_step(status)
         return status, global_step
@@ -207,7 +248,8 @@ class ForkController:
         trains_actor = global_steps > self.args.critic.freezing_steps  # upstream's own condition
         for part in self.parts:
             part.before_fit(global_steps + 1, trains_actor)
-        status = super().ppo_train(global_steps)
+        with self._stage(TRAIN):
+            status = super().ppo_train(global_steps)
         for part in self.parts:
             part.after_fit(global_steps + 1)
         return status
@@ -215,7 +257,8 @@ class ForkController:
     def save_logs_and_checkpoints(self, global_step: int, logs_dict=None, client_states=None) -> None:
         for part in self.parts:
             part.on_log(global_step, logs_dict or {})
-        super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+        with self._stage(SAVE):
+            super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
         for part in self.parts:
             part.after_save(global_step)
 
