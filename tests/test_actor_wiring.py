@@ -30,7 +30,7 @@ from openrlhf_tis.correction import (  # noqa: E402
     policy_loss,
     preset,
 )
-from openrlhf_tis.spec import ClusterPlan, RunSpec  # noqa: E402
+from openrlhf_tis.run_spec import ClusterPlan, RunSpec  # noqa: E402
 from openrlhf_tis.trainer import bypass, ppo_actor  # noqa: E402
 from openrlhf_tis.trainer.policy_loss import CorrectionPolicyLoss  # noqa: E402
 

@@ -134,7 +134,7 @@ def test_the_spec_carries_the_reward_limits_and_the_staleness_bound(parsers):
     """What the controller reads of the reward flags and the async lag bound is the run spec's, decided once."""
     from openrlhf_tis.cli.cluster_device import assumed_cluster
     from openrlhf_tis.cli.resolve import resolve
-    from openrlhf_tis.spec import RewardPlan, StalenessPlan
+    from openrlhf_tis.run_spec import RewardPlan, StalenessPlan
 
     _, fork = parsers
     argv = ["--reward.timeout_s", "7.5", "--reward.nonfinite", "drop", "--train.async_enable",

@@ -28,7 +28,7 @@ from openrlhf_tis.cli.cluster_device import (
 from openrlhf_tis.cli.ray_cluster import CPU_ENV, worker_env
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.rollout.precision import cuda_refusal
-from openrlhf_tis.spec import ClusterPlan, run_spec
+from openrlhf_tis.run_spec import ClusterPlan, run_spec
 
 H100_NODES = {"CPU": 208.0, "GPU": 16.0, "accelerator_type:H100": 2.0, "memory": 2e12, "node:10.0.0.1": 1.0}
 CPU_HEAD = {"CPU": 8.0, "memory": 3e10, "node:10.0.0.2": 1.0}

@@ -53,8 +53,7 @@ from openrlhf_tis.metric_names import (  # noqa: E402
     staleness_lag_key,
 )
 from openrlhf_tis.rollout.versions import VERSION_FIRST, VERSION_LAST  # noqa: E402
-from openrlhf_tis.runs.tokens import select_samples  # noqa: E402
-from openrlhf_tis.spec import (  # noqa: E402
+from openrlhf_tis.run_spec import (  # noqa: E402
     ClusterPlan,
     DumpPlan,
     RewardPlan,
@@ -63,6 +62,7 @@ from openrlhf_tis.spec import (  # noqa: E402
     StalenessPlan,
     SyncPlan,
 )
+from openrlhf_tis.runs.tokens import select_samples  # noqa: E402
 from openrlhf_tis.trainer import ppo_trainer, sync_check  # noqa: E402
 from openrlhf_tis.trainer.rewards import DROP_FLAG, NonFiniteRewardError  # noqa: E402
 from openrlhf_tis.trainer.staleness import LAG, MAX_LAG_FLAG, StalenessError  # noqa: E402

@@ -7,7 +7,7 @@ from _support import error_line, refused
 
 from openrlhf_tis.cli import train_ppo_ray
 from openrlhf_tis.correction import CorrectionConfig, from_upstream, preset
-from openrlhf_tis.spec import run_spec
+from openrlhf_tis.run_spec import run_spec
 
 
 @pytest.fixture()

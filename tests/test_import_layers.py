@@ -265,7 +265,7 @@ def test_patches_import_rollout_and_trainer_never_the_reverse():
     """Patches wire the fork's rollout and trainer classes into upstream; no layer below the entry points uses a
     patch: the guards and import hooks every layer uses are bottom modules (upstream_guards, import_hooks)."""
     below = ("openrlhf_tis.correction", "openrlhf_tis.runs", "openrlhf_tis.rollout", "openrlhf_tis.trainer",
-             "openrlhf_tis.moe", "openrlhf_tis.spec", "openrlhf_tis.demo", "openrlhf_tis.viz")
+             "openrlhf_tis.moe", "openrlhf_tis.run_spec", "openrlhf_tis.demo", "openrlhf_tis.viz")
     upward = _upward(below, ("openrlhf_tis.patches",))
     assert not upward, "\n".join(upward)
     assert "openrlhf_tis.rollout.fp32_head" in GRAPH["openrlhf_tis.patches.cpu_fp32_head"]  # guards the test

@@ -8,7 +8,7 @@ from _support import refused, write_calibration
 from openrlhf_tis.cli import train_ppo_ray
 from openrlhf_tis.rollout.calibration_file import Calibration, save_calibration
 from openrlhf_tis.rollout.checkpoint import read_config, read_plan
-from openrlhf_tis.spec import run_spec
+from openrlhf_tis.run_spec import run_spec
 
 
 def test_bad_precision_requests_are_one_message_before_ray(valid_argv, tiny_model_dir, tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The run spec (openrlhf_tis/spec): resolved once by the driver, applied in one place, read by every process.
+"""The run spec (openrlhf_tis/run_spec): resolved once by the driver, applied in one place, read by every process.
 
 The pin: for a handful of flag sets (tests/run_spec_cases.py), what upstream receives is exactly what it received
 before the spec existed (tests/data/run_spec_pin.json), the spec's correction and device being the ones the old
@@ -17,6 +17,7 @@ import pytest
 from run_spec_cases import CASES, PIN, resolve_cases
 
 from openrlhf_tis.correction import preset
+from openrlhf_tis.run_spec import SPEC_DEST, ClusterPlan, DumpPlan, RewardPlan, RolloutPlan, RunSpec, SyncPlan, run_spec
 from openrlhf_tis.runs.config import (
     ADDED_LATER,
     LEGACY_CORRECTION_KEY,
@@ -27,7 +28,6 @@ from openrlhf_tis.runs.config import (
     read_run_config,
     resolve_config,
 )
-from openrlhf_tis.spec import SPEC_DEST, ClusterPlan, DumpPlan, RewardPlan, RolloutPlan, RunSpec, SyncPlan, run_spec
 
 OLD_ONLY = ("algo.correction.resolved", "cluster.device", "cluster.resources")  # moved into the spec
 STARTED = "logger.wandb.run_name"  # upstream's default is the start time

@@ -42,9 +42,9 @@ from openrlhf_tis.metric_names import (  # noqa: E402
     staleness_lag_key,
 )
 from openrlhf_tis.rollout.versions import VERSION_FIRST, VERSION_LAST  # noqa: E402
+from openrlhf_tis.run_spec import ClusterPlan, DumpPlan, RolloutPlan, RunSpec  # noqa: E402
 from openrlhf_tis.runs.store import RunWriter  # noqa: E402
 from openrlhf_tis.runs.tokens import select_samples  # noqa: E402
-from openrlhf_tis.spec import ClusterPlan, DumpPlan, RolloutPlan, RunSpec  # noqa: E402
 from openrlhf_tis.trainer import step_part  # noqa: E402
 from openrlhf_tis.trainer.rewards import NonFiniteRewardError, RewardPolicy  # noqa: E402
 from openrlhf_tis.trainer.staleness import LAG, StalenessError  # noqa: E402

@@ -23,9 +23,10 @@ from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call  # noqa: E40
 
 from openrlhf_tis.correction import preset  # noqa: E402
 from openrlhf_tis.metric_names import SYNC_GAP_MEAN, SYNC_VLLM_LOGPROB_CHANGE, SYNC_VLLM_PROBE_CHANGE  # noqa: E402
-from openrlhf_tis.spec import ClusterPlan, RunSpec, SyncPlan  # noqa: E402
+from openrlhf_tis.run_spec import ClusterPlan, RunSpec, SyncPlan  # noqa: E402
 from openrlhf_tis.trainer import sync_check  # noqa: E402
 from openrlhf_tis.trainer.ppo_trainer import ForkController  # noqa: E402
+from openrlhf_tis.trainer.stage_board import StageBoard  # noqa: E402
 from openrlhf_tis.trainer.step_part import SyncCheckPart  # noqa: E402
 from openrlhf_tis.trainer.sync_check import WeightSyncError, make_sync_checker  # noqa: E402
 
@@ -37,6 +38,8 @@ class Controller(ForkController, BasePPOTrainer):
         self.args, self.vllm_engines, self.actor_model_group = args, engines, actor_group
         self.checker = make_sync_checker(args, probe_tokenizer, engines, actor_group)
         self.parts = [SyncCheckPart(self.checker, args.fork.spec.sync.check_steps)] if self.checker else []
+        self.critic_model_group = None  # GRPO: no critic
+        self.board = StageBoard(lambda record: None)  # the stall bound's record: no driver reads it here
 
     def step_metrics(self) -> dict[str, float]:
         """What the parts add to a step's status (the sync check's metrics since the last step)."""

@@ -17,9 +17,9 @@ from openrlhf.trainer.ppo_utils import NaiveReplayBuffer
 from test_actor_wiring import B, TinyPolicy, make_args, make_experience, make_trainer
 
 from openrlhf_tis.correction import CorrectionConfig, losses, preset
+from openrlhf_tis.run_spec import DumpPlan
 from openrlhf_tis.runs import MASK_REASON_CODES, query_tokens, token_steps
 from openrlhf_tis.runs.tokens import select_samples
-from openrlhf_tis.spec import DumpPlan
 from openrlhf_tis.trainer import ppo_actor, step_part, token_dumps
 from openrlhf_tis.trainer.token_dumps import TokenDumpPlan
 

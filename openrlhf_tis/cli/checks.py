@@ -22,7 +22,7 @@ from openrlhf_tis.model_files import check_model_path, read_model_config
 from openrlhf_tis.moe.coverage import REPLAY_FLAG, engine_refusal, replay_refusal
 from openrlhf_tis.prompt_files import PromptFileError, item_sources, prompt_problem, read_records, token_counts
 from openrlhf_tis.rollout.reward_calls import TIMEOUT_FLAG, check_timeout
-from openrlhf_tis.spec import RunSpec
+from openrlhf_tis.run_spec import RunSpec
 
 _UNSET = object()
 

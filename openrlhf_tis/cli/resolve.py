@@ -4,7 +4,7 @@ Every decision lives here: `resolve` decides (the device, upstream's defaults a 
 `cpu_replacements`, the correction: `resolve_correction`, the rollout plan, the sync, the dumps, the reward's limits
 and the staleness bound) and runs the
 checks of cli/checks.py, which only check. This module is the one place the fork writes into upstream's namespace:
-`apply_spec`, so what upstream and every actor see follows from the spec (openrlhf_tis/spec/run_spec.py), and
+`apply_spec`, so what upstream and every actor see follows from the spec (openrlhf_tis/run_spec/plans.py), and
 `apply_run_id`, the run directory's identity once it is opened.
 
 On a CPU cluster (cli/cluster_device.py), upstream's GPU *defaults* are replaced by choices that run there
@@ -27,7 +27,7 @@ from openrlhf_tis.cli.cluster_device import DEVICE_DEST, ClusterResources, decid
 from openrlhf_tis.correction.config import CorrectionConfig
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.rollout.precision import rollout_plan
-from openrlhf_tis.spec import SPEC_DEST, ClusterPlan, DumpPlan, RewardPlan, RunSpec, StalenessPlan, SyncPlan
+from openrlhf_tis.run_spec import SPEC_DEST, ClusterPlan, DumpPlan, RewardPlan, RunSpec, StalenessPlan, SyncPlan
 
 # Upstream asks vLLM for the rollout log-probs only when its own correction level is not off; the mismatch metrics
 # need them every step, whatever the loss, so a run whose correction came from the fork's flags sets upstream's to a

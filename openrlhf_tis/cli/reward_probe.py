@@ -39,7 +39,7 @@ from openrlhf_tis.rollout.reward_calls import (
     result_message,
     timeout_message,
 )
-from openrlhf_tis.spec import RewardPlan
+from openrlhf_tis.run_spec import RewardPlan
 
 
 def load_reward_func(path: str):

@@ -6,8 +6,8 @@ the rollout layer below only writes the directory (`rollout.checkpoint.write_rol
 
 from __future__ import annotations
 
+from openrlhf_tis.run_spec import RolloutPlan
 from openrlhf_tis.runs.layout import ROLLOUT_MODEL_DIR
-from openrlhf_tis.spec import RolloutPlan
 
 
 def prepare_rollout_engines(args, plan: RolloutPlan) -> str | None:

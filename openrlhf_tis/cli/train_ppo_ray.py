@@ -51,8 +51,8 @@ from openrlhf_tis.errors import UsageError
 from openrlhf_tis.patches import fork_classes
 from openrlhf_tis.patches.upstream_cli import run_upstream_main, upstream_parser
 from openrlhf_tis.run_device import DEVICE_ENV
+from openrlhf_tis.run_spec import run_spec
 from openrlhf_tis.runs.reader import last_logged_step
-from openrlhf_tis.spec import run_spec
 from openrlhf_tis.upstream_guards import UnsupportedUpstreamError
 
 INTERRUPTED_EXIT = 130  # a shell's code for a command ended by SIGINT

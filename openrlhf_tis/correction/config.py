@@ -437,7 +437,7 @@ class CorrectionConfig:
         return None
 
     # ── serialization: config.json records the correction as `to_dict` gives it (runs/config.py). The workers get
-    # the object itself, inside the run spec (spec/run_spec.py), not its JSON ──
+    # the object itself, inside the run spec (run_spec/plans.py), not its JSON ──
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON values. Without an adaptive bound its three fields are left out (`from_dict` restores
         their defaults): a fixed-bound config records what it did before they existed, so its runs resume."""

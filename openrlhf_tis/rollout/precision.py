@@ -23,7 +23,7 @@ from typing import Any
 
 from openrlhf_tis.cpu_features import amx_tiles, int8_gemm_saturates_8bit_weights
 from openrlhf_tis.errors import UsageError
-from openrlhf_tis.spec import RolloutPlan
+from openrlhf_tis.run_spec import RolloutPlan
 
 PRECISIONS = ("bf16", "fp32", "int8", "fp8")
 PRECISION_FLAG = "--vllm.rollout_precision"

@@ -34,7 +34,8 @@ OVERRIDE_FLAG = "--logger.run_dir_override"
 RUN_ID_KEY = "run_id"
 PLANNED_STEPS_KEY = "planned_steps"
 SPEC_KEY = "fork.spec"
-"""The run spec's place among the flags (openrlhf_tis/spec): recorded field by field as `fork.spec.<part>.<field>`."""
+"""The run spec's place among the flags (openrlhf_tis/run_spec): recorded field by field as
+`fork.spec.<part>.<field>`."""
 LEGACY_CORRECTION_KEY = "algo.correction.resolved"
 """Where a record written before the run spec kept the resolved correction: its `to_dict` as one JSON string."""
 

@@ -12,7 +12,7 @@ import ray
 import torch
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
-from openrlhf_tis.spec import run_spec
+from openrlhf_tis.run_spec import run_spec
 from openrlhf_tis.upstream_guards import reclass
 
 

@@ -2,7 +2,7 @@
 
 Trace from flag to metric: `--algo.correction.*` (cli/fork_flags.py) is resolved once in the driver
 (cli/resolve.py) into the run spec's CorrectionConfig, which Ray hands the actor with its arguments (`fork.spec`);
-`CorrectionActorPPOTrainer` reads it (spec/run_spec.py `run_spec`), `CorrectionPolicyLoss` (trainer/policy_loss.py)
+`CorrectionActorPPOTrainer` reads it (run_spec/plans.py `run_spec`), `CorrectionPolicyLoss` (trainer/policy_loss.py)
 runs `correction.policy_loss` in place of upstream's `PolicyLoss` (PPO's token ratio, or GSPO's sequence ratio),
 and the `mismatch/*` / `correction/*` metrics ride in `experience.info`, which upstream's `training_step`
 already merges into the status dict that reaches its loggers and the run store.
@@ -37,9 +37,9 @@ from openrlhf.utils.loss_utils import _get_dp_group
 from openrlhf_tis.correction import compute_correction, kept_weight_totals
 from openrlhf_tis.metric_names import TOKEN_DUMP_SECONDS, TOKEN_DUMP_TOKENS
 from openrlhf_tis.ray_classes import ray_actor_class
+from openrlhf_tis.run_spec import run_spec
 from openrlhf_tis.runs.identity import write_checkpoint_identity
 from openrlhf_tis.runs.tokens import TokenDumpWriter
-from openrlhf_tis.spec import run_spec
 from openrlhf_tis.trainer.bypass import rollout_as_old
 from openrlhf_tis.trainer.policy_loss import CorrectionPolicyLoss
 from openrlhf_tis.trainer.token_dumps import (

@@ -50,8 +50,8 @@ from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.rollout.precision import CUDA_QUANTIZED
 from openrlhf_tis.rollout.sampling_seeds import seed_data_order
+from openrlhf_tis.run_spec import run_spec
 from openrlhf_tis.runs.store import RunWriter
-from openrlhf_tis.spec import run_spec
 from openrlhf_tis.trainer.bypass import install_bypass_experience_maker
 from openrlhf_tis.trainer.eval_samples import whole_set_eval
 from openrlhf_tis.trainer.rewards import RewardPolicy

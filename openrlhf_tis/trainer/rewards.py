@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from openrlhf_tis.metric_names import REWARD_DROPPED, REWARD_NONFINITE
-from openrlhf_tis.spec import run_spec
+from openrlhf_tis.run_spec import run_spec
 
 DROP_FLAG = "--reward.nonfinite drop"
 

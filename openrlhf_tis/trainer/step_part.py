@@ -43,11 +43,11 @@ from openrlhf_tis.metric_names import (
     SYNC_WEIGHTS_SECONDS,
 )
 from openrlhf_tis.rollout.sampling_seeds import in_canonical_order
+from openrlhf_tis.run_spec import DumpPlan, RunSpec
 from openrlhf_tis.runs.health import FallWatch, watch_records
 from openrlhf_tis.runs.reader import read_metrics_records
 from openrlhf_tis.runs.store import RunWriter
 from openrlhf_tis.runs.tokens import select_samples, should_dump
-from openrlhf_tis.spec import DumpPlan, RunSpec
 from openrlhf_tis.trainer.mismatch_by_lag import mismatch_by_lag
 from openrlhf_tis.trainer.rewards import RewardPolicy, screen_rewards
 from openrlhf_tis.trainer.staleness import LAG, drop_stale, sample_lags, spans_sync, staleness_metrics, stamp_lags

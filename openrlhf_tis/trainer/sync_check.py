@@ -54,7 +54,7 @@ from openrlhf_tis.metric_names import (
     SYNC_VLLM_LOGPROB_CHANGE,
     SYNC_VLLM_PROBE_CHANGE,
 )
-from openrlhf_tis.spec import run_spec
+from openrlhf_tis.run_spec import run_spec
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. Question: what is 12 + 7? Answer: 19."
 # Mean |dlog p| the trainer's probe log-probs must have moved for an unchanged engine to count as stale. A real

@@ -1,6 +1,6 @@
-"""What a run is, resolved once by the driver and read the same by every process (spec/run_spec.py)."""
+"""What a run is, resolved once by the driver and read the same by every process (run_spec/plans.py)."""
 
-from .run_spec import (
+from .plans import (
     SPEC_DEST,
     ClusterPlan,
     DumpPlan,
