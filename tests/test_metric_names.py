@@ -20,6 +20,7 @@ import torch
 
 from openrlhf_tis import metric_names as registry
 from openrlhf_tis.correction import CorrectionConfig, RejectionCriterion, compute_correction
+from openrlhf_tis.runs.health import FallWatch
 from openrlhf_tis.trainer.staleness import staleness_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,6 +36,7 @@ FORK_TRAINER = ("STALENESS_MEAN", "STALENESS_MAX", "STALENESS_SPANNING_SYNC", "S
                 "TOKEN_DUMP_SECONDS", "TOKEN_DUMP_TOKENS", "SYNC_CHECK_SECONDS", "SYNC_WEIGHTS_SECONDS",
                 "SYNC_BASELINE", "SYNC_GAP_MEAN", "SYNC_GAP_MAX", "SYNC_EXCESS", "SYNC_VLLM_PROBE_CHANGE",
                 "SYNC_TRAINER_PROBE_CHANGE", "SYNC_VLLM_LOGPROB_CHANGE", "EVAL_PREFIX", "EVAL_START_PREFIX")
+HEALTH = ("HEALTH_ESS_WORST", "HEALTH_FALL_WARNING")  # runs/health.py's FallWatch, on the trainer's lines (HealthPart)
 # Groups of names, not keys; their members are checked through the names above.
 NOT_KEYS = ("MISMATCH", "CORRECTION", "PROB_BUCKET_EDGES", "BUCKET_NAMES", "REWARD_KEYS",
             "RESPONSE_LENGTH_KEYS", "MISMATCH_KEYS", "MASKED_KEYS", "ENTROPY_KEYS", "WEIGHT_RAW_STATS",
@@ -77,9 +79,10 @@ def test_importing_the_names_and_the_config_loads_no_torch():
 def test_every_name_has_a_known_writer():
     names = _registry_names()
     core = {n for n, v in names.items() if isinstance(v, str) and v in _core_keys()}
-    unplaced = set(names) - core - set(UPSTREAM) - set(FORK_TRAINER) - set(NOT_KEYS)
+    unplaced = set(names) - core - set(UPSTREAM) - set(FORK_TRAINER) - set(HEALTH) - set(NOT_KEYS)
     assert not unplaced, f"metric_names.py: say who writes {sorted(unplaced)} (tests/test_metric_names.py)"
-    assert not (set(UPSTREAM) | set(FORK_TRAINER) | set(NOT_KEYS)) - set(names), "a listed name left the registry"
+    assert not (set(UPSTREAM) | set(FORK_TRAINER) | set(HEALTH) | set(NOT_KEYS)) - set(names), \
+        "a listed name left the registry"
 
 
 def _adaptive() -> dict[str, float]:
@@ -134,6 +137,11 @@ def test_the_fork_trainer_writes_its_names():
     assert lags == {registry.STALENESS_MEAN: 1.25, registry.STALENESS_MAX: 2.0, "staleness/lag_0": 0.25,
                     "staleness/lag_1": 0.25, "staleness/lag_2": 0.5, registry.STALENESS_SPANNING_SYNC: 0.25}
     assert registry.staleness_lag_key(1) == "staleness/lag_1"
+
+
+def test_the_fall_watch_writes_its_names():
+    written = FallWatch().update(1, {registry.ESS_SEQ: 0.5})
+    assert set(written) == {getattr(registry, name) for name in HEALTH}
 
 
 def test_candidate_lists_hold_only_written_keys():
