@@ -22,7 +22,7 @@ from openrlhf_tis.model_files import check_model_path, read_model_config
 from openrlhf_tis.moe.coverage import REPLAY_FLAG, engine_refusal, replay_refusal
 from openrlhf_tis.prompt_files import PromptFileError, item_sources, prompt_problem, read_records, token_counts
 from openrlhf_tis.rollout.reward_calls import TIMEOUT_FLAG, check_timeout
-from openrlhf_tis.run_spec import RunSpec
+from openrlhf_tis.run_spec import RunSpec, spec_flags
 
 _UNSET = object()
 
@@ -304,10 +304,9 @@ def check_flags(args: argparse.Namespace, *, cuda: bool, cluster: str) -> None:
     from openrlhf_tis.cli.batch_checks import check_batches
     from openrlhf_tis.rollout.precision import check_cli_precision
 
-    if getattr(args, "vllm.sync_check_steps") < 0:
-        raise UsageError("--vllm.sync_check_steps", "must be >= 0 (0 disables the check)")
-    if getattr(args, "vllm.sync_check_tolerance") <= 0:
-        raise UsageError("--vllm.sync_check_tolerance", "must be > 0")
+    for declared in spec_flags().values():  # the range each declaration states
+        if (problem := declared.problem(getattr(args, declared.dest))) is not None:
+            raise UsageError(declared.name, problem)
     check_cadences(args)
     if (problem := check_stall_timeout(getattr(args, STALL_DEST))) is not None:
         raise UsageError(STALL_FLAG, problem)

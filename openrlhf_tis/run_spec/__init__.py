@@ -10,7 +10,8 @@ from .plans import (
     StalenessPlan,
     SyncPlan,
     run_spec,
+    spec_flags,
 )
 
 __all__ = ["SPEC_DEST", "ClusterPlan", "DumpPlan", "RewardPlan", "RolloutPlan", "RunSpec", "StalenessPlan",
-           "SyncPlan", "run_spec"]
+           "SyncPlan", "run_spec", "spec_flags"]

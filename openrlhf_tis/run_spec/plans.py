@@ -14,10 +14,13 @@ Imports only the correction's config and the run store's name for it, so every l
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 from openrlhf_tis.correction.config import CorrectionConfig
+from openrlhf_tis.flags import Flag, flag, plan_flags
 from openrlhf_tis.runs.config import SPEC_KEY
 
 SPEC_DEST = SPEC_KEY
@@ -60,34 +63,53 @@ class RolloutPlan:
 class SyncPlan:
     """When weights go to the engines and which syncs are checked (trainer/sync_cadence.py, trainer/sync_check.py)."""
 
-    every: int = 1
-    check_steps: int = 1
-    check_tolerance: float = 0.5
+    every: int = flag("--vllm.sync_every", 1, """Send the trainer's weights to the engines after every Kth step only
+        (synchronous runs): the samples of step s+1 are then s mod K policy versions behind pi_old, a staleness dose
+        set by a flag instead of by async timing (openrlhf_tis.trainer.sync_cadence). 1: after every step, as
+        upstream.""")
+    check_steps: int = flag("--vllm.sync_check_steps", 1, """Verify every Nth DeepSpeed->vLLM weight sync by scoring
+        a probe text on both sides (openrlhf_tis.trainer.sync_check); 0 disables. Costs one short prefill per
+        engine.""", check=lambda n: None if n >= 0 else "must be >= 0 (0 disables the check)")
+    check_tolerance: float = flag("--vllm.sync_check_tolerance", 0.5, """Stop the run when the engines and the
+        trainer disagree on the probe after a sync by more than this mean |dlogp| beyond their gap before the first
+        step, when both held the same weights (that baseline is what the rollout precision costs: ~0.01-0.05 for
+        bf16, ~2 for W4A8).""", check=lambda x: None if x > 0 else "must be > 0")
 
 
 @dataclass(frozen=True)
 class DumpPlan:
     """Per-token dumps (runs/tokens.py): step 1 and every `steps`-th (0: never), `samples` responses each (-1: all)."""
 
-    steps: int = 0
-    samples: int = 0
+    steps: int = flag("--logger.token_dump_steps", 10,
+                      "Dump per-token data (tokens/step_*.parquet) at step 1 and every N steps; 0 disables.")
+    """10: enough points for a mismatch trend, at ~1/10 of the per-step cost of dumping every step."""
+    samples: int = flag("--logger.token_dump_samples", 8,
+                        "Samples (whole responses) per dumped step; -1 dumps every sample.")
+    """8: a few thousand tokens per dumped step, enough for probability-bucket statistics."""
 
 
 @dataclass(frozen=True)
 class RewardPlan:
     """What the run does with its reward function's calls and answers (rollout/reward_calls.py, trainer/rewards.py)."""
 
-    timeout_s: float | None = None
+    timeout_s: float | None = flag("--reward.timeout_s", 60.0, """Seconds one call of a --reward.remote_url script's
+        reward_func, or one request to a reward server (HTTP, upstream's retries included), may take, in the try-out
+        on the first prompt before Ray starts and for each sample during training; past it the start is refused, or
+        the run stops, naming the script or server, the prompt and the limit. Must be > 0 and at most a week.""")
     """Seconds one reward call may take in the engines; None sends them no limit."""
-    nonfinite: str = "fail"
-    """A NaN/inf reward: fail the step, or drop its prompt groups."""
+    nonfinite: str = flag("--reward.nonfinite", "fail", """A NaN/inf reward from --reward.remote_url: fail the step
+        naming the samples and the reward script (default), or drop the prompt groups holding one and train on the
+        rest (counted in reward/dropped_samples).""", choices=("fail", "drop"))
 
 
 @dataclass(frozen=True)
 class StalenessPlan:
     """How old an async run's samples may be (trainer/staleness.py)."""
 
-    max_lag: int | None = None
+    max_lag: int | None = flag("--train.async_max_lag", None, """Async training only: drop every prompt group
+        holding a sample whose rollout policy is more than N steps older than the policy it trains (counted in
+        staleness/dropped_samples); default no bound. Lags are logged in any mode (staleness/*; 0 in synchronous
+        runs).""", type=int)
     """Policy versions a sample may lag behind the policy it trains; None: no bound."""
 
 
@@ -105,6 +127,12 @@ class RunSpec:
     run_dir: str | None = None
     """The run directory, absolute (the flag's, or ./runs/<UTC timestamp> when it names none), so every Ray process
     writes to the same place; None in a spec that no command line resolved (tests)."""
+
+
+def spec_flags() -> dict[str, Flag]:
+    """Every flag the run spec holds as given, by flag name, in the spec's plan and field order."""
+    plans = [kind for kind in typing.get_type_hints(RunSpec).values() if dataclasses.is_dataclass(kind)]
+    return {declared.name: declared for plan in plans for declared in plan_flags(plan).values()}
 
 
 def run_spec(args: Any) -> RunSpec:
