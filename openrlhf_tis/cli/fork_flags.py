@@ -18,18 +18,7 @@ from openrlhf_tis.cli.stall import FLAG as STALL_FLAG
 from openrlhf_tis.correction.config import FLAG_PREFIX
 from openrlhf_tis.flags import Flag
 from openrlhf_tis.moe.coverage import COVERED_MODEL_TYPES, REPLAY_FLAG, REPLAY_MODES
-from openrlhf_tis.rollout.precision import (
-    ACTIVATIONS_FLAG,
-    CALIBRATION_FLAG,
-    DEFAULTS,
-    FP32_HEAD_FLAG,
-    PRECISION_FLAG,
-    PRECISIONS,
-    SCALES_FLAG,
-    WEIGHT_BITS_FLAG,
-)
-from openrlhf_tis.rollout.quantize import ACTIVATION_MODES, SCALE_MODES, WEIGHT_BITS_CHOICES
-from openrlhf_tis.run_spec import spec_flags
+from openrlhf_tis.run_spec import WEIGHT_GRID, spec_flags
 from openrlhf_tis.upstream_guards import PatchTargetMissingError, require_version
 
 
@@ -68,33 +57,7 @@ FORK_FLAGS: tuple[Flag, ...] = (
         "load checkpoint) and the Ray actors it waited on, when the training loop makes no progress for this many "
         "seconds: an actor that hangs without dying (SIGSTOP, a deadlock). Progress is a change of stage or, while "
         "generating or evaluating, a finished response; start-up is not bounded. Exit code 4. 0 disables.")),
-    # Rollout precision (openrlhf_tis.rollout, docs/rollout_precision.md; docs/design.md §4).
-    Flag(PRECISION_FLAG, default=DEFAULTS[PRECISION_FLAG], choices=tuple(PRECISIONS), help=(
-        "Precision of the vLLM rollout engines. int8: W8A8 compressed-tensors (per-channel int8 weights, "
-        "dynamic per-token or static calibrated int8 activations; embeddings and lm_head unquantized), written "
-        "under the run dir before the engines start and re-quantized at every weight sync (FlashRL-style "
-        "calibration transfer). fp32: float32 engine (bf16 trainer weights upcast at each sync); fp8: online FP8 "
-        "(fp8_per_channel on CPU). Non-bf16 precisions are wired for the CPU weight sync.")),
-    Flag(SCALES_FLAG, default=DEFAULTS[SCALES_FLAG], choices=tuple(SCALE_MODES), help=(
-        "Per-channel int8 weight scales at each sync: recomputed from the new weights (exact, never "
-        "saturates) or frozen at their initial values (saturation counted in each step's "
-        "rollout/int8_saturated_fraction).")),
-    Flag(CALIBRATION_FLAG, default=DEFAULTS[CALIBRATION_FLAG], help=(
-        "SmoothQuant smoothing factors (and, with --static_activations, static int8 activation scales) calibrated "
-        "once on prompts (python -m openrlhf_tis.rollout.calibration); applied to the initial checkpoint and to every "
-        "sync. Refused when made for another model.")),
-    Flag(ACTIVATIONS_FLAG, default=DEFAULTS[ACTIVATIONS_FLAG], choices=tuple(ACTIVATION_MODES), help=(
-        "INT8 activation quantization: per token at run time (dynamic), or one static per-tensor scale per "
-        "projection calibrated once on prompts (static; needs --vllm.int8_calibration made with "
-        "--static_activations) and passed unchanged to the engines at every weight sync; projections the "
-        "calibration kept dynamic (--min_levels) stay per token.")),
-    Flag(WEIGHT_BITS_FLAG, default=DEFAULTS[WEIGHT_BITS_FLAG], choices=tuple(WEIGHT_BITS_CHOICES), help=(
-        "Grid of the int8 weights: 8 bits, or 7 (values in [-64, 63], int8 storage) for x86 CPUs without "
-        "VNNI, where vLLM-CPU's oneDNN int8 GEMM saturates 16-bit pair sums of full-range weights (measured: 15%% "
-        "max error per GEMM; 8 is refused there). auto picks 7 exactly there. 6, 5, 4: coarser grids on the same "
-        "kernel (W6A8..W4A8), a stronger rollout mismatch for dose-response studies.")),
-    Flag(FP32_HEAD_FLAG, switch=True, default=DEFAULTS[FP32_HEAD_FLAG], help=(
-        "Run the engines' lm_head projection in fp32 (vLLM's head_dtype override) to shrink the mismatch.")),
+    WEIGHT_GRID,
     Flag(REPLAY_FLAG, default="off", choices=REPLAY_MODES, help=(
         "Mixture-of-experts routing replay: r3 makes the trainer's MoE layers use the experts the engine chose for "
         f"each token (R3; covered: {', '.join(COVERED_MODEL_TYPES)}). The trainer side is built "

@@ -39,17 +39,43 @@ class ClusterPlan:
     """Upstream's GPU defaults a CPU run replaced: (dest, value) pairs, applied to the namespace by `apply_spec`."""
 
 
+INT8_WEIGHT_BITS = (8, 7, 6, 5, 4)
+"""int8 rollouts' weight grids, in int8 storage: 7 bits (values in [-64, 63]) where 8-bit weights saturate the GEMM
+(rollout/quantize.py int8_weight_bits); 6, 5, 4 bits are coarser grids on the same kernel, a mismatch dose axis."""
+WEIGHT_GRID = Flag("--vllm.int8_weight_bits", default="auto", choices=("auto", *map(str, INT8_WEIGHT_BITS)), help=(
+    "Grid of the int8 weights: 8 bits, or 7 (values in [-64, 63], int8 storage) for x86 CPUs without "
+    "VNNI, where vLLM-CPU's oneDNN int8 GEMM saturates 16-bit pair sums of full-range weights (measured: 15%% "
+    "max error per GEMM; 8 is refused there). auto picks 7 exactly there. 6, 5, 4: coarser grids on the same "
+    "kernel (W6A8..W4A8), a stronger rollout mismatch for dose-response studies."))
+"""The one rollout flag the spec holds decided (`auto` resolved for the cluster's CPU: RolloutPlan.weight_bits)."""
+
+
 @dataclass(frozen=True)
 class RolloutPlan:
     """The rollout engines' precision with every `auto` decided (rollout/precision.py, docs/rollout_precision.md)."""
 
-    precision: str = "bf16"
+    precision: str = flag("--vllm.rollout_precision", "bf16", """Precision of the vLLM rollout engines. int8: W8A8
+        compressed-tensors (per-channel int8 weights, dynamic per-token or static calibrated int8 activations;
+        embeddings and lm_head unquantized), written under the run dir before the engines start and re-quantized at
+        every weight sync (FlashRL-style calibration transfer). fp32: float32 engine (bf16 trainer weights upcast at
+        each sync); fp8: online FP8 (fp8_per_channel on CPU). Non-bf16 precisions are wired for the CPU weight
+        sync.""", choices=("bf16", "fp32", "int8", "fp8"))
     weight_bits: int | None = None
-    """int8 rollouts' weight grid, `auto` resolved for the cluster's CPU; None for other precisions."""
-    scales: str = "recompute"
-    activations: str = "dynamic"
-    calibration: str | None = None
-    fp32_head: bool = False
+    """int8 rollouts' weight grid, `auto` resolved for the cluster's CPU (WEIGHT_GRID); None for other precisions."""
+    scales: str = flag("--vllm.int8_scales", "recompute", """Per-channel int8 weight scales at each sync: recomputed
+        from the new weights (exact, never saturates) or frozen at their initial values (saturation counted in each
+        step's rollout/int8_saturated_fraction).""", choices=("recompute", "frozen"))
+    activations: str = flag("--vllm.int8_activations", "dynamic", """INT8 activation quantization: per token at run
+        time (dynamic), or one static per-tensor scale per projection calibrated once on prompts (static; needs
+        --vllm.int8_calibration made with --static_activations) and passed unchanged to the engines at every weight
+        sync; projections the calibration kept dynamic (--min_levels) stay per token.""",
+                            choices=("dynamic", "static"))
+    calibration: str | None = flag("--vllm.int8_calibration", None, """SmoothQuant smoothing factors (and, with
+        --static_activations, static int8 activation scales) calibrated once on prompts (python -m
+        openrlhf_tis.rollout.calibration); applied to the initial checkpoint and to every sync. Refused when made
+        for another model.""")
+    fp32_head: bool = flag("--vllm.fp32_lm_head", False, """Run the engines' lm_head projection in fp32 (vLLM's
+        head_dtype override) to shrink the mismatch.""", switch=True)
     fp8_block: tuple[int, int] | None = None
     """CUDA FP8 rollouts' block (a checkpoint the fork writes and re-quantizes at every sync); None elsewhere."""
 
