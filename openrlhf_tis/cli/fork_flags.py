@@ -13,7 +13,7 @@ import typing
 from typing import Any
 
 from openrlhf_tis.cli.cluster_device import DEVICE_FLAG, DEVICES
-from openrlhf_tis.cli.stall import DEFAULT_STALL_TIMEOUT_S
+from openrlhf_tis.cli.stall import DEFAULT_STALL_TIMEOUT_S, check_stall_timeout
 from openrlhf_tis.cli.stall import FLAG as STALL_FLAG
 from openrlhf_tis.correction.config import FLAG_PREFIX
 from openrlhf_tis.flags import Flag
@@ -52,7 +52,7 @@ FORK_FLAGS: tuple[Flag, ...] = (
     Flag("--logger.run_dir_overwrite", switch=True, help=(
         "Start over in a run directory that already holds steps: its metrics, token dumps and config are "
         "erased first. Without it such a directory is refused unless --ckpt.load_enable resumes it.")),
-    Flag(STALL_FLAG, type=float, default=DEFAULT_STALL_TIMEOUT_S, help=(
+    Flag(STALL_FLAG, type=float, default=DEFAULT_STALL_TIMEOUT_S, check=check_stall_timeout, help=(
         "Stop the run, naming the stage (generate samples, make experience, train, sync weights, evaluate, save or "
         "load checkpoint) and the Ray actors it waited on, when the training loop makes no progress for this many "
         "seconds: an actor that hangs without dying (SIGSTOP, a deadlock). Progress is a change of stage or, while "

@@ -92,7 +92,7 @@ class SyncPlan:
     every: int = flag("--vllm.sync_every", 1, """Send the trainer's weights to the engines after every Kth step only
         (synchronous runs): the samples of step s+1 are then s mod K policy versions behind pi_old, a staleness dose
         set by a flag instead of by async timing (openrlhf_tis.trainer.sync_cadence). 1: after every step, as
-        upstream.""")
+        upstream.""", check=lambda k: None if k >= 1 else f"must be >= 1 (1 syncs after every step), got {k}")
     check_steps: int = flag("--vllm.sync_check_steps", 1, """Verify every Nth DeepSpeed->vLLM weight sync by scoring
         a probe text on both sides (openrlhf_tis.trainer.sync_check); 0 disables. Costs one short prefill per
         engine.""", check=lambda n: None if n >= 0 else "must be >= 0 (0 disables the check)")
