@@ -34,10 +34,13 @@ import pandas as pd
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from openrlhf_tis.runs import DEFAULT_DUMP_EVERY, DEFAULT_DUMP_SAMPLES, TokenDumpWriter, mask_reason_codes, query_tokens
+from openrlhf_tis.run_spec import DumpPlan
+from openrlhf_tis.runs import TokenDumpWriter, mask_reason_codes, query_tokens
 from openrlhf_tis.runs.layout import TOKEN_FILE_PATTERN, TOKENS_DIR, token_files
 from openrlhf_tis.runs.query import _float32_bound, where_clause
 from openrlhf_tis.runs.schema import SCHEMA
+
+DEFAULT_DUMP_EVERY, DEFAULT_DUMP_SAMPLES = DumpPlan().steps, DumpPlan().samples  # the run's, unless flags say
 
 
 class FakeTokenizer:

@@ -5,7 +5,7 @@ bad value surfaces minutes later inside Ray. Each notebook therefore declares it
 of `ParamObject` beside the code it drives (pipeline/train_params.py's TrainParams, viz/explorer.py's
 ExplorerParams, ...), each field made with `param`: its default, help, accepted types and values, and the command-
 line flag it becomes, as correction/config.py's CorrectionConfig fields carry their flags. A parameter that becomes
-one of the fork's flags is made from that flag's declaration (cli/fork_flags.py `ForkFlag.param`), so its type and
+one of the fork's flags is made from that flag's declaration (openrlhf_tis/flags.py `Flag.param`), so its type and
 choices are the CLI's and a bad value is refused in the CLI's words. The notebook's second cell imports the class
 and calls `Class.from_notebook(globals(), NAME)`, which fails in that cell with the list of accepted names (and
 their help) for an unknown name or a bad value; the sweep checks every cell of a grid with `Class.checked` before

@@ -18,7 +18,6 @@ from openrlhf.utils.agent import SingleTurnAgentExecutor
 
 from openrlhf_tis.cli import train_ppo_ray
 from openrlhf_tis.rollout.reward_calls import (
-    DEFAULT_TIMEOUT_S,
     MAX_TIMEOUT_S,
     call_within,
     call_within_async,
@@ -30,6 +29,7 @@ from openrlhf_tis.rollout.reward_executor import (
     limit_reward_calls,
     make_rewards_loud,
 )
+from openrlhf_tis.run_spec import RewardPlan
 from openrlhf_tis.trainer.step_part import RewardLimitPart
 
 PROMPT = "'1 + 1?'"  # conftest's prompt file, as the messages quote it
@@ -99,7 +99,7 @@ def test_a_limit_that_is_no_limit_is_refused_naming_the_flag(valid_argv, capsys,
 
 def test_the_default_limit_is_the_engines_default(valid_argv):
     args = train_ppo_ray.parse(valid_argv, cpu=True)
-    assert getattr(args, "reward.timeout_s") == DEFAULT_TIMEOUT_S == LoudRewardExecutor.reward_timeout_s == 60
+    assert getattr(args, "reward.timeout_s") == RewardPlan().timeout_s == LoudRewardExecutor.reward_timeout_s == 60
 
 
 # --- on the engines, during training ----------------------------------------------------------------------------

@@ -14,9 +14,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from openrlhf_tis.cli.stall import DEST as STALL_DEST
-from openrlhf_tis.cli.stall import FLAG as STALL_FLAG
-from openrlhf_tis.cli.stall import check_stall_timeout
+from openrlhf_tis.cli.fork_flags import FORK_FLAGS
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.model_files import check_model_path, read_model_config
 from openrlhf_tis.moe.coverage import REPLAY_FLAG, engine_refusal, replay_refusal
@@ -304,13 +302,10 @@ def check_flags(args: argparse.Namespace, *, cuda: bool, cluster: str) -> None:
     from openrlhf_tis.cli.batch_checks import check_batches
     from openrlhf_tis.rollout.precision import check_cli_precision
 
-    if getattr(args, "vllm.sync_check_steps") < 0:
-        raise UsageError("--vllm.sync_check_steps", "must be >= 0 (0 disables the check)")
-    if getattr(args, "vllm.sync_check_tolerance") <= 0:
-        raise UsageError("--vllm.sync_check_tolerance", "must be > 0")
+    for declared in FORK_FLAGS:  # the range each declaration states
+        if (problem := declared.problem(getattr(args, declared.dest))) is not None:
+            raise UsageError(declared.name, problem)
     check_cadences(args)
-    if (problem := check_stall_timeout(getattr(args, STALL_DEST))) is not None:
-        raise UsageError(STALL_FLAG, problem)
     try:
         check_timeout(getattr(args, "reward.timeout_s"))
     except ValueError as err:
@@ -340,8 +335,6 @@ def check_async(args: argparse.Namespace) -> None:
     """Async training's flags, refused where they cannot apply (upstream asserts some of them later, after Ray);
     and the sync cadence, a synchronous run's fixed lag (trainer/sync_cadence.py)."""
     every = getattr(args, "vllm.sync_every")
-    if every < 1:
-        raise UsageError("--vllm.sync_every", f"must be >= 1 (1 syncs after every step), got {every}")
     if every > 1 and getattr(args, "train.async_enable"):
         raise UsageError("--vllm.sync_every", f"{every} fixes the lag of a synchronous run; async training's lag comes "
                          "from its queue (--train.async_queue_size, bounded by --train.async_max_lag)")

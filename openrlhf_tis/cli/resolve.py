@@ -26,6 +26,7 @@ from openrlhf_tis.cli.checks import check_flags
 from openrlhf_tis.cli.cluster_device import DEVICE_DEST, ClusterResources, decide_device
 from openrlhf_tis.correction.config import CorrectionConfig
 from openrlhf_tis.errors import UsageError
+from openrlhf_tis.flags import plan_from_flags
 from openrlhf_tis.rollout.precision import rollout_plan
 from openrlhf_tis.run_spec import SPEC_DEST, ClusterPlan, DumpPlan, RewardPlan, RunSpec, StalenessPlan, SyncPlan
 
@@ -107,12 +108,10 @@ def resolve(args: argparse.Namespace, explicit: set[str], cluster: ClusterResour
         cluster=ClusterPlan(device, str(cluster), tuple(replaced.items())),
         correction=resolve_correction(run),
         rollout=rollout_plan(run, cuda=cuda),
-        sync=SyncPlan(every=getattr(run, "vllm.sync_every"), check_steps=getattr(run, "vllm.sync_check_steps"),
-                      check_tolerance=getattr(run, "vllm.sync_check_tolerance")),
-        dumps=DumpPlan(steps=getattr(run, "logger.token_dump_steps"),
-                       samples=getattr(run, "logger.token_dump_samples")),
-        reward=RewardPlan(timeout_s=getattr(run, "reward.timeout_s"), nonfinite=getattr(run, "reward.nonfinite")),
-        staleness=StalenessPlan(max_lag=getattr(run, "train.async_max_lag")),
+        sync=plan_from_flags(SyncPlan, run),
+        dumps=plan_from_flags(DumpPlan, run),
+        reward=plan_from_flags(RewardPlan, run),
+        staleness=plan_from_flags(StalenessPlan, run),
         run_dir=os.path.abspath(getattr(run, "logger.run_dir") or time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())),
     )
 

@@ -23,18 +23,19 @@ from typing import Any
 
 from openrlhf_tis.cpu_features import amx_tiles, int8_gemm_saturates_8bit_weights
 from openrlhf_tis.errors import UsageError
-from openrlhf_tis.run_spec import RolloutPlan
+from openrlhf_tis.flags import plan_flags, plan_from_flags
+from openrlhf_tis.run_spec import WEIGHT_GRID, RolloutPlan
 
-PRECISIONS = ("bf16", "fp32", "int8", "fp8")
-PRECISION_FLAG = "--vllm.rollout_precision"
-SCALES_FLAG = "--vllm.int8_scales"
-CALIBRATION_FLAG = "--vllm.int8_calibration"
-ACTIVATIONS_FLAG = "--vllm.int8_activations"
-WEIGHT_BITS_FLAG = "--vllm.int8_weight_bits"
-FP32_HEAD_FLAG = "--vllm.fp32_lm_head"
-DEFAULTS: dict[str, Any] = {PRECISION_FLAG: "bf16", SCALES_FLAG: "recompute", CALIBRATION_FLAG: None,
-                            ACTIVATIONS_FLAG: "dynamic", WEIGHT_BITS_FLAG: "auto", FP32_HEAD_FLAG: False}
-"""Each rollout flag's default: what cli/fork_flags.py declares and what a namespace without the flag means."""
+_FLAGS = plan_flags(RolloutPlan)  # the rollout flags are declared by the plan's fields (run_spec/plans.py)
+PRECISIONS = _FLAGS["precision"].choices
+PRECISION_FLAG = _FLAGS["precision"].name
+SCALES_FLAG = _FLAGS["scales"].name
+CALIBRATION_FLAG = _FLAGS["calibration"].name
+ACTIVATIONS_FLAG = _FLAGS["activations"].name
+WEIGHT_BITS_FLAG = WEIGHT_GRID.name
+FP32_HEAD_FLAG = _FLAGS["fp32_head"].name
+DEFAULTS: dict[str, Any] = {declared.name: declared.default for declared in (*_FLAGS.values(), WEIGHT_GRID)}
+"""Each rollout flag's default, read from its declaration: what a namespace or config.json without the flag means."""
 
 
 def dest(flag: str) -> str:
@@ -252,11 +253,8 @@ def rollout_plan(args, *, cuda: bool) -> RolloutPlan:
 
     precision = rollout_option(args, PRECISION_FLAG)
     bits = int8_weight_bits(rollout_option(args, WEIGHT_BITS_FLAG), cuda=cuda) if precision == "int8" else None
-    return RolloutPlan(precision=precision, weight_bits=bits, scales=rollout_option(args, SCALES_FLAG),
-                       activations=rollout_option(args, ACTIVATIONS_FLAG),
-                       calibration=rollout_option(args, CALIBRATION_FLAG),
-                       fp32_head=rollout_option(args, FP32_HEAD_FLAG),
-                       fp8_block=FP8_CUDA_BLOCK if precision == "fp8" and cuda else None)
+    return plan_from_flags(RolloutPlan, args, weight_bits=bits,
+                           fp8_block=FP8_CUDA_BLOCK if precision == "fp8" and cuda else None)
 
 
 def check_cli_precision_files(model_dir: str, plan: RolloutPlan, *, cuda: bool) -> None:

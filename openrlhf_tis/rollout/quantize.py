@@ -33,12 +33,12 @@ from typing import NamedTuple
 import torch
 
 from openrlhf_tis.cpu_features import int8_gemm_saturates_8bit_weights
+from openrlhf_tis.flags import plan_flags
+from openrlhf_tis.run_spec import INT8_WEIGHT_BITS, WEIGHT_GRID, RolloutPlan
 
 INT8_MIN, INT8_MAX = -128, 127
-# Weight grids in int8 storage: 7 bits (values in [-64, 63]) where 8-bit weights saturate the GEMM
-# (int8_weight_bits); 6, 5, 4 bits are coarser grids on the same kernel, a mismatch dose axis.
-WEIGHT_BITS = (8, 7, 6, 5, 4)
-WEIGHT_BITS_CHOICES = ("auto", *map(str, WEIGHT_BITS))  # --vllm.int8_weight_bits
+WEIGHT_BITS = INT8_WEIGHT_BITS  # the grids; the flag's choices are WEIGHT_GRID's (run_spec/plans.py declares both)
+WEIGHT_BITS_CHOICES = WEIGHT_GRID.choices
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _QUANTIZED = re.compile(r"^.*\.layers\.\d+\.(?:self_attn|mlp)\.(?:" + "|".join(PROJECTIONS) + r")\.weight$")
 # Which norm feeds which projections: only these can absorb a smoothing factor exactly.
@@ -46,8 +46,8 @@ SMOOTH_GROUPS = {
     "input_layernorm": ("self_attn", ("q_proj", "k_proj", "v_proj")),
     "post_attention_layernorm": ("mlp", ("gate_proj", "up_proj")),
 }
-SCALE_MODES = ("recompute", "frozen")
-ACTIVATION_MODES = ("dynamic", "static")
+SCALE_MODES = plan_flags(RolloutPlan)["scales"].choices  # declared with their flags (run_spec/plans.py)
+ACTIVATION_MODES = plan_flags(RolloutPlan)["activations"].choices
 # Projections vLLM fuses into one Linear (qkv_proj, gate_up_proj) share one input and one int8 input scale.
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 

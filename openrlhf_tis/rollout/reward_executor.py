@@ -24,7 +24,6 @@ from typing import Any
 from openrlhf.utils.agent import SingleTurnAgentExecutor
 
 from openrlhf_tis.rollout.reward_calls import (
-    DEFAULT_TIMEOUT_S,
     RewardCallTimeout,
     RewardResultError,
     call_within_async,
@@ -35,6 +34,7 @@ from openrlhf_tis.rollout.reward_calls import (
     result_message,
     timeout_message,
 )
+from openrlhf_tis.run_spec import RewardPlan
 from openrlhf_tis.upstream_guards import reclass
 
 _failures: ContextVar[list[BaseException] | None] = ContextVar("openrlhf_tis_reward_failures", default=None)
@@ -55,7 +55,7 @@ async def _recording(call):
 
 
 class LoudRewardExecutor(SingleTurnAgentExecutor):
-    reward_timeout_s: float = DEFAULT_TIMEOUT_S  # per reward_func call; the run's own: limit_reward_calls
+    reward_timeout_s: float = RewardPlan().timeout_s  # per reward_func call; the run's own: limit_reward_calls
 
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None):
         failures: list[BaseException] = []

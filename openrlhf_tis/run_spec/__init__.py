@@ -1,7 +1,9 @@
 """What a run is, resolved once by the driver and read the same by every process (run_spec/plans.py)."""
 
 from .plans import (
+    INT8_WEIGHT_BITS,
     SPEC_DEST,
+    WEIGHT_GRID,
     ClusterPlan,
     DumpPlan,
     RewardPlan,
@@ -10,7 +12,8 @@ from .plans import (
     StalenessPlan,
     SyncPlan,
     run_spec,
+    spec_flags,
 )
 
-__all__ = ["SPEC_DEST", "ClusterPlan", "DumpPlan", "RewardPlan", "RolloutPlan", "RunSpec", "StalenessPlan",
-           "SyncPlan", "run_spec"]
+__all__ = ["INT8_WEIGHT_BITS", "SPEC_DEST", "WEIGHT_GRID", "ClusterPlan", "DumpPlan", "RewardPlan", "RolloutPlan",
+           "RunSpec", "StalenessPlan", "SyncPlan", "run_spec", "spec_flags"]

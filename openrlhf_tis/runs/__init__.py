@@ -13,8 +13,6 @@ from openrlhf_tis.runs.schema import COLUMNS, MASK_REASON_CODES, MASK_REASONS, S
 from openrlhf_tis.runs.store import RunWriter
 from openrlhf_tis.runs.summary import summary
 from openrlhf_tis.runs.tokens import (
-    DEFAULT_DUMP_EVERY,
-    DEFAULT_DUMP_SAMPLES,
     TokenDumpWriter,
     flatten_response_tokens,
     select_samples,
@@ -23,8 +21,6 @@ from openrlhf_tis.runs.tokens import (
 
 __all__ = [
     "COLUMNS",
-    "DEFAULT_DUMP_EVERY",
-    "DEFAULT_DUMP_SAMPLES",
     "MASK_REASON_CODES",
     "MASK_REASONS",
     "OVERRIDE_FLAG",

@@ -19,11 +19,6 @@ import pyarrow.parquet as pq
 from openrlhf_tis.runs.layout import atomic_write, token_file
 from openrlhf_tis.runs.schema import COLUMNS, MASK_REASONS, OPTIONAL_COLUMNS, REQUIRED_COLUMNS, SCHEMA, TEXT_COLUMNS
 
-DEFAULT_DUMP_EVERY = 10
-"""Dump every 10th step (and step 1): enough points for a mismatch trend, ~1/10 of the per-step cost."""
-DEFAULT_DUMP_SAMPLES = 8
-"""Dump 8 responses of a dumped step: a few thousand tokens, enough for probability-bucket statistics."""
-
 # Float columns are stored byte-stream-split: with zstd a few percent smaller than plain (bench_runs.py).
 _FLOAT_COLUMNS = [name for name, (dtype, _) in COLUMNS.items() if pa.types.is_floating(dtype)]
 _PARQUET_OPTIONS: dict[str, Any] = {

@@ -12,9 +12,11 @@ uninterrupted run's would. The sync check counts the syncs that happen.
 
 from __future__ import annotations
 
+from openrlhf_tis.flags import plan_flags
+from openrlhf_tis.run_spec import SyncPlan
 from openrlhf_tis.trainer.step_part import StepPart
 
-SYNC_EVERY_FLAG = "--vllm.sync_every"
+SYNC_EVERY_FLAG = plan_flags(SyncPlan)["every"].name
 
 
 class SyncCadencePart(StepPart):
