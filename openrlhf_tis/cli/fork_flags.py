@@ -150,9 +150,10 @@ FORK_FLAGS: tuple[ForkFlag, ...] = (
         "Run the engines' lm_head projection in fp32 (vLLM's head_dtype override) to shrink the mismatch.")),
     ForkFlag(REPLAY_FLAG, default="off", choices=REPLAY_MODES, help=(
         "Mixture-of-experts routing replay: r3 makes the trainer's MoE layers use the experts the engine chose for "
-        f"each token (R3; covered: {', '.join(COVERED_MODEL_TYPES)}). The trainer side is built "
-        "(openrlhf_tis/moe); r3 is not yet wired to the engines and is refused, with the reason, before Ray "
-        "starts (docs/moe.md).")),
+        f"each token (R3; covered: {', '.join(COVERED_MODEL_TYPES)}) in the pi_old and pi_theta forwards, the "
+        "gating weights still the trainer's router's, and logs moe/* (engine-vs-trainer routing agreement). CPU "
+        "runs only; refused with the reason before Ray starts for a dense or uncovered model, no engines, CUDA, "
+        "async training, an agent, ring attention (docs/moe.md).")),
 )
 
 

@@ -246,7 +246,8 @@ def check_cli_precision(args, *, cuda: bool, cluster: str) -> None:
 
 
 def rollout_plan(args, *, cuda: bool) -> RolloutPlan:
-    """The rollout flags as the run spec holds them (after check_cli_precision), every `auto` decided for a CUDA
+    """The rollout flags (precision, routing replay) as the run spec holds them (after check_cli_precision), every
+    `auto` decided for a CUDA
     (`cuda`) or CPU cluster: the int8 grid for the cluster's CPU, CUDA FP8's blocks."""
     from openrlhf_tis.rollout.quantize import int8_weight_bits
 
@@ -256,7 +257,8 @@ def rollout_plan(args, *, cuda: bool) -> RolloutPlan:
                        activations=rollout_option(args, ACTIVATIONS_FLAG),
                        calibration=rollout_option(args, CALIBRATION_FLAG),
                        fp32_head=rollout_option(args, FP32_HEAD_FLAG),
-                       fp8_block=FP8_CUDA_BLOCK if precision == "fp8" and cuda else None)
+                       fp8_block=FP8_CUDA_BLOCK if precision == "fp8" and cuda else None,
+                       routing_replay=getattr(args, "vllm.routing_replay"))
 
 
 def check_cli_precision_files(model_dir: str, plan: RolloutPlan, *, cuda: bool) -> None:

@@ -49,6 +49,8 @@ class RolloutPlan:
     fp32_head: bool = False
     fp8_block: tuple[int, int] | None = None
     """CUDA FP8 rollouts' block (a checkpoint the fork writes and re-quantizes at every sync); None elsewhere."""
+    routing_replay: str = "off"
+    """`--vllm.routing_replay`: r3 replays the engines' routed experts in the trainer's forwards (docs/moe.md)."""
 
     @property
     def writes_model(self) -> bool:
