@@ -102,6 +102,9 @@ def _seeded(params, seed: int):
 
 
 class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
+    _routing_layers: list[int] | None = None
+    """The MoE layers the engine captures, once `start_routing_capture` ran (routing replay); None: no capture."""
+
     async def __init__(self, *args, **kwargs):
         cuda = is_cuda_run()  # the run's device, as its driver decided (never this process's own torch.cuda)
         overrides = plan_engine_overrides(kwargs["model"], cuda=cuda)
@@ -119,7 +122,6 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         make_rewards_loud(self.executor)
         self._policy_version = 0  # optimizer steps in the weights this engine holds (trainer/staleness.py)
         self._last_sync_stats: list[dict] = []  # what each worker's receive returned at the last sync's end
-        self._routing_layers: list[int] | None = None  # the MoE layers captured, once start_routing_capture ran
 
     async def start_routing_capture(self) -> list[int]:
         """Capture each request's routed experts from now on (`--vllm.routing_replay r3`); return the decoder layers
