@@ -3,7 +3,7 @@
 Each sample carries the experts the engine routed its tokens to (`Experience.info[ROUTED_EXPERTS]`,
 moe/routing_batch.py). The actor runs two kinds of forward on it, and both replay that routing:
 
-- π_old, the experience maker's forward on the actor group (`RoutingExperienceMaker` hands each micro-batch's
+- π_old, the experience maker's forward on the actor group (trainer/moe_experience.py hands each micro-batch's
   routings to the actor's `forward`, trainer/ppo_actor.py);
 - π_θ, each training step, whose backward runs inside the same block (gradient checkpointing recomputes the
   forward in the backward: it must route the same way).
@@ -23,12 +23,10 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
-from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
 from openrlhf_tis.moe.routing_batch import ROUTED_EXPERTS, batch_routing, position_log_ratio, router_rows
 from openrlhf_tis.moe.routing_metrics import RoutingTally
 from openrlhf_tis.moe.routing_replay import RoutingRecord, install_routing_replay, replaying
-from openrlhf_tis.upstream_guards import reclass
 
 
 class ActorRouting:
@@ -83,37 +81,6 @@ def replay_training_step(routing: ActorRouting, experience, step: Callable[[], d
         log_ratio = position_log_ratio(old, rollout, experience.action_mask, seq_len)
     routing.observe(record, engine, log_ratio, experience.attention_mask)
     return status
-
-
-class RoutingExperienceMaker(RemoteExperienceMaker):
-    """Upstream's experience maker whose π_old forward on the actor group receives each micro-batch's routings
-    (`routed_experts`, one list of per-sample tensors per micro-batch, sliced with the other arguments)."""
-
-    _routing_samples: Sequence | None = None
-
-    def make_experience(self, samples_list):
-        self._routing_samples = samples_list
-        try:
-            return super().make_experience(samples_list)
-        finally:
-            self._routing_samples = None
-
-    def _dispatch_forward(self, group, sync_condition, **kwargs):
-        samples = self._routing_samples
-        if group is self.actor_model_group and samples is not None:
-            missing = sum(ROUTED_EXPERTS not in s.info for s in samples)
-            if missing:
-                raise RuntimeError(f"--vllm.routing_replay r3: {missing} of {len(samples)} micro-batches came "
-                                   "without the engines' routed experts")
-            kwargs["routed_experts"] = [s.info[ROUTED_EXPERTS] for s in samples]
-        return super()._dispatch_forward(group, sync_condition, **kwargs)
-
-
-def install_routing_experience_maker(controller) -> None:
-    """Switch the controller's experience maker to `RoutingExperienceMaker` (not in bypass mode, whose maker
-    dispatches no π_old forward)."""
-    reclass(controller.experience_maker, RoutingExperienceMaker, supported="==0.11.2",
-            patch="openrlhf_tis/trainer/moe_replay.py", overrides=("make_experience", "_dispatch_forward"))
 
 
 def unwrapped_model(actor) -> torch.nn.Module:

@@ -54,7 +54,7 @@ from openrlhf_tis.run_spec import run_spec
 from openrlhf_tis.runs.store import RunWriter
 from openrlhf_tis.trainer.bypass import install_bypass_experience_maker
 from openrlhf_tis.trainer.eval_samples import whole_set_eval
-from openrlhf_tis.trainer.moe_replay import install_routing_experience_maker
+from openrlhf_tis.trainer.moe_experience import install_routing_experience_maker
 from openrlhf_tis.trainer.rewards import RewardPolicy
 from openrlhf_tis.trainer.stage_board import (
     EVALUATE,
