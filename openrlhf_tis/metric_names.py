@@ -120,6 +120,17 @@ SYNC_EXCESS = "sync/vllm_vs_trainer_excess"
 SYNC_VLLM_PROBE_CHANGE, SYNC_TRAINER_PROBE_CHANGE = ("sync/vllm_probe_change_mean_abs",
                                                      "sync/trainer_probe_change_mean_abs")
 SYNC_VLLM_LOGPROB_CHANGE = "sync/vllm_logprob_change_mean_abs"
+MOE = "moe/"
+"""Routing mismatch of a mixture-of-experts run with --vllm.routing_replay (moe/routing_metrics.py has the formulas)."""
+MOE_AGREEMENT, MOE_TOKENS_DIFFERED = MOE + "routing_agreement", MOE + "tokens_routing_differed"
+MOE_K3_DIFFERED, MOE_K3_SAME = MOE + "k3_routing_differed", MOE + "k3_routing_same"
+
+
+def moe_agreement_layer_key(layer: int) -> str:
+    """`moe/routing_agreement_layer_<i>`: the agreement in decoder layer i."""
+    return f"{MOE_AGREEMENT}_layer_{layer}"
+
+
 EVAL_PREFIX, EVAL_START_PREFIX = "eval/", "eval_start/"
 """Held-out scores after an evaluated step, and of the untrained policy (on step 1's line)."""
 

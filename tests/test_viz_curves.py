@@ -186,6 +186,14 @@ def test_step_line_shows_the_lag_only_when_there_is_one():
     assert "  lag 0.75 (k3 lag 0 2.00e-03, stale 5.00e-02)  3.0 s" in step_line(split, 8)  # precision vs staleness
 
 
+def test_step_line_shows_the_routing_mismatch_only_in_a_replay_run():
+    record = {"step": 4, "correction/masked_frac": 0.0, "timing/step_total": 3.0}
+    assert "routing" not in step_line(record, 8)
+    line = step_line({**record, "moe/routing_agreement": 0.995, "moe/k3_routing_differed": 2e-4,
+                      "moe/k3_routing_same": float("nan")}, 8)
+    assert "masked 0.000  routing 0.995 (k3 differed 2.00e-04, same nan)  3.0 s" in line
+
+
 def test_step_line_and_curves_show_the_adaptive_cap_only_where_it_runs():
     record = {"step": 4, "correction/masked_frac": 0.0, "timing/step_total": 3.0}
     assert "cap" not in step_line(record, 8)

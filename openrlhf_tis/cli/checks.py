@@ -260,8 +260,9 @@ def check_inputs(args: argparse.Namespace, spec: RunSpec) -> int | None:
 
 def check_routing_replay(args: argparse.Namespace, *, cuda: bool) -> None:
     """`--vllm.routing_replay r3`: refused with the reason when the rollouts cannot carry routed experts (no vLLM
-    engine, an engine that cannot return them) or the actor has no routing the trainer can replay (dense, or an
-    architecture whose router the fork does not replace); and, while the engine side is not wired, always."""
+    engine, an engine that cannot return them, a multi-turn agent, async training, whose sample generator is
+    upstream's) or the trainer cannot replay them (a dense model, an architecture whose router the fork does not
+    replace, ring attention, which slices a sample's tokens across ranks)."""
     if getattr(args, "vllm.routing_replay") == "off":
         return
     if not getattr(args, "vllm.num_engines"):
@@ -272,9 +273,16 @@ def check_routing_replay(args: argparse.Namespace, *, cuda: bool) -> None:
         raise UsageError(REPLAY_FLAG, f"{model}: {refusal}")
     if refusal := engine_refusal(cuda=cuda):
         raise UsageError(REPLAY_FLAG, refusal)
-    raise UsageError(REPLAY_FLAG, "r3 is not yet wired to the engines: the trainer's replay is built "
-                     "(openrlhf_tis/moe), the routed experts' way from vLLM through the samples to the trainer is not "
-                     "(docs/moe.md)")
+    unsupported = {
+        "train.agent_func_path": "a multi-turn agent's later turns are routed by requests other than the sample's",
+        "train.async_enable": "async training's sample generator is upstream's, which drops the routed experts",
+    }
+    for dest, reason in unsupported.items():
+        if getattr(args, dest, None):
+            raise UsageError(REPLAY_FLAG, f"r3 with --{dest}: {reason}")
+    if getattr(args, "ds.ring_attn_size", 1) > 1:
+        raise UsageError(REPLAY_FLAG, "r3 with --ds.ring_attn_size > 1: ring attention slices each sample's tokens "
+                         "across ranks, and the replayed routing is not sliced with them")
 
 
 def check_quantized_receive(args: argparse.Namespace, spec: RunSpec, accelerators: tuple[str, ...],

@@ -17,7 +17,6 @@ from openrlhf_tis.cli.stall import DEFAULT_STALL_TIMEOUT_S, check_stall_timeout
 from openrlhf_tis.cli.stall import FLAG as STALL_FLAG
 from openrlhf_tis.correction.config import FLAG_PREFIX
 from openrlhf_tis.flags import Flag
-from openrlhf_tis.moe.coverage import COVERED_MODEL_TYPES, REPLAY_FLAG, REPLAY_MODES
 from openrlhf_tis.run_spec import WEIGHT_GRID, spec_flags
 from openrlhf_tis.upstream_guards import PatchTargetMissingError, require_version
 
@@ -58,11 +57,6 @@ FORK_FLAGS: tuple[Flag, ...] = (
         "seconds: an actor that hangs without dying (SIGSTOP, a deadlock). Progress is a change of stage or, while "
         "generating or evaluating, a finished response; start-up is not bounded. Exit code 4. 0 disables.")),
     WEIGHT_GRID,
-    Flag(REPLAY_FLAG, default="off", choices=REPLAY_MODES, help=(
-        "Mixture-of-experts routing replay: r3 makes the trainer's MoE layers use the experts the engine chose for "
-        f"each token (R3; covered: {', '.join(COVERED_MODEL_TYPES)}). The trainer side is built "
-        "(openrlhf_tis/moe); r3 is not yet wired to the engines and is refused, with the reason, before Ray "
-        "starts (docs/moe.md).")),
 )
 
 

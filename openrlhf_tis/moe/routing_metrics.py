@@ -12,23 +12,28 @@ numpy only: the metrics run on the host on what the forward recorded.
     moe/k3_routing_differed         (1/N_d) Σ (r − 1 − log r) over those tokens, log r = log π − log μ
     moe/k3_routing_same             the same over the compared tokens routed alike in every layer
 
-A token is compared when both routings routed it in at least one layer; the others count in none of these.
+The agreement counts every routed (token, layer) pair, prompt and response; the token metrics count the tokens with
+a log-ratio (the response's) that both routings routed in at least one layer. The names live in metric_names.py.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from openrlhf_tis.metric_names import (
+    MOE_AGREEMENT,
+    MOE_K3_DIFFERED,
+    MOE_K3_SAME,
+    MOE_TOKENS_DIFFERED,
+    moe_agreement_layer_key,
+)
+
 NO_ROUTE = -1
 """An expert index meaning "no routing here"."""
 
-PREFIX = "moe/"
-AGREEMENT, TOKENS_DIFFERED = PREFIX + "routing_agreement", PREFIX + "tokens_routing_differed"
-K3_DIFFERED, K3_SAME = PREFIX + "k3_routing_differed", PREFIX + "k3_routing_same"
-
-
-def agreement_layer_key(layer: int) -> str:
-    return f"{AGREEMENT}_layer_{layer}"
+AGREEMENT, TOKENS_DIFFERED = MOE_AGREEMENT, MOE_TOKENS_DIFFERED
+K3_DIFFERED, K3_SAME = MOE_K3_DIFFERED, MOE_K3_SAME
+agreement_layer_key = moe_agreement_layer_key
 
 
 def _pair(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -75,22 +80,69 @@ def k3(log_ratio: np.ndarray) -> float:
     return float(np.mean(np.expm1(log_ratio) - log_ratio)) if log_ratio.size else float("nan")
 
 
+def _ratio(num: float, den: float) -> float:
+    return float(num / den) if den > 0 else float("nan")
+
+
+class RoutingTally:
+    """The moe/* metrics summed over batches (a step's micro-batches, then its data-parallel ranks).
+
+    Kept as sums, not means: a step's share is the ratio of its totals, whatever the batches' sizes, and the
+    ranks' tallies add (`as_array` / `from_array` around an all-reduce).
+    """
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self.tokens = np.zeros(2)  # compared, differed
+        self.k3 = np.zeros(2)  # sums of k3 over the tokens whose routing differed, and those routed alike
+        self.pairs = np.zeros((2, num_layers))  # routed (token, layer) pairs, of which the sets agree
+
+    def add(self, engine: np.ndarray, trainer: np.ndarray, log_ratio: np.ndarray) -> None:
+        """`engine`, `trainer`: routings (tokens, layers, k) of the same tokens; `log_ratio` (tokens,): log π − log μ,
+        NaN for a token without one (a prompt token): its pairs count in the agreement, not in the token metrics."""
+        both, same = routed(engine, trainer), same_expert_sets(engine, trainer)
+        if both.shape[1] != self.num_layers:
+            raise ValueError(f"routings of {both.shape[1]} layers in a tally of {self.num_layers}")
+        log_ratio = np.asarray(log_ratio, dtype=np.float64)
+        if log_ratio.shape != both.shape[:1]:
+            raise ValueError(f"one log-ratio per token expected: {both.shape[:1]}, got {log_ratio.shape}")
+        self.pairs += [both.sum(axis=0), (both & same).sum(axis=0)]
+        seen = both.any(axis=-1) & np.isfinite(log_ratio)
+        differed = seen & (both & ~same).any(axis=-1)
+        kl = np.expm1(log_ratio) - log_ratio
+        self.tokens += [seen.sum(), differed.sum()]
+        self.k3 += [kl[differed].sum(), kl[seen & ~differed].sum()]
+
+    def as_array(self) -> np.ndarray:
+        return np.concatenate([self.tokens, self.k3, self.pairs.ravel()])
+
+    @classmethod
+    def from_array(cls, values: np.ndarray) -> RoutingTally:
+        values = np.asarray(values, dtype=np.float64)
+        tally = cls((len(values) - 4) // 2)
+        tally.tokens, tally.k3 = values[:2].copy(), values[2:4].copy()
+        tally.pairs = values[4:].reshape(2, tally.num_layers).copy()
+        return tally
+
+    def metrics(self) -> dict[str, float]:
+        """The moe/* metrics of the module doc (NaN where nothing was counted); a per-layer share only for the
+        layers something was routed in."""
+        (seen, differed), (k3_differed, k3_same), (pairs, agree) = self.tokens, self.k3, self.pairs
+        metrics = {
+            AGREEMENT: _ratio(agree.sum(), pairs.sum()),
+            TOKENS_DIFFERED: _ratio(differed, seen),
+            K3_DIFFERED: _ratio(k3_differed, differed),
+            K3_SAME: _ratio(k3_same, seen - differed),
+        }
+        metrics.update({agreement_layer_key(layer): _ratio(agree[layer], pairs[layer])
+                        for layer in range(self.num_layers) if pairs[layer] > 0})
+        return metrics
+
+
 def routing_metrics(engine: np.ndarray, trainer: np.ndarray, log_ratio: np.ndarray) -> dict[str, float]:
     """The moe/* metrics of one batch: `engine`, `trainer` routings (tokens, layers, k) of the same tokens,
-    `log_ratio` (tokens,) = log π − log μ of each token under the trainer's and the engine's policy."""
-    both = routed(engine, trainer)
-    same = same_expert_sets(engine, trainer)
-    differed, seen = routing_differed(engine, trainer), compared(engine, trainer)
-    log_ratio = np.asarray(log_ratio, dtype=np.float64)
-    if log_ratio.shape != differed.shape:
-        raise ValueError(f"one log-ratio per token expected: {differed.shape}, got {log_ratio.shape}")
-    metrics = {
-        AGREEMENT: float((same & both).sum() / both.sum()) if both.any() else float("nan"),
-        TOKENS_DIFFERED: float(differed.sum() / seen.sum()) if seen.any() else float("nan"),
-        K3_DIFFERED: k3(log_ratio[differed]),
-        K3_SAME: k3(log_ratio[seen & ~differed]),
-    }
-    for layer, share in enumerate(agreement_by_layer(engine, trainer)):
-        if both[:, layer].any():
-            metrics[agreement_layer_key(layer)] = float(share)
-    return metrics
+    `log_ratio` (tokens,) = log π − log μ of each token under the trainer's and the engine's policy (NaN: none)."""
+    engine, trainer = _pair(engine, trainer)
+    tally = RoutingTally(engine.shape[1])
+    tally.add(engine, trainer, log_ratio)
+    return tally.metrics()

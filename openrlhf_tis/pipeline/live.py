@@ -16,6 +16,9 @@ from openrlhf_tis.metric_names import (
     K3_KL,
     LAG_STALE,
     MASKED_FRAC,
+    MOE_AGREEMENT,
+    MOE_K3_DIFFERED,
+    MOE_K3_SAME,
     REWARD_MEAN,
     STALENESS_MAX,
     STALENESS_MEAN,
@@ -41,11 +44,14 @@ def step_line(record: dict[str, Any], total: int) -> str:
         lag = f"  lag {fmt(STALENESS_MEAN, '.2f')}{split}"
     # The adaptive bound's choice only where it runs: the cap this step's micro-batches took, and their ESS.
     cap = f"  cap {fmt(ADAPTIVE_BOUND, '.2f')} (ess {fmt(ADAPTIVE_ESS, '.3f')})" if ADAPTIVE_BOUND in record else ""
+    # A routing-replay run's routing mismatch (docs/moe.md): the engine-vs-trainer agreement and the k3 by cause.
+    routing = (f"  routing {fmt(MOE_AGREEMENT, '.3f')} (k3 differed {fmt(MOE_K3_DIFFERED, '.2e')}, "
+               f"same {fmt(MOE_K3_SAME, '.2e')})") if MOE_AGREEMENT in record else ""
     # The fall warning (runs/health.py) once it has fired: the regime where the studies' runs fell.
     risk = f"  FALL RISK (ESS {fmt(HEALTH_ESS_WORST, '.2f')})" if record.get(HEALTH_FALL_WARNING) else ""
     return (f"step {record['step']}/{total}  reward {fmt(REWARD_MEAN, '.3f')}  "
             f"k3 {fmt(K3_KL, '.2e')}  max|Δp| {fmt(ABS_DP_MAX, '.3f')}  "
-            f"masked {fmt(MASKED_FRAC, '.3f')}{cap}{lag}  {fmt(STEP_SECONDS, '.1f')} s{risk}")
+            f"masked {fmt(MASKED_FRAC, '.3f')}{cap}{lag}{routing}  {fmt(STEP_SECONDS, '.1f')} s{risk}")
 
 
 class LiveCurves:

@@ -9,16 +9,24 @@ the weight sync) in place of upstream's CUDA `WorkerWrap`, exposes that extensio
 which upstream's actor has no method for, and keeps the last sync's statistics for the controller. It also
 makes a failing, late or malformed reward fail the rollout (rollout/reward_executor.py), and stamps every sample
 with the policy version it was generated with.
+
+Routing replay (`--vllm.routing_replay r3`, docs/moe.md): once the controller calls `start_routing_capture`, every
+request's routed experts are taken from the engine's capture (rollout/routing_capture.py) as the request ends, and
+each sample carries its request's routing in its response dict (`ROUTED_EXPERTS`, moe/routing_batch.py). A sample is
+one request: the executor's `generate` calls reach this actor's `generate`, which hands the routing to the sample
+being generated through a context variable set per sample (each sample runs in its own task, which copies it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+from contextvars import ContextVar
 
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor as _UpstreamActorClass
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
+from openrlhf_tis.moe.routing_batch import ROUTED_EXPERTS
 from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.rollout.checkpoint import read_plan
 from openrlhf_tis.rollout.precision import engine_kwargs
@@ -82,6 +90,10 @@ def is_quantized_plan(model_dir: str) -> bool:
     return plan.get("precision") == "int8" or bool(plan.get("fp8_block"))
 
 
+_SAMPLE_ROUTINGS: ContextVar[list | None] = ContextVar("openrlhf_tis_sample_routings", default=None)
+"""The routings taken by the requests of the sample being generated (set per sample by `_generate_sample`)."""
+
+
 def _seeded(params, seed: int):
     """A copy of vLLM's SamplingParams drawing from `seed`."""
     params = params.clone()
@@ -90,6 +102,9 @@ def _seeded(params, seed: int):
 
 
 class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
+    _routing_layers: list[int] | None = None
+    """The MoE layers the engine captures, once `start_routing_capture` ran (routing replay); None: no capture."""
+
     async def __init__(self, *args, **kwargs):
         cuda = is_cuda_run()  # the run's device, as its driver decided (never this process's own torch.cuda)
         overrides = plan_engine_overrides(kwargs["model"], cuda=cuda)
@@ -107,6 +122,44 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         make_rewards_loud(self.executor)
         self._policy_version = 0  # optimizer steps in the weights this engine holds (trainer/staleness.py)
         self._last_sync_stats: list[dict] = []  # what each worker's receive returned at the last sync's end
+
+    async def start_routing_capture(self) -> list[int]:
+        """Capture each request's routed experts from now on (`--vllm.routing_replay r3`); return the decoder layers
+        with experts. Called by the controller before the first rollout (trainer/step_part.py RoutingCapturePart)."""
+        layers = await self.llm.collective_rpc("start_routing_capture")
+        self._routing_layers = list(layers[0])
+        return self._routing_layers
+
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        """Upstream's token-level generation; with the routing capture on, the request's routed experts are taken as
+        it ends (always, so that the engine keeps none) and handed to the sample being generated, if any."""
+        output = await super().generate(prompt_token_ids, sampling_params, multi_modal_data)
+        if self._routing_layers is None or output is None:
+            return output
+        tokens = len(output.prompt_token_ids) + len(output.outputs[0].token_ids)
+        taken = await self.llm.collective_rpc("take_routed_experts", args=({output.request_id: tokens},))
+        routings = _SAMPLE_ROUTINGS.get()
+        if routings is not None:
+            routings.append(taken[0][output.request_id])
+        return output
+
+    async def _generate_sample(self, call):
+        """Await one upstream `generate_responses` call of a single sample; with the routing capture on, its response
+        carries the routing of the request that generated it. A sample made by several requests (a multi-turn
+        agent) is refused: its later turns' prompts were routed by other requests (docs/moe.md)."""
+        if self._routing_layers is None:
+            return await call
+        routings: list = []
+        token = _SAMPLE_ROUTINGS.set(routings)  # the executor's tasks, created from here on, copy it
+        try:
+            outputs = await call
+        finally:
+            _SAMPLE_ROUTINGS.reset(token)
+        if len(outputs) != 1 or len(routings) != 1:
+            raise RuntimeError(f"--vllm.routing_replay r3: a sample took {len(routings)} engine requests for "
+                               f"{len(outputs)} response(s); replay carries one request's routing per sample")
+        outputs[0][ROUTED_EXPERTS] = routings[0]
+        return outputs
 
     async def set_reward_timeout(self, seconds: float) -> bool:
         """The run's `--reward.timeout_s` for this engine's reward_func calls, sent by the controller before the first
@@ -136,11 +189,12 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         self._asked[key] = occurrence + 1
         if not args and params is not None and params.seed is None:  # upstream's call: every argument by name
             seeds = sample_seeds(self._engine_seed, first, key, occurrence, kwargs.get("num_samples", 1))
-            requests = [upstream(**{**kwargs, "sampling_params": _seeded(params, seed), "num_samples": 1})
+            requests = [self._generate_sample(upstream(**{**kwargs, "sampling_params": _seeded(params, seed),
+                                                          "num_samples": 1}))
                         for seed in seeds]  # one request a sample, each with its own seed, gathered in order
             outputs = [output for outputs in await asyncio.gather(*requests) for output in outputs]
         else:
-            outputs = await upstream(*args, **kwargs)
+            outputs = await self._generate_sample(upstream(*args, **kwargs))
         last = self._policy_version
         stamps = {VERSION_FIRST: first, VERSION_LAST: last, PROMPT_KEY: key, OCCURRENCE: occurrence,
                   ENGINE_SEED: self._engine_seed}

@@ -247,7 +247,8 @@ def check_cli_precision(args, *, cuda: bool, cluster: str) -> None:
 
 
 def rollout_plan(args, *, cuda: bool) -> RolloutPlan:
-    """The rollout flags as the run spec holds them (after check_cli_precision), every `auto` decided for a CUDA
+    """The rollout flags (precision, routing replay) as the run spec holds them (after check_cli_precision), every
+    `auto` decided for a CUDA
     (`cuda`) or CPU cluster: the int8 grid for the cluster's CPU, CUDA FP8's blocks."""
     from openrlhf_tis.rollout.quantize import int8_weight_bits
 

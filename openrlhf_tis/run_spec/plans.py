@@ -21,6 +21,7 @@ from typing import Any
 
 from openrlhf_tis.correction.config import CorrectionConfig
 from openrlhf_tis.flags import Flag, flag, plan_flags
+from openrlhf_tis.moe.coverage import COVERED_MODEL_TYPES, REPLAY_FLAG, REPLAY_MODES
 from openrlhf_tis.runs.config import SPEC_KEY
 
 SPEC_DEST = SPEC_KEY
@@ -78,6 +79,11 @@ class RolloutPlan:
         head_dtype override) to shrink the mismatch.""", switch=True)
     fp8_block: tuple[int, int] | None = None
     """CUDA FP8 rollouts' block (a checkpoint the fork writes and re-quantizes at every sync); None elsewhere."""
+    routing_replay: str = flag(REPLAY_FLAG, "off", f"""Mixture-of-experts routing replay: r3 makes the trainer's MoE
+        layers use the experts the engine chose for each token (R3; covered: {', '.join(COVERED_MODEL_TYPES)}) in the
+        pi_old and pi_theta forwards, the gating weights still the trainer's router's, and logs moe/* (engine-vs-
+        trainer routing agreement). CPU runs only; refused with the reason before Ray starts for a dense or uncovered
+        model, no engines, CUDA, async training, an agent, ring attention (docs/moe.md).""", choices=REPLAY_MODES)
 
     @property
     def writes_model(self) -> bool:

@@ -13,17 +13,20 @@ from collections.abc import Callable
 
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
+from openrlhf_tis.moe.routing_batch import carry_routing
 from openrlhf_tis.upstream_guards import require_version
 
 
 class WholeSetEvalSamplesGenerator(SamplesGenerator):
-    """Upstream's sample generator whose evaluation sends every held-out prompt in one dispatch, and which calls
-    `on_response` at each finished response (the rollout's progress, trainer/stage_board.py)."""
+    """Upstream's sample generator whose evaluation sends every held-out prompt in one dispatch, which calls
+    `on_response` at each finished response (the rollout's progress, trainer/stage_board.py), and which keeps a
+    response's routed experts with its sample (routing replay: moe/routing_batch.py; upstream drops the key)."""
 
     on_response: Callable[[], None] = staticmethod(lambda: None)
 
     def _process_response_into_experience(self, response, **generate_kwargs):
         experience = super()._process_response_into_experience(response, **generate_kwargs)
+        carry_routing(experience, response)
         self.on_response()
         return experience
 

@@ -16,6 +16,10 @@ Upstream seams used:
 - Bypass mode skips the π_old forward on the controller (trainer/bypass.py); each training step here
   sets π_old := μ again. The actor's own `forward` stays exact: the weight-sync check scores with it.
 
+Routing replay (`--vllm.routing_replay r3`, trainer/moe_replay.py): the actor's MoE routers are re-classed once the
+model is built; the π_old `forward` and each training step (forward and backward) replay the samples' routed experts,
+and `ppo_train` adds the step's `moe/*` metrics.
+
 Per-token dumps (trainer/token_dumps.py): `set_token_dump` takes the controller's plan for a step,
 `append` keeps each replay-buffer item's sample id, and `ppo_train` collects and writes the planned rows, read off
 the loss's own output (computed with details on the dumped micro-batches only).
@@ -36,11 +40,13 @@ from openrlhf.utils.loss_utils import _get_dp_group
 
 from openrlhf_tis.correction import compute_correction, kept_weight_totals
 from openrlhf_tis.metric_names import TOKEN_DUMP_SECONDS, TOKEN_DUMP_TOKENS
+from openrlhf_tis.moe.routing_batch import ROUTED_EXPERTS
 from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.run_spec import run_spec
 from openrlhf_tis.runs.identity import write_checkpoint_identity
 from openrlhf_tis.runs.tokens import TokenDumpWriter
 from openrlhf_tis.trainer.bypass import rollout_as_old
+from openrlhf_tis.trainer.moe_replay import ActorRouting, replay_training_step, unwrapped_model
 from openrlhf_tis.trainer.policy_loss import CorrectionPolicyLoss
 from openrlhf_tis.trainer.token_dumps import (
     TokenDumpCollector,
@@ -75,9 +81,19 @@ def dp_allreduce(strategy) -> Callable[[torch.Tensor], torch.Tensor] | None:
 class CorrectionActorPPOTrainer(ActorPPOTrainer):
     """Upstream's ActorPPOTrainer with the fork's correction as its policy loss."""
 
+    moe_routing: ActorRouting | None = None
+    """The routing replay's state when the run replays (else None; a trainer built without __init__ has none)."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._setup_correction()
+        self._setup_routing_replay()
+
+    def _setup_routing_replay(self) -> None:
+        """Re-class the actor's MoE routers for replay when the run asks for it (trainer/moe_replay.py)."""
+        self.moe_routing = None
+        if run_spec(self.args).rollout.routing_replay == "r3":
+            self.moe_routing = ActorRouting(unwrapped_model(self.actor), packed=bool(self.args.ds.packing_samples))
 
     def _setup_correction(self) -> None:
         """Replace the policy loss, PPO's or GSPO's: the mismatch is measured and dumped whatever the loss.
@@ -110,12 +126,25 @@ class CorrectionActorPPOTrainer(ActorPPOTrainer):
                 status = super().ppo_train(kl_ctl)
             if self._token_dump is not None:
                 status.update(self._write_token_dump(self._token_dump))
+            if self.moe_routing is not None:
+                status.update(self.moe_routing.step_metrics(self.actor_loss_fn.allreduce, self._device()))
             return status
         finally:
             self._token_dump = None
             self._local_sample_ids = False  # the buffer is cleared after fit; the next step tags afresh
 
     def training_step(self, experience, kl_ctl: float, step: int, loss_batch_info=None):
+        def corrected_step():
+            return self._corrected_step(experience, kl_ctl, step, loss_batch_info)
+
+        if self.moe_routing is not None and ROUTED_EXPERTS in experience.info:
+            return replay_training_step(self.moe_routing, experience, corrected_step)
+        return corrected_step()
+
+    def _device(self):
+        return torch.cuda.current_device() if run_spec(self.args).cluster.device == "cuda" else "cpu"
+
+    def _corrected_step(self, experience, kl_ctl: float, step: int, loss_batch_info):
         if self.correction.bypass and experience.rollout_log_probs is not None:
             # π_old := μ, also for the KL loss (the experience maker already set it; this keeps it exact).
             experience.action_log_probs = rollout_as_old(experience.rollout_log_probs, experience.action_mask)
@@ -202,8 +231,7 @@ class CorrectionActorPPOTrainer(ActorPPOTrainer):
             totals = kept_weight_totals(out.weights, out.mask, cfg.level).double()
         allreduce = self.actor_loss_fn.allreduce
         if allreduce is not None:
-            device = torch.cuda.current_device() if run_spec(self.args).cluster.device == "cuda" else "cpu"
-            totals = allreduce(totals.to(device)).cpu()
+            totals = allreduce(totals.to(self._device())).cpu()
         total, count = totals.tolist()
         return torch.tensor(total / count) if count > 0 and total > 0 else None
 
@@ -218,6 +246,21 @@ class _CorrectionPolicyModelActor(_UpstreamPolicyModelActor):
         reclass(self.trainer, CorrectionActorPPOTrainer, supported="==0.11.2", patch=_THIS_FILE,
                 overrides=("ppo_train", "training_step"))
         self.trainer._setup_correction()
+        self.trainer._setup_routing_replay()
+
+    def forward(self, sequences, action_mask=None, attention_mask=None, packed_seq_lens=None,
+                mm_train_inputs_list=None, routed_experts=None):
+        """Upstream's π_old forward; inside the samples' replayed routing when the experience maker sends it
+        (trainer/moe_replay.py). Without `routed_experts` (the weight-sync check's scoring) it routes on its own."""
+        def forward():
+            return super(_CorrectionPolicyModelActor, self).forward(
+                sequences, action_mask, attention_mask, packed_seq_lens=packed_seq_lens,
+                mm_train_inputs_list=mm_train_inputs_list)
+
+        if routed_experts is None:
+            return forward()
+        with self.trainer.moe_routing.replaying(routed_experts, attention_mask):
+            return forward()
 
     def append(self, experience) -> None:
         self.trainer.append_experience(experience)

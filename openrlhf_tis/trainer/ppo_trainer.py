@@ -54,6 +54,7 @@ from openrlhf_tis.run_spec import run_spec
 from openrlhf_tis.runs.store import RunWriter
 from openrlhf_tis.trainer.bypass import install_bypass_experience_maker
 from openrlhf_tis.trainer.eval_samples import whole_set_eval
+from openrlhf_tis.trainer.moe_experience import install_routing_experience_maker
 from openrlhf_tis.trainer.rewards import RewardPolicy
 from openrlhf_tis.trainer.stage_board import (
     EVALUATE,
@@ -79,6 +80,7 @@ from openrlhf_tis.trainer.step_part import (
     RewardLimitPart,
     RewardScreenPart,
     RolloutOrderPart,
+    RoutingCapturePart,
     StalenessPart,
     StartEvalPart,
     StepPart,
@@ -129,7 +131,12 @@ class ForkController:
                                   if self.samples_generator else None)
         self.parts = self._choose_parts()
         # Bypass mode: the experience maker must not even dispatch the pi_old forward (trainer/bypass.py).
-        install_bypass_experience_maker(self)
+        bypass = install_bypass_experience_maker(self)
+        if self._replays_routing() and not bypass:  # the pi_old forward replays the engines' routing
+            install_routing_experience_maker(self)
+
+    def _replays_routing(self) -> bool:
+        return run_spec(self.args).rollout.routing_replay == "r3" and bool(self.vllm_engines)
 
     def _choose_parts(self) -> list[StepPart]:
         """This run's parts, in the order their hooks are called (trainer/step_part.py).
@@ -150,6 +157,7 @@ class ForkController:
         parts = [
             RolloutOrderPart(),
             RewardLimitPart(self.vllm_engines, reward_limit) if self.vllm_engines and reward_limit else None,
+            RoutingCapturePart(self.vllm_engines) if self._replays_routing() else None,
             PolicyVersionPart(self.vllm_engines) if self.vllm_engines else None,
             QueueWaitPart() if self.waits_on_rollout_queue else None,
             RewardScreenPart(rules),

@@ -120,6 +120,18 @@ class RewardLimitPart(StepPart):
         ray.get([engine.set_reward_timeout.remote(self.seconds) for engine in self.engines])
 
 
+class RoutingCapturePart(StepPart):
+    """`--vllm.routing_replay r3`: every engine captures its requests' routed experts from the first rollout on
+    (rollout/engine_actor.py `start_routing_capture`), for the samples to carry to the trainer
+    (trainer/moe_replay.py)."""
+
+    def __init__(self, engines: Sequence):
+        self.engines = engines
+
+    def on_start(self, step: int) -> None:
+        ray.get([engine.start_routing_capture.remote() for engine in self.engines])
+
+
 # ── the step's samples ──
 
 class RewardScreenPart(PendingMetrics):

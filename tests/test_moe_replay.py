@@ -1,0 +1,122 @@
+"""Routing replay in the actor's forwards (openrlhf_tis/trainer/moe_replay.py) through upstream's own `Actor`, on a tiny
+random Qwen3-MoE: a right-padded batch replays each sample's routing on that sample's tokens, and the step's tally
+measures the engine's routing against the routers' own choice while replaying."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from openrlhf_tis import patches
+
+patches.apply_platform_patches("cpu")  # openrlhf.models imports flash_attn at module level
+from openrlhf.models import Actor  # noqa: E402
+from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
+
+from openrlhf_tis.moe.routing_batch import ROUTED_EXPERTS  # noqa: E402
+from openrlhf_tis.moe.routing_metrics import NO_ROUTE  # noqa: E402
+from openrlhf_tis.moe.routing_replay import replaying  # noqa: E402
+from openrlhf_tis.trainer.moe_replay import ActorRouting, replay_training_step, unwrapped_model  # noqa: E402
+
+LAYERS, EXPERTS = 3, 6
+LENGTHS = (7, 4)
+
+
+@pytest.fixture(scope="module")
+def actor():
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=LAYERS,
+                            num_experts=EXPERTS, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
+    model = Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("TopKRouter"):  # spread logits: a distinct top-k per token
+                module.weight.normal_(0.0, 1.0)
+    actor = Actor(model)
+    actor.packing_samples = False  # upstream sets it only when it loads the model itself
+    return actor
+
+
+def _samples() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 64, (n,), generator=gen) for n in LENGTHS]
+
+
+def _own_routing(actor, routing: ActorRouting, tokens: torch.Tensor) -> torch.Tensor:
+    """(tokens, layers, k): what the model routes this sample to, run alone."""
+    with torch.no_grad(), replaying(routing.routers, None, num_layers=LAYERS) as record:
+        unwrapped_model(actor)(tokens[None])
+    return record.trainer_choice()
+
+
+def _other(own: torch.Tensor) -> torch.Tensor:
+    """For every routed (token, layer) the two lowest experts outside its own pair: always another set."""
+    other = own.clone()
+    for index in (own[..., 0] != NO_ROUTE).nonzero():
+        chosen = set(own[tuple(index)].tolist())
+        other[tuple(index)] = torch.tensor([e for e in range(EXPERTS) if e not in chosen][:2])
+    return other
+
+
+def _batch(samples: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in samples)
+    sequences = torch.zeros(len(samples), width, dtype=torch.long)
+    mask = torch.zeros_like(sequences)
+    for i, tokens in enumerate(samples):
+        sequences[i, :len(tokens)], mask[i, :len(tokens)] = tokens, 1
+    return sequences, mask
+
+
+def _log_probs(actor, sequences, mask) -> torch.Tensor:
+    action_mask = torch.ones(sequences.shape[0], sequences.shape[1] - 1)
+    return actor(sequences, action_mask, attention_mask=mask)
+
+
+def test_a_padded_batch_replays_each_sample_on_its_own_tokens(actor):
+    routing = ActorRouting(unwrapped_model(actor), packed=False)
+    samples = _samples()
+    replayed = [_other(_own_routing(actor, routing, s)) for s in samples]
+    replayed[1][0] = NO_ROUTE  # a prefix-cached token: the trainer's own choice
+    sequences, mask = _batch(samples)
+    with torch.no_grad():
+        with routing.replaying(replayed, mask):
+            batched = _log_probs(actor, sequences, mask)
+        own = _log_probs(actor, sequences, mask)
+        for i, tokens in enumerate(samples):  # reference: the sample alone, its routing replayed on it
+            with replaying(routing.routers, replayed[i], num_layers=LAYERS):
+                alone = _log_probs(actor, tokens[None], torch.ones(1, len(tokens), dtype=torch.long))[0]
+            n = len(tokens) - 1
+            torch.testing.assert_close(batched[i, :n], alone, rtol=0, atol=1e-5)
+            assert (batched[i, :n] - own[i, :n]).abs().max() > 1e-3  # other experts: the test can fail
+
+
+def test_a_training_step_replays_and_tallies_the_routers_own_choice(actor):
+    routing = ActorRouting(unwrapped_model(actor), packed=False)
+    samples = _samples()
+    own = [_own_routing(actor, routing, s) for s in samples]
+    engine = [own[0], _other(own[1])]  # sample 0: the engine routed as the trainer; sample 1: never
+    sequences, mask = _batch(samples)
+    old = -torch.rand(2, sequences.shape[1] - 1)
+    rollout = old + 0.1
+    action_mask = torch.zeros_like(old, dtype=torch.bool)
+    action_mask[0, 2:6], action_mask[1, 1:3] = True, True
+    experience = Experience(sequences=sequences, attention_mask=mask, action_mask=action_mask,
+                            action_log_probs=old, rollout_log_probs=rollout,
+                            info={ROUTED_EXPERTS: [e.short() for e in engine]})
+    seen = []
+    status = replay_training_step(routing, experience, lambda: seen.append(_log_probs(actor, sequences, mask)) or {})
+    assert status == {} and ROUTED_EXPERTS not in experience.info  # upstream logs every info entry
+    metrics = routing.step_metrics(None, "cpu")
+    routed = [int((r[:, [0, 2], 0] != NO_ROUTE).sum()) for r in engine]  # layer 1 has no experts
+    assert metrics["moe/routing_agreement"] == pytest.approx(routed[0] / sum(routed))
+    assert metrics["moe/routing_agreement_layer_0"] == pytest.approx(routed[0] / sum(routed))
+    assert "moe/routing_agreement_layer_1" not in metrics
+    assert metrics["moe/tokens_routing_differed"] == pytest.approx(2 / 6)  # 4 action tokens agree, 2 differ
+    k3 = math.exp(-0.1) - 1 + 0.1  # log π_old − log μ = −0.1 on every action token
+    assert metrics["moe/k3_routing_differed"] == pytest.approx(k3)
+    assert metrics["moe/k3_routing_same"] == pytest.approx(k3)
+    assert math.isnan(routing.step_metrics(None, "cpu")["moe/routing_agreement"])  # the tally restarted
