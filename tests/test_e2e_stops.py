@@ -234,10 +234,12 @@ def test_a_drivers_ray_session_ends_within_seconds_of_a_kill_9_of_the_driver_alo
     ray_tmp = tempfile.mkdtemp(prefix="rd", dir="/tmp")
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env["RAY_TMPDIR"] = ray_tmp
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True, env=env)
+    with (tmp_path / "driver.log").open("w") as log:
+        driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, stderr=log, text=True,
+                                  env=env)
     try:
         session = driver.stdout.readline().strip()
-        assert session.startswith(ray_tmp), session
+        assert session.startswith(ray_tmp), (tmp_path / "driver.log").read_text()[-3000:]  # Ray did not start
         started = processes_naming(session)
         assert any("agent" in cmd for cmd in started.values()), started  # what used to linger is there to stop
         driver.kill()
