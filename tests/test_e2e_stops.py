@@ -185,7 +185,8 @@ def test_stopped_and_killed_actors_end_the_run_in_one_line_and_it_resumes_exactl
         assert code == ACTOR_DIED_EXIT, log[-6000:]
         (trainer_pid, name), = trainer
         assert re.fullmatch(
-            rf"openrlhf_tis\.cli\.train_ppo_ray: error: the Ray actor {name} \(pid {trainer_pid}\) died: [^;]+; "
+            rf"openrlhf_tis\.cli\.train_ppo_ray: error: the Ray actor {name} \(pid {trainer_pid}\) died: The actor is "
+            rf"dead because its worker process has died\.[^;]*; "
             rf"{KEPT.format(steps='s 1-3', run=run, step=3, ckpt=ckpt)}", _one_line_end(log)), log[-6000:]
         assert seconds <= STOP_BOUND_S
         assert [step["step"] for step in read_steps(tmp_path / "run")] == [1, 2, 3]
