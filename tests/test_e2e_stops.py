@@ -226,6 +226,7 @@ reap_when_gone(context.address_info["session_dir"])
 print(context.address_info["session_dir"], flush=True)
 time.sleep(600)
 """
+AGENTS_UP_S = 120  # Ray's agent registration bound (cli/ray_cluster.py RAY_START_ENV)
 AGENTS_GONE_S = 30  # the watchdog's grace, Ray's fate-sharing, then its sweep (3 + 3 s) on 2 busy cores
 
 
@@ -241,8 +242,10 @@ def test_a_drivers_ray_session_ends_within_seconds_of_a_kill_9_of_the_driver_alo
     try:
         session = driver.stdout.readline().strip()
         assert session.startswith(ray_tmp), (tmp_path / "driver.log").read_text()[-3000:]  # Ray did not start
-        started = processes_naming(session)
-        assert any("agent" in cmd for cmd in started.values()), started  # what used to linger is there to stop
+        def agents() -> bool:  # what used to linger: the raylet starts them once it runs, ray.init waits not for them
+            return any("agent" in cmd for cmd in processes_naming(session).values())
+
+        assert wait_for(agents, driver, timeout=AGENTS_UP_S), processes_naming(session)
         driver.kill()
         driver.wait()
         killed = time.monotonic()
