@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -185,9 +186,17 @@ def test_a_process_tree_that_ignores_sigterm_is_killed_after_the_timeout(tmp_pat
     parent.stdout.close()
 
 
-@pytest.mark.parametrize("module", ["openrlhf_tis.cli.train_ppo_ray", "openrlhf_tis.pipeline.main_job",
-                                    "openrlhf_tis.pipeline.sweep", "openrlhf_tis.study.dose_response",
-                                    "openrlhf_tis.dashboard.cli"])
+def _commands() -> list[str]:
+    """The module of every console script setup.py installs (a command added later is checked too)."""
+    setup = (Path(__file__).resolve().parent.parent / "setup.py").read_text()
+    return re.findall(r'"openrlhf-tis-[\w-]+=([\w.]+):main"', setup)
+
+
+def test_every_command_is_found():
+    assert {"openrlhf_tis.cli.train_ppo_ray", "openrlhf_tis.rollout.calibration"} <= set(_commands())
+
+
+@pytest.mark.parametrize("module", _commands())
 def test_a_command_started_with_sigint_ignored_takes_it_back(module):
     """A shell script starts its background jobs with SIGINT ignored, and Python then installs no handler: `kill -INT`
     of a training or a sweep started that way did nothing. Each command's main takes SIGINT back first thing."""
@@ -204,3 +213,28 @@ def test_a_command_started_with_sigint_ignored_takes_it_back(module):
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert "handler: True" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_the_run_readers_ctrl_c_ends_in_one_line(monkeypatch, tmp_path, capsys):
+    from openrlhf_tis.runs import cli as runs_cli
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runs_cli, "cmd_list", interrupted)
+    assert runs_cli.main(["list", str(tmp_path)]) == 130
+    assert capsys.readouterr().err == "openrlhf-tis-runs: interrupted\n"
+
+
+def test_the_calibrations_ctrl_c_ends_in_one_line(monkeypatch, tmp_path, capsys):
+    from openrlhf_tis.rollout import calibration
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(calibration, "_check_main_args", lambda args: ["a prompt"])
+    monkeypatch.setattr(calibration, "calibrate_to_file", interrupted)
+    with pytest.raises(SystemExit) as ended:
+        calibration.main(["--model", str(tmp_path), "--prompts", "p.jsonl", "--out", str(tmp_path / "cal")])
+    assert ended.value.code == 130
+    assert capsys.readouterr().err.endswith(": interrupted\n")

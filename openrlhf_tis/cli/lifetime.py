@@ -36,15 +36,6 @@ STOP_TIMEOUT_S = 60.0
 _watchdogs: list[subprocess.Popen] = []  # their stdin pipes stay open for this process's life
 
 
-def take_sigint() -> None:
-    """Make SIGINT (Ctrl-C, `kill -INT`) raise KeyboardInterrupt, which every command turns into its documented stop.
-
-    Python installs that handler only where SIGINT was not ignored when it started, and a shell script starts its
-    background jobs (`openrlhf-tis-train ... &`) with SIGINT ignored: `kill -INT` then did nothing. Call it from the
-    main thread, first thing in a command's main."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
 def die_with_parent() -> None:
     """SIGTERM this process when the process named in PARENT_ENV dies (no-op when unset or not on Linux)."""
     expected = os.environ.get(PARENT_ENV)

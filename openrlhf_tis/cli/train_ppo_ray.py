@@ -38,7 +38,7 @@ from openrlhf_tis.cli.cluster_device import (
     requested_device,
 )
 from openrlhf_tis.cli.fork_flags import add_fork_arguments
-from openrlhf_tis.cli.lifetime import die_with_parent, take_sigint
+from openrlhf_tis.cli.lifetime import die_with_parent
 from openrlhf_tis.cli.placement import check_cluster_fits
 from openrlhf_tis.cli.ray_address import ADDRESS_VAR
 from openrlhf_tis.cli.ray_cluster import CPU_ENV, RayStartError, start_ray
@@ -53,9 +53,9 @@ from openrlhf_tis.patches.upstream_cli import run_upstream_main, upstream_parser
 from openrlhf_tis.run_device import DEVICE_ENV
 from openrlhf_tis.run_spec import run_spec
 from openrlhf_tis.runs.reader import last_logged_step
+from openrlhf_tis.sigint import INTERRUPTED_EXIT, take_sigint
 from openrlhf_tis.upstream_guards import UnsupportedUpstreamError
 
-INTERRUPTED_EXIT = 130  # a shell's code for a command ended by SIGINT
 ACTOR_DIED_EXIT = 3  # an actor of the run died of an error (cli/actor_watch.py)
 STALLED_EXIT = 4  # the controller made no progress within --train.stall_timeout_s (cli/stall.py)
 

@@ -19,9 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from openrlhf_tis.cli.lifetime import take_sigint
 from openrlhf_tis.dashboard.voila_server import HOST, port_in_use, voila_env
 from openrlhf_tis.pipeline.execute import notebook_path
+from openrlhf_tis.sigint import take_sigint
 
 PROG = "openrlhf-tis-dashboard"
 DEFAULT_PORT = 8866  # Voilà's own default

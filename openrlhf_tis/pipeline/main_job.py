@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from openrlhf_tis.cli.cluster_device import ClusterResources, decide_device, read_cluster, requested_device
-from openrlhf_tis.cli.lifetime import take_sigint
 from openrlhf_tis.cpu_features import native_bf16
 from openrlhf_tis.demo.task import write_task
 from openrlhf_tis.errors import UsageError
@@ -36,6 +35,7 @@ from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.runs.kept_score import engine_label
 from openrlhf_tis.runs.reader import last_logged_step, load_metrics
 from openrlhf_tis.runs.summary import summary
+from openrlhf_tis.sigint import take_sigint
 from openrlhf_tis.viz.compare import held_out_key
 from openrlhf_tis.viz.curves import held_out
 

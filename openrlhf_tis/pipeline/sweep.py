@@ -46,7 +46,6 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from openrlhf_tis.cli.lifetime import take_sigint
 from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.params import ParameterError, ParamObject, param
 from openrlhf_tis.pipeline.execute import export_html
@@ -56,6 +55,7 @@ from openrlhf_tis.pipeline.train import RUN_DIR_FLAGS, check_training_command
 from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.runs.config import run_started, utc_now
 from openrlhf_tis.runs.layout import atomic_write, unique_dir_name
+from openrlhf_tis.sigint import take_sigint
 
 GRID_TABLES = ("base", "grid")
 STATUS_FILE = "status.json"

@@ -42,6 +42,7 @@ from openrlhf_tis.rollout.calibration_file import (
     save_calibration,
 )
 from openrlhf_tis.rollout.quantize import INT8_MAX, PROJECTIONS, SMOOTH_GROUPS, fused_group
+from openrlhf_tis.sigint import INTERRUPTED_EXIT, take_sigint
 
 _PROJ_MODULE = re.compile(r"^(.*\.layers\.(\d+))\.(self_attn|mlp)\.(" + "|".join(PROJECTIONS) + r")$")
 
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m openrlhf_tis.rollout.calibration --model DIR --prompts F.jsonl --out F [--static_activations]`."""
     import argparse
 
-
+    take_sigint()
     parser = argparse.ArgumentParser(description="Calibrate INT8 rollouts once per run: SmoothQuant factors and, "
                                      "optionally, static activation scales.")
     parser.add_argument("--model", required=True, help="HF model directory (the actor's initial weights)")
@@ -272,6 +273,8 @@ def main(argv: list[str] | None = None) -> None:
         texts = _check_main_args(args)
         out = calibrate_to_file(args.model, texts, args.out, args.alpha, args.static_activations, args.min_levels,
                                 args.apply_chat_template)
+    except KeyboardInterrupt:  # safetensors writes --out through a temp file: an old file stays whole
+        parser.exit(INTERRUPTED_EXIT, f"{parser.prog}: interrupted\n")
     except UsageError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     except OSError as err:  # transformers' "no file named model.safetensors", a weight file that cannot be read

@@ -27,6 +27,7 @@ from rich.text import Text
 from openrlhf_tis.runs.layout import is_run_dir
 from openrlhf_tis.runs.reader import list_runs
 from openrlhf_tis.runs.summary import summary
+from openrlhf_tis.sigint import INTERRUPTED_EXIT, take_sigint
 
 _BARS = "▁▂▃▄▅▆▇█"
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -171,15 +172,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    take_sigint()
+    parser = build_parser()
+    args = parser.parse_args(argv)
     console = Console()
     errors = Console(stderr=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if args.command == "list":
-            code = cmd_list(args.root, console)
-        else:
-            code = cmd_show(args.run, args.root, args.json, console)
+        try:
+            if args.command == "list":
+                code = cmd_list(args.root, console)
+            else:
+                code = cmd_show(args.run, args.root, args.json, console)
+        except KeyboardInterrupt:  # it only reads: nothing to undo
+            print(f"{parser.prog}: interrupted", file=sys.stderr)
+            return INTERRUPTED_EXIT
     for warning in caught:
         errors.print(Text.assemble(("warning:", "yellow"), " ", plain(warning.message)))
     return code

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import pandas as pd
 
-from openrlhf_tis.cli.lifetime import take_sigint
 from openrlhf_tis.correction.config import PRESETS
 from openrlhf_tis.cpu_features import native_bf16
 from openrlhf_tis.params import ParameterError
@@ -46,6 +45,7 @@ from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.rollout.precision import PRECISION_FLAG, WEIGHT_BITS_FLAG
 from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.runs.reader import load_metrics
+from openrlhf_tis.sigint import take_sigint
 from openrlhf_tis.study.cost import attempts, cost_markdown, cost_summary
 from openrlhf_tis.viz.compare import final_table, run_facts
 from openrlhf_tis.viz.curves import png
