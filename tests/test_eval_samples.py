@@ -61,10 +61,12 @@ def test_the_replacement_shares_the_original_generators_parts():
 def test_each_finished_response_is_counted_after_upstream_turned_it_into_an_experience(monkeypatch):
     from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
-    seen = []
+    seen = []  # upstream's responses are dicts (the engine's output for one sample)
     monkeypatch.setattr(SamplesGenerator, "_process_response_into_experience",
-                        lambda self, response, **kwargs: seen.append(("upstream", response)) or f"exp {response}")
+                        lambda self, response, **kwargs: seen.append(("upstream", response["id"])) or
+                        f"exp {response['id']}")
     replaced = whole_set_eval(_RecordingGenerator(5, 2), on_response=lambda: seen.append("counted"))
-    assert [replaced._process_response_into_experience(r, max_len=8) for r in ("a", "b")] == ["exp a", "exp b"]
+    assert [replaced._process_response_into_experience({"id": r}, max_len=8) for r in "ab"] == ["exp a", "exp b"]
     assert seen == [("upstream", "a"), "counted", ("upstream", "b"), "counted"]
-    assert whole_set_eval(_RecordingGenerator(5, 2))._process_response_into_experience("c") == "exp c"  # no counter
+    unseen = whole_set_eval(_RecordingGenerator(5, 2))
+    assert unseen._process_response_into_experience({"id": "c"}) == "exp c"  # no counter
