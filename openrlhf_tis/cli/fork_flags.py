@@ -28,6 +28,7 @@ from openrlhf_tis.rollout.quantize import ACTIVATION_MODES, SCALE_MODES, WEIGHT_
 from openrlhf_tis.rollout.reward_calls import DEFAULT_TIMEOUT_S, TIMEOUT_FLAG
 from openrlhf_tis.runs.tokens import DEFAULT_DUMP_EVERY, DEFAULT_DUMP_SAMPLES
 from openrlhf_tis.trainer.sync_cadence import SYNC_EVERY_FLAG
+from openrlhf_tis.trainer.untrained_scores import FLAG as UNTRAINED_CACHE_FLAG
 from openrlhf_tis.upstream_guards import PatchTargetMissingError, require_version
 
 
@@ -117,6 +118,12 @@ FORK_FLAGS: tuple[ForkFlag, ...] = (
         "load checkpoint) and the Ray actors it waited on, when the training loop makes no progress for this many "
         "seconds: an actor that hangs without dying (SIGSTOP, a deadlock). Progress is a change of stage or, while "
         "generating or evaluating, a finished response; start-up is not bounded. Exit code 4. 0 disables.")),
+    ForkFlag(UNTRAINED_CACHE_FLAG, help=(
+        "A folder where the untrained policy's held-out scores (eval_start/*, scored before step 1) are kept and "
+        "shared: a run whose key (everything the scores depend on: model and data files' content, engine and "
+        "sampling flags, seed, code revision, packages, CPU) finds them there writes them instead of evaluating, "
+        "unless a held-out question is also a training prompt (openrlhf_tis.trainer.untrained_scores). A sweep "
+        "sets it to OUT/untrained for its cells. Default: every run evaluates.")),
     ForkFlag("--logger.token_dump_steps", type=int, default=DEFAULT_DUMP_EVERY, help=(
         "Dump per-token data (tokens/step_*.parquet) at step 1 and every N steps; 0 disables.")),
     ForkFlag("--logger.token_dump_samples", type=int, default=DEFAULT_DUMP_SAMPLES, help=(
