@@ -12,7 +12,8 @@ collapse study's K = 8 TIS cell of one seed, study/collapse.py) twice through th
 
 Both share one kept-score cache (OPENRLHF_TIS_CACHE, a fresh folder under --work unless given), so the base model's
 kept score, cached per seed before this change too, is computed by the first cell only; the table shows it on a row
-of its own and the ratio without it. Then the phases of each (cell_phases.py) and after / before:
+of its own and the ratio without it. Then the phases of each (cell_phases.py) and after / before, and whether the
+two cells' results are the same (the untrained scores, metrics.jsonl step by step, the kept policy's score):
 
     python benchmarks/bench_cell.py --model tiny --steps 4      # minutes
     python benchmarks/bench_cell.py --model default --steps 8   # the real model: ≈ 15–25 min on a loaded 2-core machine
@@ -34,6 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cell_phases import PHASES, cell_phases  # noqa: E402
 
 from openrlhf_tis.pipeline.sweep import UNTRAINED_DIR, load_grid, run_cell  # noqa: E402
+from openrlhf_tis.runs.kept_score import read_kept_heldout  # noqa: E402
+from openrlhf_tis.runs.reader import read_metrics_records  # noqa: E402
+from openrlhf_tis.runs.repeat import first_divergence  # noqa: E402
 from openrlhf_tis.study.collapse import collapse_grid  # noqa: E402
 
 SIDES = ("before", "after")
@@ -61,6 +65,21 @@ def run_side(grid: Path, out: Path, stored: Path | None) -> Path:
 
 def reused(cell: Path) -> bool:
     return "untrained held-out scores:" in (cell / "run" / "train.log").read_text(errors="replace")
+
+
+def same_results(before: Path, after: Path) -> str:
+    """Whether the cell's results are the same both ways: the untrained scores, every step's metrics (timings
+    aside; runs repeat under their seed) and the kept policy's score."""
+    rows = [read_metrics_records(run) for run in (before, after)]
+    untrained = [{k: v for k, v in r[0].items() if k.startswith("eval_start/") and k != "eval_start/seconds"}
+                 for r in rows]
+    found = first_divergence(*rows)
+    kept = [read_kept_heldout(run) for run in (before, after)]
+    same_kept = None not in kept and (kept[0].before.pass1, kept[0].after.pass1) == (kept[1].before.pass1,
+                                                                                      kept[1].after.pass1)
+    return (f"untrained scores reused = computed: {untrained[0] == untrained[1] and bool(untrained[0])}; "
+            f"metrics.jsonl: {'the same at every step' if found.step is None else f'part at step {found.step}'}; "
+            f"kept-policy pass@1 before / after the same: {same_kept}")
 
 
 def table(phases: dict[str, dict[str, float]]) -> str:
@@ -99,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         phases = {side: cell_phases(cell) for side, cell in cells.items()}
         print(f"model {args.model}, {args.steps} steps, seed {args.seed}, load {os.getloadavg()}")
         print(table(phases))
+        print(same_results(*(cells[side] / "run" for side in SIDES)))
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
