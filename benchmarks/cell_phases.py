@@ -1,15 +1,20 @@
-"""Where a study cell's time goes, from what its cells wrote (status, config, metrics and held-out files).
+"""Where a study cell's time goes, from what its cells wrote (status, config, metrics, held-out files and train.log).
 
 Why: a cell runs ≈ 5.5 min on an idle machine and the studies need dozens; before cutting anything, measure which
 part is training and which is repeated or idle. Per cell (and the median over the folder's cells):
-- start-up: from the run's config (written before Ray starts) to the start of step 1, less the untrained policy's
-  evaluation: Ray, DeepSpeed, the vLLM engine, the reward probe;
-- untrained eval: the in-run held-out pass before step 1 (`eval_start/seconds`);
-- steps: the sum of `timing/step_total`;
+- notebook + CLI: from the cell's start (status.json) to its run's config (written by the training CLI before Ray
+  starts): papermill's kernel, building the command, the CLI's imports, flag checks and the reward probe;
+- Ray + engine start: from there to the start of step 1, less the untrained policy's evaluation: Ray's head, the
+  DeepSpeed and vLLM actors, the model loads, the sync check's baseline;
+- untrained eval: the in-run held-out pass before step 1 (`eval_start/seconds`; a lookup where it was reused);
+- steps: generation / make experience / train / weight sync: upstream's `timing/*` summed over the steps;
+- between steps: the loop's span less the steps and the final evaluation (metrics lines, token dumps, the parts'
+  hooks);
 - final eval: the in-run held-out pass after the last step (`eval/seconds`);
-- kept scoring: heldout_kept.json's scoring of the kept model (and of the base model where it was not cached);
-- rest: the cell's wall time less all of the above: papermill's kernel, saving the model, Ray's stop, the kept
-  scorer's engine start, the report and its HTML.
+- kept: base model / trained model: heldout_kept.json's scorings (each with its own engine start); the base model's
+  only where it was not cached;
+- rest: the cell's wall time less all of the above: saving the model, Ray's stop, the kept scorer's process start,
+  papermill's end.
 
     python benchmarks/cell_phases.py results/study/collapse-pilot-avx512 [...]
 
@@ -26,14 +31,22 @@ from pathlib import Path
 
 import numpy as np
 
-from openrlhf_tis.metric_names import STEP_SECONDS
+from openrlhf_tis.metric_names import STEP_SECONDS, TIMING_GENERATION, TIMING_MAKE_EXPERIENCE
 from openrlhf_tis.runs.reader import read_metrics_records
 
-PHASES = ("start-up", "untrained eval", "steps", "final eval", "kept scoring", "rest", "total")
+STEP_PARTS = {"steps: generation": TIMING_GENERATION, "steps: make experience": TIMING_MAKE_EXPERIENCE,
+              "steps: train": "timing/ppo_train", "steps: weight sync": "timing/broadcast"}
+PHASES = ("notebook + CLI", "Ray + engine start", "untrained eval", *STEP_PARTS, "between steps", "final eval",
+          "kept: base model", "kept: trained model", "rest", "total")
 
 
 def _utc(stamp: str) -> float:
     return float(calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ")))
+
+
+def _kept_seconds(kept: dict, side: str) -> float:
+    scored = kept.get(side, {})
+    return 0.0 if scored.get("cached", False) else float(scored.get("seconds", 0.0))
 
 
 def cell_phases(cell: Path) -> dict[str, float] | None:
@@ -49,17 +62,22 @@ def cell_phases(cell: Path) -> dict[str, float] | None:
     first = rows[0]
     untrained = float(first.get("eval_start/seconds", 0.0))
     step1_start = first["wall_time"] - float(first.get(STEP_SECONDS, 0.0)) - untrained
+    configured = _utc(json.loads((run / "config.json").read_text())["time"])
+    started = _utc(status["started"]) if status.get("started") else configured
     parts = {
-        "start-up": step1_start - _utc(json.loads((run / "config.json").read_text())["time"]),
+        "notebook + CLI": configured - started,
+        "Ray + engine start": step1_start - configured,
         "untrained eval": untrained,
-        "steps": float(sum(r.get(STEP_SECONDS, 0.0) for r in rows)),
+        **{phase: float(sum(r.get(key, 0.0) for r in rows)) for phase, key in STEP_PARTS.items()},
         "final eval": float(rows[-1].get("eval/seconds", 0.0)),
-        "kept scoring": sum(float(kept.get(side, {}).get("seconds", 0.0)) for side in ("before", "after")
-                            if not kept.get(side, {}).get("cached", False)),
+        "kept: base model": _kept_seconds(kept, "before"),
+        "kept: trained model": _kept_seconds(kept, "after"),
         "total": float(status["seconds"]),
     }
+    steps = float(sum(r.get(STEP_SECONDS, 0.0) for r in rows))
+    parts["between steps"] = rows[-1]["wall_time"] - step1_start - untrained - steps - parts["final eval"]
     parts["rest"] = parts["total"] - sum(v for k, v in parts.items() if k != "total")
-    return parts
+    return {phase: parts[phase] for phase in PHASES}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -126,6 +126,7 @@ NON_DEFAULT = {
     "async_queue": (3, 3),
     "sync_every": (4, 4),
     "token_dump_every": (0, 0),
+    "untrained_cache": ("/x/untrained", "/x/untrained"),
     "run_dir": ("elsewhere", str(RUN)),  # the resolved directory run_training hands over
 }
 

@@ -21,6 +21,7 @@ from openrlhf_tis.moe.coverage import REPLAY_FLAG, engine_refusal, replay_refusa
 from openrlhf_tis.prompt_files import PromptFileError, item_sources, prompt_problem, read_records, token_counts
 from openrlhf_tis.rollout.reward_calls import TIMEOUT_FLAG, check_timeout
 from openrlhf_tis.run_spec import RunSpec
+from openrlhf_tis.trainer.untrained_scores import FLAG as UNTRAINED_CACHE_FLAG
 
 _UNSET = object()
 
@@ -227,6 +228,7 @@ def check_outputs(args: argparse.Namespace) -> None:
     if getattr(args, "ckpt.save_steps") > 0 or getattr(args, "ckpt.save_hf") or best:
         check_output_dir("--ckpt.path", getattr(args, "ckpt.path"))
     check_output_dir("--logger.tensorboard_dir", getattr(args, "logger.tensorboard_dir"))
+    check_output_dir(UNTRAINED_CACHE_FLAG, getattr(args, "eval.untrained_cache", None))
 
 
 def check_inputs(args: argparse.Namespace, spec: RunSpec) -> int | None:

@@ -18,6 +18,7 @@ from openrlhf_tis.cli.stall import FLAG as STALL_FLAG
 from openrlhf_tis.correction.config import FLAG_PREFIX
 from openrlhf_tis.flags import Flag
 from openrlhf_tis.run_spec import WEIGHT_GRID, spec_flags
+from openrlhf_tis.trainer.untrained_scores import FLAG as UNTRAINED_CACHE_FLAG
 from openrlhf_tis.upstream_guards import PatchTargetMissingError, require_version
 
 
@@ -57,6 +58,12 @@ FORK_FLAGS: tuple[Flag, ...] = (
         "seconds: an actor that hangs without dying (SIGSTOP, a deadlock). Progress is a change of stage or, while "
         "generating or evaluating, a finished response; start-up is not bounded. Exit code 4. 0 disables.")),
     WEIGHT_GRID,
+    Flag(UNTRAINED_CACHE_FLAG, help=(
+        "A folder where the untrained policy's held-out scores (eval_start/*, scored before step 1) are kept and "
+        "shared: a run whose key (everything the scores depend on: model and data files' content, engine and "
+        "sampling flags, seed, code revision, packages, CPU) finds them there writes them instead of evaluating, "
+        "unless a held-out question is also a training prompt (openrlhf_tis.trainer.untrained_scores). A sweep "
+        "sets it to OUT/untrained for its cells. Default: every run evaluates.")),
 )
 
 

@@ -60,11 +60,15 @@ from openrlhf_tis.sigint import take_sigint
 GRID_TABLES = ("base", "grid")
 STATUS_FILE = "status.json"
 STOP_FILE = "STOP"  # OUT/STOP: end the sweep after the cell in flight
-_PER_CELL = ("run_dir",)  # set by the sweep for each cell, never by the grid
+_PER_CELL = ("run_dir", "untrained_cache")  # set by the sweep for each cell, never by the grid
+UNTRAINED_DIR = "untrained"
+"""OUT/untrained: the untrained policy's held-out scores, shared by the sweep's cells (trainer/untrained_scores.py).
+Not part of a cell's recorded parameters, so cells recorded before it are still done."""
 SWEEP_FLAGS = {**RUN_DIR_FLAGS,
                "--logger.run_dir": "the sweep sets it for each cell",
                "--ckpt.load_enable": "the sweep resumes an interrupted cell itself",
-               "--logger.run_dir_overwrite": "the sweep starts a failed cell afresh itself"}
+               "--logger.run_dir_overwrite": "the sweep starts a failed cell afresh itself",
+               "--eval.untrained_cache": "the sweep shares the untrained scores under OUT/untrained itself"}
 """Flags a cell's extra_args must not set, and why: the sweep decides where each cell runs and whether it resumes."""
 MAX_CELLS = 1000  # more is a typo or a job for another tool: one CPU cell trains for minutes
 CHECK_S = 0.06  # measured: checking one cell (its parameters and training command) on a 2-core EPYC
@@ -214,7 +218,7 @@ def run_cell(cell: Cell, out_dir: Path) -> CellResult:
     if owner is not None:  # an earlier sweep's training outlived it: never move a live run's directory
         return CellResult(cell, "failed", run_dir, notebook, f"{run_dir} is still in use by a training process "
                           f"(pid {owner}); stop it and run the sweep again")
-    params = {**cell.params, "run_dir": str(run_dir)}
+    params = {**cell.params, "run_dir": str(run_dir), "untrained_cache": str(out_dir / UNTRAINED_DIR)}
     earlier = earlier_attempts(status, run_dir)  # read before the run directory is set aside
     if status is None and resumable(run_dir):  # interrupted (no status) after a checkpoint of its own run
         params["extra_args"] = [*params.get("extra_args", []), "--ckpt.load_enable"]

@@ -24,6 +24,7 @@ from openrlhf_tis.pipeline.kept_eval import KEPT_MODEL_DIR
 from openrlhf_tis.rollout.precision import PRECISION_FLAG, WEIGHT_BITS_FLAG
 from openrlhf_tis.runs.kept_score import HeldoutSettings
 from openrlhf_tis.trainer.sync_cadence import SYNC_EVERY_FLAG
+from openrlhf_tis.trainer.untrained_scores import FLAG as UNTRAINED_CACHE_FLAG
 
 DEMO_REWARD = Path(str(resources.files("openrlhf_tis") / "demo" / "dense_reward.py"))
 EVAL_TEMPERATURE = 1.0  # held-out samples are drawn as in training, so pass1 is the training reward's held-out twin
@@ -113,6 +114,9 @@ class TrainParams(ParamObject):
                                                                      default=1, check=_not_negative)
     run_dir: str = param("runs/notebook", "the run directory (created; a finished one is refused by the CLI)", (str,),
                          check=lambda v: None if v else "must not be empty", flag="--logger.run_dir")
+    untrained_cache: str = FLAGS[UNTRAINED_CACHE_FLAG].param(
+        "a folder where runs share the untrained policy's held-out scores (computed once per model, seed, task and "
+        "engine; a sweep sets its OUT/untrained); '' evaluates every run", default="")
     extra_args: list = param([], "more training CLI flags, e.g. ['--vllm.fp32_lm_head']; they win over the above",
                              (list,), check=_str_list)
     refresh_seconds: float = param(2.0, "how often the live figure polls metrics.jsonl", (float, int), check=positive)
@@ -160,6 +164,7 @@ class TrainParams(ParamObject):
             "int8_weight_bits": None if self.int8_weight_bits == "auto" else self.int8_weight_bits,
             "async_queue": self.async_queue or None,
             "sync_every": self.sync_every if self.sync_every > 1 else None,  # upstream's sync after every step
+            "untrained_cache": str(Path(self.untrained_cache).expanduser().resolve()) if self.untrained_cache else None,
         }
 
     def argv(self, model_dir: Path, prompts: Path, run_dir: Path, device: str | None = None) -> list[str]:

@@ -47,6 +47,7 @@ RESUME_IGNORED: tuple[str, ...] = (
     "local_rank",
     "use_ms",
     "eval.steps",
+    "eval.untrained_cache",  # where the untrained scores are shared: they are the same numbers either way
     "vllm.sync_check_*",
     "*.offload",
     "ds.adam_offload",
@@ -67,6 +68,7 @@ RESUME_IGNORED: tuple[str, ...] = (
 
 ADDED_LATER: dict[str, Any] = {
     "vllm.routing_replay": "off",
+    "eval.untrained_cache": None,
     "train.stall_timeout_s": 1800.0,  # cli/stall.py's default (tests/test_run_spec.py holds them equal); a bound
                                       # never changes what is trained, and RESUME_IGNORED skips it on resume anyway
 }

@@ -36,6 +36,7 @@ sync of an evaluated step (`TrainerSideEval`), so both modes score the same poli
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import openrlhf.trainer.ppo_trainer_async as upstream_async
 import ray
@@ -90,6 +91,7 @@ from openrlhf_tis.trainer.step_part import (
 )
 from openrlhf_tis.trainer.sync_cadence import SyncCadencePart
 from openrlhf_tis.trainer.sync_check import make_sync_checker
+from openrlhf_tis.trainer.untrained_scores import UntrainedCache, may_reuse, untrained_key
 from openrlhf_tis.upstream_guards import replace, require_super_chain, require_version
 
 _THIS_FILE = "openrlhf_tis/trainer/ppo_trainer.py"  # the file a guard's message names for review
@@ -171,7 +173,8 @@ class ForkController:
             MetricsLinePart(RunWriter(run_dir), schedule) if run_dir else None,
             SyncCheckPart(checker, spec.sync.check_steps) if checker is not None else None,
             SyncCostPart.of(spec, self.vllm_engines),
-            StartEvalPart(self._evaluate_now) if schedule.configured else None,
+            StartEvalPart(self._evaluate_now, self._untrained_cache(), self._publish_eval)
+            if schedule.configured else None,
         ]
         return [part for part in parts if part is not None]
 
@@ -199,6 +202,21 @@ class ForkController:
     def _evaluate_now(self, step: int) -> dict:
         return self.evaluate(step, **eval_generate_kwargs(self.args, self.generate_kwargs))
 
+    def _untrained_cache(self) -> UntrainedCache | None:
+        """--eval.untrained_cache's folder, this run's key and whether stored scores may stand in for its
+        evaluation (trainer/untrained_scores.py); None without the flag or a held-out set."""
+        folder = getattr(self.args.eval, "untrained_cache", None)
+        if not folder or self.eval_dataloader is None:
+            return None
+        train = getattr(self, "prompts_dataloader", None)  # async training's loader lives in its sample generator
+        reusable = may_reuse(self.eval_dataloader.dataset, train.dataset if train is not None else None)
+        return UntrainedCache(Path(folder), untrained_key(self.args), reusable)
+
+    def _publish_eval(self, step: int, logs: dict, seconds: float) -> None:
+        """Hand an evaluation's logs to every part (`on_eval`), as upstream's evaluation ends."""
+        for part in self.parts:
+            part.on_eval(step, logs, seconds)
+
     def init_checkpoint_states(self) -> dict:
         # fit() calls this before its first rollout: the one point where a fresh run's policy is untrained,
         # and where engines and trainer hold the same weights (the sync check's baseline).
@@ -220,9 +238,7 @@ class ForkController:
         t0 = time.perf_counter()
         with self._stage(EVALUATE):
             logs = super().evaluate(global_step, **generate_kwargs)
-        seconds = time.perf_counter() - t0
-        for part in self.parts:
-            part.on_eval(global_step, logs, seconds)
+        self._publish_eval(global_step, logs, time.perf_counter() - t0)
         return logs
 
     def broadcast_to_vllm(self) -> None:

@@ -53,6 +53,7 @@ from openrlhf_tis.trainer.rewards import RewardPolicy, screen_rewards
 from openrlhf_tis.trainer.staleness import LAG, drop_stale, sample_lags, spans_sync, staleness_metrics, stamp_lags
 from openrlhf_tis.trainer.sync_check import SyncChecker
 from openrlhf_tis.trainer.token_dumps import TokenDumpPlan
+from openrlhf_tis.trainer.untrained_scores import UntrainedCache
 
 
 class StepPart:
@@ -371,15 +372,29 @@ class EvalSchedule:
 class StartEvalPart(StepPart):
     """Scores the untrained policy before a fresh run's first step (upstream never does).
 
-    `evaluate(step)` is the controller's evaluation, so the scores reach every part's `on_eval` as step 0's.
+    `evaluate(step)` is the controller's evaluation, so the scores reach every part's `on_eval` as step 0's. With a
+    `cache` (--eval.untrained_cache, trainer/untrained_scores.py) scores stored under the run's key are handed to
+    `publish(step, logs, seconds)`, the controller's hand-out to the parts, instead; scores computed here are stored.
     """
 
-    def __init__(self, evaluate: Callable[[int], dict]):
-        self.evaluate = evaluate
+    def __init__(self, evaluate: Callable[[int], dict], cache: UntrainedCache | None = None,
+                 publish: Callable[[int, dict, float], None] | None = None):
+        if cache is not None and publish is None:
+            raise ValueError("a cache needs publish: stored scores must reach the parts as an evaluation's do")
+        self.evaluate, self.cache, self.publish = evaluate, cache, publish
 
     def on_start(self, step: int) -> None:
-        if step == 0:
-            self.evaluate(0)
+        if step != 0:
+            return
+        t0 = time.perf_counter()
+        stored = self.cache.read() if self.cache is not None else None
+        if stored is not None:
+            print(f"[openrlhf_tis] untrained held-out scores: {self.cache.path} (stored by an earlier run)")
+            self.publish(0, stored, time.perf_counter() - t0)
+            return
+        logs = self.evaluate(0)
+        if self.cache is not None and logs:
+            self.cache.write(logs, time.perf_counter() - t0)
 
 
 def eval_metrics(logs: dict, prefix: str, seconds: float) -> dict[str, float]:
