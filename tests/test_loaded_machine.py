@@ -147,6 +147,15 @@ def test_the_products_ray_start_tries_again_and_ends_in_one_line_with_the_load(m
         return fake
 
     late = Exception("The current node timed out during startup. This could happen because ...")
+    from ray._private import services
+
+    ray_own = services.get_node
+    patient_during_init = []
+    monkeypatch.setattr(ray_cluster, "patient_get_node", lambda get_node, wait_s: ("patient", get_node, wait_s))
+    monkeypatch.setattr(ray_cluster.ray, "init", lambda **kwargs: patient_during_init.append(services.get_node))
+    ray_cluster.init_local_ray(address="local")
+    assert patient_during_init == [("patient", ray_own, ray_cluster.REGISTRATION_WAIT_S)]
+    assert services.get_node is ray_own  # restored after the start
     monkeypatch.setattr(ray_cluster.ray, "shutdown", lambda: None)
     monkeypatch.setattr(ray_cluster, "_kill_ray_children", lambda: None)
     monkeypatch.setattr(ray_cluster.ray, "init", init([late, late, "context"]))
@@ -163,3 +172,38 @@ def test_the_products_ray_start_tries_again_and_ends_in_one_line_with_the_load(m
     with pytest.raises(ValueError, match="bad resources"):
         ray_cluster.init_local_ray(address="local")
     assert len(calls) == 1
+
+
+def test_a_patient_get_node_asks_again_until_its_window_closes():
+    """Ray's node start gives up 30 s after a failed `get_node`: the patient one keeps asking (1 s apart) while the
+    node is not in the GCS yet, for its whole window, then raises Ray's own error; other errors at once."""
+    from openrlhf_tis.cli.ray_cluster import patient_get_node
+
+    now = [0.0]
+    asked = []
+
+    def get_node(outcomes):
+        def fake(address, node_id):
+            asked.append((address, node_id, now[0]))
+            outcome = outcomes[min(len(asked), len(outcomes)) - 1]
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+        return fake
+
+    def sleep(seconds):
+        now[0] += seconds
+
+    absent = RuntimeError("RPC error: Deadline Exceeded")
+    patient = patient_get_node(get_node([absent] * 4 + ["node"]), 100.0, clock=lambda: now[0], sleep=sleep)
+    assert patient("gcs:1", "n1") == "node"
+    assert [t for _, _, t in asked] == [0.0, 1.0, 2.0, 3.0, 4.0] and {a[:2] for a in asked} == {("gcs:1", "n1")}
+    asked.clear()
+    now[0] = 0.0
+    with pytest.raises(RuntimeError, match="Deadline Exceeded"):
+        patient_get_node(get_node([absent]), 10.0, clock=lambda: now[0], sleep=sleep)("gcs:1", "n1")
+    assert len(asked) == 11 and now[0] == 10.0  # asked at 0, 1, ..., 10 s: the whole window, no more
+    asked.clear()
+    with pytest.raises(ValueError, match="bad node id"):
+        patient_get_node(get_node([ValueError("bad node id")]), 10.0, clock=lambda: now[0], sleep=sleep)("g", "n")
+    assert len(asked) == 1

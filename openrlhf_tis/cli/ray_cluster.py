@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
 import ray
 
@@ -20,6 +23,7 @@ from openrlhf_tis.cli.lifetime import reap_when_gone
 from openrlhf_tis.cli.ray_address import ADDRESS_VAR, check_ray_address
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.run_device import DEVICE_ENV, check_run_device
+from openrlhf_tis.upstream_guards import require_version, swapped
 
 # Upstream's own ray.init env defaults (openrlhf/cli/train_ppo_ray.py train()), kept when the fork
 # starts Ray first, plus what a CPU run needs (docs/design.md §5): a small vLLM KV cache, an in-process
@@ -111,11 +115,16 @@ def start_ray(args: argparse.Namespace, device: str) -> None:
     reap_when_gone(context.address_info["session_dir"])  # its agents must not outlive a killed run
 
 
-STARTUP_TRIES = 5
+STARTUP_TRIES = 3
+REGISTRATION_WAIT_S = 180.0
+"""How long one try waits for its raylet to register: Ray 2.55's node start allows 30 s and cannot be told more
+(ray/_private/node.py); on a loaded 2-core machine the raylet takes longer (measured: 5 tries of 30 s all missed at a
+load average of 8.5-14.5 while a study and test runs shared the cores)."""
+_THIS_FILE = "openrlhf_tis/cli/ray_cluster.py"
 
 
 class RayStartError(RuntimeError):
-    """A new local Ray cluster whose node missed Ray's registration window on every try (a busy machine)."""
+    """A new local Ray cluster whose node missed the registration window on every try (a busy machine)."""
 
 
 def machine_load() -> str:
@@ -124,27 +133,50 @@ def machine_load() -> str:
     return f"load average {one:.1f} / {five:.1f} / {fifteen:.1f} (1 / 5 / 15 min) on {os.cpu_count()} cores"
 
 
-def init_local_ray(**kwargs):
-    """ray.init for a new local cluster, tried again when its raylet misses Ray's fixed 30 s registration window.
+def patient_get_node(get_node: Callable[[str, str], Any], wait_s: float, *,
+                     clock: Callable[[], float] = time.monotonic,
+                     sleep: Callable[[float], None] = time.sleep) -> Callable[[str, str], Any]:
+    """Ray's `services.get_node`, asked again for `wait_s` while the node is not yet in the GCS (RuntimeError):
+    Ray's start loop checks its 30 s only after a call returns, so one patient call is the window Ray lacks a
+    setting for. Any other error, and the last RuntimeError after `wait_s`, is raised as Ray raised it."""
+    def patient(gcs_address: str, node_id: str) -> Any:
+        deadline = clock() + wait_s
+        while True:
+            try:
+                return get_node(gcs_address, node_id)
+            except RuntimeError:
+                if clock() >= deadline:
+                    raise
+                sleep(1.0)
+    return patient
 
-    On a loaded 2-core machine (a test suite, another run) the raylet can take longer than Ray allows
-    (ray/_private/node.py, not configurable) and ray.init raises "node timed out during startup"; the
-    half-started cluster (its GCS and raylet, children of this process that Ray no longer tracks) is
-    killed before the next try. Any other error is raised at once; the last try's timeout raises RayStartError,
-    one line with the machine's load (the CLI prints it as it is).
+
+def init_local_ray(**kwargs):
+    """ray.init for a new local cluster whose raylet gets `REGISTRATION_WAIT_S` to register, tried again if missed.
+
+    While ray.init starts the node, Ray's `services.get_node` is the patient one (`patient_get_node`; restored
+    after). A try whose node still missed the window raises "node timed out during startup"; the half-started
+    cluster (its GCS and raylet, children of this process that Ray no longer tracks) is killed before the next try.
+    Any other error is raised at once; the last try's timeout raises RayStartError, one line with the machine's load
+    (the CLI prints it as it is).
     """
+    from ray._private import services
+
+    require_version("ray", "==2.55.0", patch=_THIS_FILE)
     for attempt in range(1, STARTUP_TRIES + 1):
         try:
-            return ray.init(**kwargs)
+            with swapped(services, "get_node", patient_get_node(services.get_node, REGISTRATION_WAIT_S),
+                         patch=_THIS_FILE):
+                return ray.init(**kwargs)
         except Exception as err:  # Ray raises a bare Exception here
             if "timed out during startup" not in str(err):
                 raise
             ray.shutdown()
             _kill_ray_children()
             if attempt == STARTUP_TRIES:
-                raise RayStartError(f"Ray's node did not register within Ray's 30 s on {STARTUP_TRIES} tries "
-                                    f"({machine_load()}): the machine is too busy to start Ray; run again when it "
-                                    "is quieter") from None
+                raise RayStartError(f"Ray's node did not register within {REGISTRATION_WAIT_S:.0f} s on "
+                                    f"{STARTUP_TRIES} tries ({machine_load()}): the machine is too busy to start "
+                                    "Ray; run again when it is quieter") from None
             print(f"[openrlhf_tis] Ray's node did not register in time (try {attempt} of {STARTUP_TRIES}, "
                   f"{machine_load()}); starting it again", file=sys.stderr)
 
