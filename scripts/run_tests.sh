@@ -7,7 +7,7 @@
 # Any other arguments go to pytest as they are (a file, -k, -x, ...).
 # pytest-xdist runs the modules on TEST_WORKERS processes (default: one per core, at most 4), a module per worker at
 # a time so that a module's real run is shared by its tests; the modules with real runs go one after another on one
-# worker, started first (tests/conftest.py). TEST_WORKERS=0 runs everything in this process.
+# worker, started first, then the browser modules (tests/conftest.py). TEST_WORKERS=0 runs everything in this process.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$ROOT/scripts/setup_env.sh"

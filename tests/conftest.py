@@ -98,30 +98,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
 
 
-REAL_RUNS = "modules with real runs"
+MACHINE_ALONE = "modules that need the machine to themselves"
 
 
 @functools.cache
-def _has_real_runs(module: str) -> bool:
-    """Whether a test module marks anything e2e (tests/_budget.py makes every test that starts Ray carry the mark)."""
+def _needs_machine_alone(module: str) -> bool:
+    """Whether a test module marks anything e2e (tests/_budget.py makes every test that starts Ray carry the mark) or
+    browser (a Voilà kernel executing a notebook and Chromium rendering it)."""
     path = Path(__file__).resolve().parent.parent / module
-    return path.is_file() and "mark.e2e" in path.read_text()
+    return path.is_file() and any(mark in path.read_text() for mark in ("mark.e2e", "mark.browser"))
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: unknown when it is not loaded
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """pytest-xdist (scripts/run_tests.sh) hands out a module per worker at a time, so that a module's real run is
-    shared by its tests, except that every module with a real run goes to one worker, one after another.
+    shared by its tests, except that every module with a real run or a browser goes to one worker, one after another.
 
     Two real runs at once on two cores miss Ray's fixed start-up windows (the raylet waits 15 s for its dashboard
-    agent, not configurable in Ray 2.55): seen as a failed launch in a fresh-clone run. xdist's own `loadgroup`
+    agent, not configurable in Ray 2.55): seen as a failed launch in a fresh-clone run. A browser test beside a real
+    run waited over 180 s for one Voilà page that takes 8 s on a quiet machine (CI, 2 cores). xdist's own `loadgroup`
     cannot group them under pytest 9 (it renames `item._nodeid`, which pytest 9 no longer reads).
     """
     from xdist.scheduler import LoadScopeScheduling
 
-    class RealRunsTogether(LoadScopeScheduling):
+    class HeavyModulesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::")[0]
-            return REAL_RUNS if _has_real_runs(module) else module
+            return MACHINE_ALONE if _needs_machine_alone(module) else module
 
-    return RealRunsTogether(config, log)
+    return HeavyModulesTogether(config, log)
