@@ -13,10 +13,11 @@ import torch
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
 from openrlhf_tis.run_spec import run_spec
+from openrlhf_tis.trainer.actor_forward import ActorForwardSeam
 from openrlhf_tis.upstream_guards import reclass
 
 
-class RolloutAsOldExperienceMaker(RemoteExperienceMaker):
+class RolloutAsOldExperienceMaker(ActorForwardSeam, RemoteExperienceMaker):
     """Bypass mode: π_old := μ, so the actor-group forward that computes π_old is never dispatched.
 
     `make_experience` dispatches one `forward` per model group; the actor group's answer is replaced
@@ -25,19 +26,7 @@ class RolloutAsOldExperienceMaker(RemoteExperienceMaker):
     KL term); the correction masks those tokens from the loss anyway.
     """
 
-    _bypass_samples = None
-
-    def make_experience(self, samples_list):
-        self._bypass_samples = samples_list
-        try:
-            return super().make_experience(samples_list)
-        finally:
-            self._bypass_samples = None
-
-    def _dispatch_forward(self, group, sync_condition, **kwargs):
-        samples = self._bypass_samples
-        if group is not self.actor_model_group or samples is None:
-            return super()._dispatch_forward(group, sync_condition, **kwargs)
+    def _actor_forward(self, samples, sync_condition, **kwargs):
         if any(s.rollout_log_probs is None for s in samples):
             raise RuntimeError("--algo.correction.loss bypass_*: rollout log-probs are missing, cannot skip π_old")
         duplicate = self.args.ds.ring_attn_size * self.args.ds.tensor_parallel_size

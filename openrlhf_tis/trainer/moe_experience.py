@@ -8,36 +8,24 @@ model group alike and has no per-group seam.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
 from openrlhf_tis.moe.routing_batch import ROUTED_EXPERTS
+from openrlhf_tis.trainer.actor_forward import ActorForwardSeam
 from openrlhf_tis.upstream_guards import reclass
 
 
-class RoutingExperienceMaker(RemoteExperienceMaker):
+class RoutingExperienceMaker(ActorForwardSeam, RemoteExperienceMaker):
     """Upstream's experience maker whose π_old forward on the actor group receives each micro-batch's routings
     (`routed_experts`, one list of per-sample tensors per micro-batch, sliced with the other arguments)."""
 
-    _routing_samples: Sequence | None = None
-
-    def make_experience(self, samples_list):
-        self._routing_samples = samples_list
-        try:
-            return super().make_experience(samples_list)
-        finally:
-            self._routing_samples = None
-
-    def _dispatch_forward(self, group, sync_condition, **kwargs):
-        samples = self._routing_samples
-        if group is self.actor_model_group and samples is not None:
-            missing = sum(ROUTED_EXPERTS not in s.info for s in samples)
-            if missing:
-                raise RuntimeError(f"--vllm.routing_replay r3: {missing} of {len(samples)} micro-batches came "
-                                   "without the engines' routed experts")
-            kwargs["routed_experts"] = [s.info[ROUTED_EXPERTS] for s in samples]
-        return super()._dispatch_forward(group, sync_condition, **kwargs)
+    def _actor_forward(self, samples, sync_condition, **kwargs):
+        missing = sum(ROUTED_EXPERTS not in s.info for s in samples)
+        if missing:
+            raise RuntimeError(f"--vllm.routing_replay r3: {missing} of {len(samples)} micro-batches came "
+                               "without the engines' routed experts")
+        return super()._actor_forward(samples, sync_condition, routed_experts=[s.info[ROUTED_EXPERTS] for s in samples],
+                                      **kwargs)
 
 
 def install_routing_experience_maker(controller) -> None:
