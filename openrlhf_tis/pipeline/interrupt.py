@@ -26,7 +26,6 @@ from openrlhf_tis.runs.reader import last_logged_step
 
 # papermill ends within a few seconds once its cell's training is gone (run_training polls every refresh_seconds)
 CELL_END_S = 30.0
-EXIT_CODE = 130  # a shell's code for a command ended by SIGINT
 
 
 class Interrupted(KeyboardInterrupt):

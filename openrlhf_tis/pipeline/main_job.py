@@ -29,13 +29,13 @@ from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.console import follow_run
 from openrlhf_tis.pipeline.execute import export_html
 from openrlhf_tis.pipeline.failure import log_tail, notebook_error
-from openrlhf_tis.pipeline.interrupt import EXIT_CODE, execute_stoppable, kept, resumable, stopped
+from openrlhf_tis.pipeline.interrupt import execute_stoppable, kept, resumable, stopped
 from openrlhf_tis.pipeline.train import LOG_FILE, check_training_command
 from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.runs.kept_score import engine_label
 from openrlhf_tis.runs.reader import last_logged_step, load_metrics
 from openrlhf_tis.runs.summary import summary
-from openrlhf_tis.sigint import take_sigint
+from openrlhf_tis.sigint import INTERRUPTED_EXIT, take_sigint
 from openrlhf_tis.viz.compare import held_out_key
 from openrlhf_tis.viz.curves import held_out
 
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1) from None
     except KeyboardInterrupt as stop:
         print(f"main_job: {interrupted(params, stop, argv)}", file=sys.stderr)
-        raise SystemExit(EXIT_CODE) from None
+        raise SystemExit(INTERRUPTED_EXIT) from None
     print(describe(result))
 
 

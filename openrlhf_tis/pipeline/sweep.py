@@ -50,12 +50,12 @@ from openrlhf_tis.cli.run_dir import lock_owner
 from openrlhf_tis.params import ParameterError, ParamObject, param
 from openrlhf_tis.pipeline.execute import export_html
 from openrlhf_tis.pipeline.failure import notebook_error
-from openrlhf_tis.pipeline.interrupt import EXIT_CODE, Interrupted, execute_stoppable, kept, resumable, stopped
+from openrlhf_tis.pipeline.interrupt import Interrupted, execute_stoppable, kept, resumable, stopped
 from openrlhf_tis.pipeline.train import RUN_DIR_FLAGS, check_training_command
 from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.runs.config import run_started, utc_now
 from openrlhf_tis.runs.layout import atomic_write, unique_dir_name
-from openrlhf_tis.sigint import take_sigint
+from openrlhf_tis.sigint import INTERRUPTED_EXIT, take_sigint
 
 GRID_TABLES = ("base", "grid")
 STATUS_FILE = "status.json"
@@ -365,7 +365,7 @@ def run_command(prog: str, grid: str | Path, out_dir: str | Path, title: str | N
     except KeyboardInterrupt as err:  # Interrupted says what was stopped; a bare one came before any cell ran
         print(f"{prog}: {err if isinstance(err, Interrupted) else 'interrupted before any cell ran'}",
               file=sys.stderr)
-        raise SystemExit(EXIT_CODE) from None
+        raise SystemExit(INTERRUPTED_EXIT) from None
 
 
 def finish(result: SweepResult) -> None:
