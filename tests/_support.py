@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -282,6 +282,7 @@ def engine_input_scales(llm) -> dict[str, float]:
 
 
 RAY = Path(sys.executable).with_name("ray")
+PATIENT_RAY = (sys.executable, "-m", "openrlhf_tis.cli.patient_ray")  # `ray` giving a new node the product's wait
 SETTLE_S = 5  # how long a started head must stay up before it is used
 # Ray's fixed windows for a head's dashboard, which `ray job submit` needs: `ray start` gives up when the dashboard has
 # not published its address within 60 s, and the dashboard when one of its nine module processes is not ready within
@@ -298,24 +299,25 @@ DASHBOARD_START_ENV = {"RAY_DASHBOARD_STARTUP_TIMEOUT_S": "300",
 
 @contextlib.contextmanager
 def ray_head(options: list[str], env: dict[str, str], log: Path, ready: Callable[[], bool],
-             timeout: float = 300, ray: Path = RAY) -> Iterator[str]:
+             timeout: float = 300, ray: Sequence[str] = PATIENT_RAY) -> Iterator[str]:
     """A Ray head of the test's own (`ray start --head --block` on 127.0.0.1, its own temp dir and GCS port, the
     given `options`), yielding its GCS address once `ready()` holds and the head stayed up SETTLE_S seconds after
     registering its node. Stopped by killing its process group and any process still naming its temp dir, by PID;
     never `ray stop`, which stops every Ray cluster of the machine's user.
 
-    Started as the product starts Ray (cli/ray_cluster.py: its agents given RAY_START_ENV's longer registration
-    window; its dashboard DASHBOARD_START_ENV's) and, like init_local_ray, started again, up to HEAD_TRIES times,
-    when it dies before it is up: on a loaded machine the raylet misses Ray's fixed 30 s window, a process waiting for
-    it gives up, or the dashboard dies while loading its modules, each ending `ray start` with its own last log line,
-    so any death during start-up counts. A failure says the machine's load. `ray`: the command (a test stands a fake
-    in). Its logs are copied beside `log` (kept for a failure message)."""
+    Started as the product starts Ray (cli/ray_cluster.py: its node given REGISTRATION_WAIT_S to register, through
+    cli/patient_ray.py; its agents RAY_START_ENV's longer window; its dashboard DASHBOARD_START_ENV's) and, like
+    init_local_ray, started again, up to HEAD_TRIES times, when it dies before it is up: on a loaded machine the
+    raylet misses even that wait, a process waiting for it gives up, or the dashboard dies while loading its modules,
+    each ending `ray start` with its own last log line, so any death during start-up counts. A failure says the
+    machine's load. `ray`: the command line standing for `ray` (a test stands a fake in). Its logs are copied beside
+    `log` (kept for a failure message)."""
     from openrlhf_tis.cli.ray_cluster import RAY_START_ENV
 
     for attempt in range(1, HEAD_TRIES + 1):
         temp_dir = tempfile.mkdtemp(prefix="rh-", dir="/tmp")  # short: Ray's unix sockets live under it
         port = free_port()
-        argv = [str(ray), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
+        argv = [*ray, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
                 "--temp-dir", temp_dir, "--disable-usage-stats", *options]
         with log.open("wb") as out:
             head = subprocess.Popen(argv, env={**RAY_START_ENV, **DASHBOARD_START_ENV, **env}, stdout=out,

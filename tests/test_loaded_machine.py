@@ -9,12 +9,14 @@ import os
 import re
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from _support import DASHBOARD_START_ENV, HEAD_TRIES, SETTLE_S, machine_load, ray_head
 
+from openrlhf_tis.cli import patient_ray
 from openrlhf_tis.cli.ray_cluster import RAY_START_ENV
 
 FAKE_RAY = """#!/bin/sh
@@ -44,7 +46,7 @@ def _starts(tmp_path: Path) -> list[str]:
 
 def test_a_head_that_dies_while_starting_is_started_again_whatever_it_said(tmp_path, capsys):
     env = {"FAKE_STARTS": str(tmp_path / "starts"), "FAKE_FAILS": "1"}
-    with ray_head([], env, tmp_path / "head.log", lambda: True, timeout=60, ray=_fake_ray(tmp_path)) as address:
+    with ray_head([], env, tmp_path / "head.log", lambda: True, timeout=60, ray=[str(_fake_ray(tmp_path))]) as address:
         starts = _starts(tmp_path)
         assert len(starts) == 2  # the first died with a line none of Ray's "late" signs names
         assert starts[1].split()[:2] == [RAY_START_ENV["RAY_agent_register_timeout_ms"],
@@ -60,7 +62,7 @@ def test_a_head_that_never_starts_fails_after_the_bounded_tries_saying_the_load(
     env = {"FAKE_STARTS": str(tmp_path / "starts"), "FAKE_FAILS": str(HEAD_TRIES + 5)}
     start = time.monotonic()
     with pytest.raises(AssertionError) as failure:
-        with ray_head([], env, tmp_path / "head.log", lambda: True, timeout=60, ray=_fake_ray(tmp_path)):
+        with ray_head([], env, tmp_path / "head.log", lambda: True, timeout=60, ray=[str(_fake_ray(tmp_path))]):
             raise AssertionError("the head must not be yielded")
     assert len(_starts(tmp_path)) == HEAD_TRIES
     message = str(failure.value)
@@ -207,3 +209,31 @@ def test_a_patient_get_node_asks_again_until_its_window_closes():
     with pytest.raises(ValueError, match="bad node id"):
         patient_get_node(get_node([ValueError("bad node id")]), 10.0, clock=lambda: now[0], sleep=sleep)("g", "n")
     assert len(asked) == 1
+
+
+def test_patient_ray_is_rays_command_line_with_the_nodes_wait(monkeypatch):
+    """`python -m openrlhf_tis.cli.patient_ray ARGS` runs Ray's own command line on ARGS while `get_node` asks again
+    for a node not yet in the GCS (Ray's raises RuntimeError), and restores Ray's after."""
+    import ray.scripts.scripts as ray_scripts
+    from ray._private import services
+
+    calls = []
+
+    def not_yet_twice(gcs_address, node_id):
+        calls.append(node_id)
+        if len(calls) < 3:
+            raise RuntimeError("node not found")
+        return {"node_id": node_id}
+
+    seen = {}
+
+    def ray_main():
+        seen["argv"] = list(sys.argv)
+        seen["node"] = services.get_node("127.0.0.1:1", "abc")
+
+    monkeypatch.setattr(services, "get_node", not_yet_twice)
+    monkeypatch.setattr(ray_scripts, "main", ray_main)
+    monkeypatch.setattr(sys, "argv", ["patient_ray"])
+    patient_ray.main(["start", "--head", "--block"])
+    assert seen == {"argv": ["ray", "start", "--head", "--block"], "node": {"node_id": "abc"}}
+    assert calls == ["abc"] * 3 and services.get_node is not_yet_twice
