@@ -1,4 +1,4 @@
-"""A tiny random-weight Qwen2 model and a locally trained byte-level BPE tokenizer, no hub access.
+"""A tiny random-weight Qwen2 model, a tiny Qwen3-MoE and a locally trained byte-level BPE tokenizer, no hub access.
 
 Used by the tests and the benchmarks' quick modes, on the demo task (demo/task.py) with its dense reward
 (demo/dense_reward.py: a random model never answers right). The shapes obey
