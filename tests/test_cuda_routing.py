@@ -20,6 +20,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import (
     MixtralConfig,
     MixtralForCausalLM,
@@ -108,6 +110,28 @@ def test_prefix_cached_prompt_tokens_come_back_routed_by_the_forward_that_comput
     routing = take_routing(second, prompt_tokens=6, response_tokens=2, num_layers=LAYERS, moe_layers=MOE_LAYERS)
     np.testing.assert_array_equal(routing[:4][:, MOE_LAYERS], first[:4][:, MOE_LAYERS])
     assert (routing[:4][:, MOE_LAYERS] != NO_ROUTE).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_any_returned_routing_is_kept_in_its_moe_layers_and_empty_elsewhere(data):
+    """For any request and layer layout: the rows vLLM returned stay at their positions in the layers with experts;
+    the last token and the layers without experts are NO_ROUTE; the dtype is int16."""
+    prompt, response = data.draw(st.integers(1, 12)), data.draw(st.integers(1, 6))
+    layers, k = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 4))
+    moe = sorted(data.draw(st.sets(st.integers(0, layers - 1), min_size=1)))
+    dtype = data.draw(st.sampled_from([np.uint8, np.uint16]))
+    high = 256 if dtype == np.uint8 else 1000
+    returned = np.random.default_rng(data.draw(st.integers(0, 2**16))).integers(
+        0, high, (prompt + response - 1, layers, k)).astype(dtype)
+    routing = take_routing(returned, prompt_tokens=prompt, response_tokens=response, num_layers=layers, moe_layers=moe)
+    assert routing.dtype == np.int16 and routing.shape == (prompt + response, layers, k)
+    for layer in range(layers):
+        if layer in moe:
+            assert (routing[:-1, layer] == returned[:, layer].astype(np.int64)).all()
+            assert (routing[-1, layer] == NO_ROUTE).all()
+        else:
+            assert (routing[:, layer] == NO_ROUTE).all()
 
 
 def test_more_than_256_experts_come_back_as_uint16_and_keep_their_indices():
