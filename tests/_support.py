@@ -20,6 +20,7 @@ import ray
 import torch
 
 from openrlhf_tis.cli.ray_cluster import machine_load
+from openrlhf_tis.demo.tiny_model import build_tiny_moe  # noqa: F401  (the tests' tiny MoE)
 
 PREFIX = "openrlhf_tis.cli.train_ppo_ray: error: "
 
@@ -177,34 +178,6 @@ def start_engine(model_dir, dtype: str = "bfloat16", **kwargs):
 
     return LLM(model=str(model_dir), dtype=dtype, enforce_eager=True, max_model_len=128, seed=0,
                distributed_executor_backend="uni", **kwargs)
-
-
-def build_tiny_moe(out, router_std: float = 0.5):
-    """A tiny Qwen3-MoE with a tokenizer: 3 layers, layer 1 dense (`mlp_only_layers`, so its routing slot stays
-    empty), 6 experts, top-2, head size 32 for vLLM's CPU attention. fp32 safetensors holding bf16-representable
-    values, so a bf16 engine and an fp32 trainer start from the same weights. The routers are spread (std
-    `router_std`) so that near-ties are rare, as in a trained model."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    from openrlhf_tis.demo.tiny_model import build_tokenizer
-
-    tok = build_tokenizer()
-    tok.save_pretrained(out)
-    config = Qwen3MoeConfig(vocab_size=512, hidden_size=128, intermediate_size=128, moe_intermediate_size=64,
-                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                            num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
-                            max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=tok.eos_token_id,
-                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    config.architectures = ["Qwen3MoeForCausalLM"]
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, router_std)
-            param.copy_(param.to(torch.bfloat16).float())
-    model.save_pretrained(out)
-    return out
 
 
 def engine_prompt_logprobs(llm) -> torch.Tensor:

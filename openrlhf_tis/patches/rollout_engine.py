@@ -17,20 +17,22 @@ from openrlhf_tis.upstream_guards import replace, require_version
 NAME = "rollout_engine"
 
 
-def use_fork_engine_actor() -> None:
-    """Build every engine from the fork's actor class (precision from the plan, bucketed CPU sync).
+def use_fork_engine_actor(*, routed_experts: bool = False) -> None:
+    """Build every engine from the fork's actor class (precision from the plan, bucketed CPU sync); with
+    `routed_experts` (routing replay), the one that starts a CUDA engine returning its routed experts.
 
     create_vllm_engines builds its actors from this module global; with a plain model directory
     (no plan) the fork's actor starts the engine exactly as upstream's does.
     """
     import openrlhf.trainer.ray.vllm_engine as upstream_engine
 
-    from openrlhf_tis.rollout.engine_actor import PrecisionRolloutRayActor
+    from openrlhf_tis.rollout.engine_actor import PrecisionRolloutRayActor, RoutedExpertsRolloutRayActor
 
-    replace(upstream_engine, "RolloutRayActor", ray.remote(PrecisionRolloutRayActor), patch=NAME)
+    actor = RoutedExpertsRolloutRayActor if routed_experts else PrecisionRolloutRayActor
+    replace(upstream_engine, "RolloutRayActor", ray.remote(actor), patch=NAME)
 
 
-def apply(rollout_model_dir: str) -> bool:
+def apply(rollout_model_dir: str, *, routed_experts: bool = False) -> bool:
     """Make every engine `train()` creates load `rollout_model_dir` instead of the actor's model."""
     require_version("openrlhf", "==0.11.2", patch=NAME)
     import openrlhf.trainer.ray as upstream_ray
@@ -42,5 +44,5 @@ def apply(rollout_model_dir: str) -> bool:
         return original(num_engines, tensor_parallel_size, rollout_model_dir, *args, **kwargs)
 
     replace(upstream_ray, "create_vllm_engines", create_vllm_engines, patch=NAME)
-    use_fork_engine_actor()
+    use_fork_engine_actor(routed_experts=routed_experts)
     return True

@@ -11,8 +11,10 @@ makes a failing, late or malformed reward fail the rollout (rollout/reward_execu
 with the policy version it was generated with.
 
 Routing replay (`--vllm.routing_replay r3`, docs/moe.md): once the controller calls `start_routing_capture`, every
-request's routed experts are taken from the engine's capture (rollout/routing_capture.py) as the request ends, and
-each sample carries its request's routing in its response dict (`ROUTED_EXPERTS`, moe/routing_batch.py). A sample is
+request's routed experts are taken as the request ends, and each sample carries its request's routing in its response
+dict (`ROUTED_EXPERTS`, moe/routing_batch.py). On CPU they come from the fork's capture in the engine
+(rollout/routing_capture.py); on CUDA from the request's output, which vLLM 0.29.0 fills itself when the engine was
+started with `enable_return_routed_experts` (`RoutedExpertsRolloutRayActor`, rollout/cuda_routing.py). A sample is
 one request: the executor's `generate` calls reach this actor's `generate`, which hands the routing to the sample
 being generated through a context variable set per sample (each sample runs in its own task, which copies it).
 """
@@ -26,9 +28,11 @@ from contextvars import ContextVar
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor as _UpstreamActorClass
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
+from openrlhf_tis.moe.coverage import ENGINE_OPTION, moe_layers
 from openrlhf_tis.moe.routing_batch import ROUTED_EXPERTS
 from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.rollout.checkpoint import read_plan
+from openrlhf_tis.rollout.cuda_routing import take_routing
 from openrlhf_tis.rollout.precision import engine_kwargs
 from openrlhf_tis.rollout.reward_executor import limit_reward_calls, make_rewards_loud
 from openrlhf_tis.rollout.sampling_seeds import ENGINE_SEED, OCCURRENCE, PROMPT_KEY, prompt_key, sample_seeds
@@ -136,12 +140,17 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         output = await super().generate(prompt_token_ids, sampling_params, multi_modal_data)
         if self._routing_layers is None or output is None:
             return output
-        tokens = len(output.prompt_token_ids) + len(output.outputs[0].token_ids)
-        taken = await self.llm.collective_rpc("take_routed_experts", args=({output.request_id: tokens},))
+        routing = await self._take_routing(output)
         routings = _SAMPLE_ROUTINGS.get()
         if routings is not None:
-            routings.append(taken[0][output.request_id])
+            routings.append(routing)
         return output
+
+    async def _take_routing(self, output):
+        """The finished request's routing, (prompt + response tokens, layers, k), taken from the engine's capture."""
+        tokens = len(output.prompt_token_ids) + len(output.outputs[0].token_ids)
+        taken = await self.llm.collective_rpc("take_routed_experts", args=({output.request_id: tokens},))
+        return taken[0][output.request_id]
 
     async def _generate_sample(self, call):
         """Await one upstream `generate_responses` call of a single sample; with the routing capture on, its response
@@ -222,3 +231,38 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         """The re-quantization statistics each worker returned at the end of the last sync (INT8 engines; [] for
         float engines and before the first sync): the controller's `rollout/int8_*` metrics."""
         return self._last_sync_stats
+
+
+class RoutedExpertsRolloutRayActor(PrecisionRolloutRayActor):
+    """A routing-replay run's engine actor (`--vllm.routing_replay r3`; the driver picks it, patches/rollout_engine.py).
+
+    On CUDA it starts the engine with vLLM's own routed-experts return (`enable_return_routed_experts`, a
+    `ModelConfig` field of vLLM 0.29.0, checked before Ray starts: moe/coverage.py `engine_refusal`) and reads each
+    finished request's routing from its output (rollout/cuda_routing.py). The option has to be given when the
+    engine is built, hence a class of its own. On CPU it is its parent: the fork's capture in the engine."""
+
+    async def __init__(self, *args, **kwargs):
+        if is_cuda_run():
+            kwargs = {**kwargs, ENGINE_OPTION: True}
+        await super().__init__(*args, **kwargs)
+
+    async def start_routing_capture(self) -> list[int]:
+        """The decoder layers with experts; on CUDA the engine already returns every request's routing, read from the
+        engine's model config."""
+        if not is_cuda_run():
+            return await super().start_routing_capture()
+        model_config = self.llm.model_config
+        if not getattr(model_config, ENGINE_OPTION, False):
+            raise RuntimeError(f"routing replay: the engine was started without {ENGINE_OPTION}; its requests return "
+                               "no routed experts")
+        self._num_layers = model_config.get_total_num_hidden_layers()
+        self._routing_layers = moe_layers(model_config.hf_text_config.to_dict())
+        return self._routing_layers
+
+    async def _take_routing(self, output):
+        if not is_cuda_run():
+            return await super()._take_routing(output)
+        completion = output.outputs[0]
+        return take_routing(completion.routed_experts, prompt_tokens=len(output.prompt_token_ids),
+                            response_tokens=len(completion.token_ids), num_layers=self._num_layers,
+                            moe_layers=self._routing_layers)

@@ -82,8 +82,10 @@ class RolloutPlan:
     routing_replay: str = flag(REPLAY_FLAG, "off", f"""Mixture-of-experts routing replay: r3 makes the trainer's MoE
         layers use the experts the engine chose for each token (R3; covered: {', '.join(COVERED_MODEL_TYPES)}) in the
         pi_old and pi_theta forwards, the gating weights still the trainer's router's, and logs moe/* (engine-vs-
-        trainer routing agreement). CPU runs only; refused with the reason before Ray starts for a dense or uncovered
-        model, no engines, CUDA, async training, an agent, ring attention (docs/moe.md).""", choices=REPLAY_MODES)
+        trainer routing agreement). On CUDA the engines return the experts themselves (vLLM 0.29.0's
+        enable_return_routed_experts). Refused with the reason before Ray starts for a dense or uncovered model, no
+        engines, an engine that cannot return them, async training, an agent, ring attention (docs/moe.md).""",
+                               choices=REPLAY_MODES)
 
     @property
     def writes_model(self) -> bool:
