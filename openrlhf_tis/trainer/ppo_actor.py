@@ -22,7 +22,8 @@ and `ppo_train` adds the step's `moe/*` metrics.
 
 Per-token dumps (trainer/token_dumps.py): `set_token_dump` takes the controller's plan for a step,
 `append` keeps each replay-buffer item's sample id, and `ppo_train` collects and writes the planned rows, read off
-the loss's own output (computed with details on the dumped micro-batches only).
+the loss's own output (computed with details on the dumped micro-batches only); in a replay run each row also carries
+the MoE layers whose routing differed between the engine and the routers' own choice in that forward.
 """
 
 from __future__ import annotations
