@@ -6,6 +6,7 @@ that request, so a routing handed to another sample's response reads as the wron
 from __future__ import annotations
 
 import asyncio
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,6 +25,9 @@ class _FakeEngine:
     async def collective_rpc(self, method, args=()):
         if method == "start_routing_capture":
             return [[0, 2]]
+        if method == "forget_stale_routing":
+            self.taken.append("forget")
+            return [["7-aaaaaaaa", "9-bbbbbbbb"]]
         assert method == "take_routed_experts"
         (lengths,) = args
         self.taken.append(dict(lengths))
@@ -93,3 +97,22 @@ def test_a_sample_of_several_requests_is_refused(actor):
     asyncio.run(actor.start_routing_capture())
     with pytest.raises(RuntimeError, match="2 engine requests"):
         asyncio.run(_rollout(actor, prompts=("p",), samples=1, turns=2))
+
+
+def test_a_sync_drops_the_routing_never_taken_only_once_the_capture_runs(actor, capsys):
+    assert asyncio.run(actor.forget_stale_routing()) == 0 and actor.llm.taken == []  # no capture: no call
+    asyncio.run(actor.start_routing_capture())
+    assert asyncio.run(actor.forget_stale_routing()) == 2 and actor.llm.taken == ["forget"]
+    assert "dropped the routing of 2 request(s) never taken" in capsys.readouterr().out
+
+
+def test_the_engine_actor_calls_methods_the_cpu_worker_extension_has():
+    """`collective_rpc` names a method of the engine's worker extension; a renamed one would fail only in an engine."""
+    import inspect
+
+    from openrlhf_tis.rollout.weight_sync.receive import CPUWorkerExtension
+
+    source = inspect.getsource(engine_actor.PrecisionRolloutRayActor)
+    called = set(re.findall(r'collective_rpc\("(\w+)"', source))
+    assert {"start_routing_capture", "take_routed_experts", "forget_stale_routing"} <= called
+    assert [name for name in sorted(called) if not callable(getattr(CPUWorkerExtension, name, None))] == []

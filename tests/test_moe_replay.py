@@ -107,9 +107,20 @@ def test_a_training_step_replays_and_tallies_the_routers_own_choice(actor):
     experience = Experience(sequences=sequences, attention_mask=mask, action_mask=action_mask,
                             action_log_probs=old, rollout_log_probs=rollout,
                             info={ROUTED_EXPERTS: [e.short() for e in engine]})
-    seen = []
-    status = replay_training_step(routing, experience, lambda: seen.append(_log_probs(actor, sequences, mask)) or {})
+    mismatch = []
+
+    def step(batch):
+        _log_probs(actor, sequences, mask)
+        mismatch.append(batch.mismatch_by_position())  # what a token dump of this micro-batch reads
+        return {}
+
+    status = replay_training_step(routing, experience, step)
     assert status == {} and ROUTED_EXPERTS not in experience.info  # upstream logs every info entry
+    differed, compared = mismatch[0]
+    assert compared.tolist() == [[True] * 7, [True] * 4 + [False] * 3]  # sample 1's padding is not compared
+    assert not differed[0].any()  # the engine routed sample 0 as the trainer does
+    assert differed[1, :4].tolist() == [[True, False, True]] * 4  # sample 1: other experts in both MoE layers
+    assert not differed[1, 4:].any()
     metrics = routing.step_metrics(None, "cpu")
     routed = [int((r[:, [0, 2], 0] != NO_ROUTE).sum()) for r in engine]  # layer 1 has no experts
     assert metrics["moe/routing_agreement"] == pytest.approx(routed[0] / sum(routed))

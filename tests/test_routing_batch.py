@@ -25,6 +25,7 @@ from openrlhf_tis.moe.routing_batch import (
     batch_routing,
     carry_routing,
     position_log_ratio,
+    positions_from_rows,
     router_rows,
     sample_routing,
 )
@@ -92,6 +93,9 @@ def test_router_rows_by_hand():
     per_position = torch.arange(8).reshape(2, 4)
     assert router_rows(per_position, mask, packed=False).tolist() == list(range(8))  # batch-major, as the block
     assert router_rows(per_position, mask, packed=True).tolist() == [0, 1, 2, 4, 5]  # unpad_input's order
+    for packed in (False, True):  # and back to the positions, padding filled where a packed forward had none
+        back = positions_from_rows(router_rows(per_position, mask, packed=packed), mask, packed=packed, fill=-7)
+        assert back.tolist() == ([[0, 1, 2, 3], [4, 5, 6, 7]] if not packed else [[0, 1, 2, -7], [4, 5, -7, -7]])
 
 
 def test_a_batch_not_right_padded_is_refused():

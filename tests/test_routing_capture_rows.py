@@ -135,3 +135,17 @@ def test_a_step_that_breaks_the_row_map_stops_the_engine():
     engine.step([("r0-aaaaaaaa", 0, 4, 0)], skip_layer=2)
     with pytest.raises(RuntimeError, match=r"without reporting MoE layers \[2\]"):
         engine.capture.take({"r0": 5})
+
+
+def test_a_request_never_taken_is_forgotten_at_the_second_sync_and_a_running_one_never():
+    engine = _Engine()
+    engine.step([("r0-aaaaaaaa", 0, 4, 0), ("r1-bbbbbbbb", 0, 3, 0)])  # r0 will be aborted: never taken
+    assert engine.capture.forget_stale() == []  # a sync: both were routed since the capture started
+    engine.step([("r1-bbbbbbbb", 3, 1, 0)])  # r1 runs on across the sync
+    assert engine.capture.forget_stale() == ["r0-aaaaaaaa"]  # nothing routed for r0 since the previous sync
+    engine.step([("r2-cccccccc", 0, 2, 0)])  # not yet filed when the sync comes: it counts as routed
+    assert engine.capture.forget_stale() == ["r1-bbbbbbbb"]
+    assert list(engine.capture.requests) == ["r2-cccccccc"]
+    with pytest.raises(KeyError, match="no captured requests"):
+        engine.capture.take({"r0": 4})
+    assert (engine.capture.take({"r2": 3})["r2"][:2, 0] == [_experts(2, p, 0, 0) for p in range(2)]).all()

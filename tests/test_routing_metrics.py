@@ -37,6 +37,8 @@ def test_agreement_by_hand():
     by_layer = rm.agreement_by_layer(ENGINE, TRAINER)
     assert by_layer[0] == pytest.approx(2 / 3) and by_layer[2] == 1.0 and math.isnan(by_layer[1])
     assert rm.routing_differed(ENGINE, TRAINER).tolist() == [False, True, False, False]
+    assert rm.layers_differed(ENGINE, TRAINER).tolist() == [[False] * 3, [True, False, False], [False] * 3,
+                                                            [False] * 3]  # token 3: the engine routed nothing
     assert rm.compared(ENGINE, TRAINER).tolist() == [True, True, True, False]
 
 

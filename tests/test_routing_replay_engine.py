@@ -68,14 +68,14 @@ def test_replay_brings_the_trainers_log_probs_closer_to_the_engines(tmp_path):
     rollout[:, PROMPT_TOKENS - 1:] = torch.tensor(mu)
     with torch.no_grad():
         own = actor(sequences, action_mask, attention_mask=mask)
-        with routing.replaying([sample_routing(r, length) for r in routed], mask) as (record, engine):
+        with routing.replaying([sample_routing(r, length) for r in routed], mask) as batch:
             replayed = actor(sequences, action_mask, attention_mask=mask)
 
     ratio_own = position_log_ratio(own, rollout, action_mask, length)
     ratio_replayed = position_log_ratio(replayed, rollout, action_mask, length)
-    routing.observe(record, engine, ratio_own, mask)  # the split by cause of the trainer's own routing
+    routing.observe(batch, ratio_own)  # the split by cause of the trainer's own routing
     metrics = routing.step_metrics(None, "cpu")
-    differed = routing_differed(router_rows(engine, mask, packed=False).numpy(), record.trainer_choice().numpy())
+    differed = routing_differed(batch.rows(batch.engine), batch.record.trainer_choice().numpy())
     scored = np.isfinite(router_rows(ratio_own, mask, packed=False).numpy())
     rows_own = router_rows(ratio_own, mask, packed=False).numpy()
     rows_replayed = router_rows(ratio_replayed, mask, packed=False).numpy()

@@ -72,6 +72,7 @@ def test_version0_dump_reads_with_defaults(mixed_run):
     assert old["token_text"].isna().all() and old["old_logprob"].isna().all()
     assert old["masked"].tolist() == [False, True, False, True]  # from mask_reason != 0
     np.testing.assert_allclose(old["train_logprob"], V0_TRAIN.astype(np.float32))
+    assert (old["routing_mismatch_count"] == -1).all() and old["routing_mismatch_layers"].isna().all()  # not compared
     new = got[got["step"] > 1]
     assert new["token_text"].tolist() == ["w0", "w1", "w2", "w3"] * 2 and (new["old_logprob"] == -0.4).all()
 
@@ -95,3 +96,20 @@ def test_nan_log_probs_never_match_a_probability_range(tmp_path):
     for prob_range, expected in [((0.01, None), [0, 2, 3]), ((0.1, 1.0), [0, 3]), ((None, 0.5), [0, 2])]:
         got = query_tokens(tmp_path, prob_range=prob_range, columns=["position"])
         assert got["position"].tolist() == expected, prob_range
+
+
+def test_a_dump_without_routing_reads_beside_one_with_it(mixed_run):
+    """A version-3 dump (no routing columns) and a version-4 one of an MoE run read together; the routing filter
+    keeps only the tokens whose routing differed, never an older dump's."""
+    columns = _v1_columns(4)
+    columns["routing_mismatch_layers"] = np.array([np.array([], np.int16), np.array([5, 2], np.int16), None,
+                                                   np.array([0], np.int16)], dtype=object)
+    TokenDumpWriter(mixed_run).write_step(4, columns)
+    v3 = pq.read_table(token_file(mixed_run, 3)).drop(["routing_mismatch_count", "routing_mismatch_layers"])
+    pq.write_table(v3.replace_schema_metadata({VERSION_KEY: b"3"}), token_file(mixed_run, 3))
+    got = query_tokens(mixed_run, steps=(3, 4), columns=["step", "routing_mismatch_count", "routing_mismatch_layers"])
+    assert got["routing_mismatch_count"].tolist() == [-1] * 4 + [0, 2, -1, 1]
+    assert [None if v is None else list(v) for v in got["routing_mismatch_layers"]] == [None] * 4 + [[], [5, 2], None,
+                                                                                                   [0]]
+    differed = query_tokens(mixed_run, routing_mismatched=True, columns=["step", "position"])
+    assert list(differed.itertuples(index=False, name=None)) == [(4, 1), (4, 3)]

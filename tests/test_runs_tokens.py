@@ -19,7 +19,9 @@ from openrlhf_tis.runs import (
     select_samples,
     should_dump,
 )
+from openrlhf_tis.runs.layout import token_file
 from openrlhf_tis.runs.schema import MASK_REASON_PRECEDENCE, REQUIRED_COLUMNS
+from openrlhf_tis.runs.tokens import routing_mismatch_layers
 
 
 class _Tokenizer:
@@ -100,6 +102,13 @@ def test_flatten_shape_errors():
         flatten_response_tokens(np.ones((2, 3)), {"entropy": np.ones((2, 4))})
 
 
+def test_flatten_keeps_trailing_axes():
+    mask = np.array([[0, 1, 1], [1, 0, 0]], dtype=bool)
+    flags = np.arange(2 * 3 * 2).reshape(2, 3, 2)  # one value per (sample, token, layer)
+    out = flatten_response_tokens(mask, {"flags": flags}, rows=[1, 0])
+    assert out["flags"].tolist() == [[6, 7], [2, 3], [4, 5]]  # sample 1 first: `rows` order
+
+
 def test_write_step_schema_defaults_and_text(tmp_path):
     rng = np.random.default_rng(0)
     cols = _columns(40, rng)
@@ -139,3 +148,29 @@ def test_write_step_rejects_bad_columns(tmp_path):
     with pytest.raises(ValueError, match="masked"):
         writer.write_step(1, {**cols, "mask_reason": np.zeros(10), "masked": np.ones(10, bool)})
     assert not (tmp_path / "tokens").exists() or not any((tmp_path / "tokens").iterdir())
+
+
+def test_routing_mismatch_layers_by_hand():
+    differed = np.array([[0, 0, 0], [1, 0, 1], [1, 1, 1], [0, 1, 0]], dtype=bool)
+    compared = np.array([True, True, False, True])  # token 2 was not routed by both: its flags mean nothing
+    got = routing_mismatch_layers(differed, compared)
+    assert [None if g is None else g.tolist() for g in got] == [[], [0, 2], None, [1]]
+    assert all(g.dtype == np.int16 for g in got if g is not None)
+    with pytest.raises(ValueError, match="routing mismatch"):
+        routing_mismatch_layers(differed[:3], compared)
+
+
+def test_routing_columns_round_trip_and_count_is_derived(tmp_path):
+    cols = _columns(4, np.random.default_rng(2))
+    layers = [np.array([3, 17], np.int16), None, np.array([], np.int16), np.array([40], np.int16)]
+    writer = TokenDumpWriter(tmp_path)
+    writer.write_step(1, {**cols, "routing_mismatch_layers": np.array(layers, dtype=object)})
+    writer.write_step(2, cols)  # a run without routing: nothing compared
+    frame = pq.read_table(token_file(tmp_path, 1)).to_pandas()
+    assert [None if v is None else v.tolist() for v in frame["routing_mismatch_layers"]] == [[3, 17], None, [], [40]]
+    assert frame["routing_mismatch_count"].tolist() == [2, -1, 0, 1]
+    plain = pq.read_table(token_file(tmp_path, 2)).to_pandas()
+    assert plain["routing_mismatch_layers"].isna().all() and (plain["routing_mismatch_count"] == -1).all()
+    with pytest.raises(ValueError, match="routing_mismatch_count"):
+        writer.write_step(3, {**cols, "routing_mismatch_layers": np.array(layers, dtype=object),
+                              "routing_mismatch_count": np.array([2, 0, 0, 1])})  # -1 expected where null

@@ -55,6 +55,7 @@ from openrlhf_tis.trainer.step_part import (  # noqa: E402
     PolicyVersionPart,
     QueueWaitPart,
     RewardScreenPart,
+    RoutingCapturePart,
     StalenessPart,
     StartEvalPart,
     StepPart,
@@ -204,6 +205,16 @@ def test_engines_learn_the_version_of_the_last_fit_or_of_the_checkpoint():
     part.after_fit(6)
     part.synced()
     assert told == [5, 5, 6, 6]
+
+
+def test_the_routing_capture_starts_with_the_run_and_each_sync_drops_requests_never_taken():
+    calls = []
+    engine = SimpleNamespace(start_routing_capture=Remote(lambda: calls.append("start")),
+                             forget_stale_routing=Remote(lambda: calls.append("forget")))
+    part = RoutingCapturePart([engine, engine])
+    part.on_start(1)
+    part.synced()
+    assert calls == ["start", "start", "forget", "forget"]
 
 
 class Checker:

@@ -6,6 +6,7 @@ The actor trainer is the one of test_actor_wiring.py (a tiny torch policy, upstr
 
 from __future__ import annotations
 
+import contextlib
 import math
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ from openrlhf.trainer.ppo_utils import NaiveReplayBuffer
 from test_actor_wiring import B, TinyPolicy, make_args, make_experience, make_trainer
 
 from openrlhf_tis.correction import CorrectionConfig, losses, preset
+from openrlhf_tis.moe.routing_batch import ROUTED_EXPERTS
 from openrlhf_tis.run_spec import DumpPlan
 from openrlhf_tis.runs import MASK_REASON_CODES, query_tokens, token_steps
 from openrlhf_tis.runs.tokens import select_samples
@@ -288,3 +290,75 @@ def test_logits_entropy_is_chunked_exactly(monkeypatch):
     torch.testing.assert_close(token_dumps.logits_entropy(logits), whole)
     p = torch.softmax(logits.double(), -1)
     torch.testing.assert_close(whole.double(), -(p * p.log()).sum(-1), rtol=1e-5, atol=1e-6)
+
+
+# Routing replay's columns. Each sample's engine routing (seq T, 3 MoE layers, top-2) picks experts {0, 1} except at
+# DIFFER (sample, column, layer), where it picks {0, 2}, and nothing at UNROUTED (sample, column). The stand-in
+# trainer routes every token to {1, 0}: the sets differ exactly at DIFFER, in the order of no importance.
+DIFFER = {(0, 3, 0), (0, 3, 2), (0, 6, 1), (2, 4, 2), (3, 7, 0)}
+UNROUTED = {(1, 5), (2, 4)}
+# By hand: the action tokens are columns 3.. (sample 1: 3..5) of the log-prob axis, and a token's routing is that of
+# the column that scores it; per (sample, position) the differing layers, None where the engine routed nothing.
+EXPECTED_LAYERS = {
+    (0, 0): [0, 2], (0, 1): [], (0, 2): [], (0, 3): [1], (0, 4): [],
+    (1, 0): [], (1, 1): [], (1, 2): None,
+    (2, 0): [], (2, 1): None, (2, 2): [], (2, 3): [], (2, 4): [],
+    (3, 0): [], (3, 1): [], (3, 2): [], (3, 3): [], (3, 4): [0],
+}
+
+
+def _engine_routing(sample: int, length: int) -> torch.Tensor:
+    routing = torch.tensor([0, 1], dtype=torch.int16).repeat(length, 3, 1)
+    for s, column, layer in DIFFER:
+        if s == sample:
+            routing[column, layer] = torch.tensor([0, 2])
+    for s, column in UNROUTED:
+        if s == sample:
+            routing[column] = -1
+    return routing
+
+
+class _StandInRouting:
+    """ActorRouting without a model: the micro-batch's engine routing as the replay builds it, a trainer routing every
+    token to {1, 0}."""
+
+    def __init__(self):
+        self.batches = 0
+
+    @contextlib.contextmanager
+    def replaying(self, routings, attention_mask):
+        from openrlhf_tis.moe.routing_batch import batch_routing
+        from openrlhf_tis.trainer.moe_replay import ReplayedBatch
+
+        self.batches += 1
+        mask = attention_mask.cpu()
+        choice = torch.tensor([1, 0]).repeat(mask.numel(), 3, 1)
+        yield ReplayedBatch(batch_routing(routings, mask), SimpleNamespace(trainer_choice=lambda: choice), mask,
+                            packed=False)
+
+    def observe(self, batch, log_ratio) -> None:
+        pass
+
+    def step_metrics(self, allreduce, device) -> dict:
+        return {}
+
+
+def test_a_replay_run_dumps_each_token_s_differing_layers(tmp_path):
+    trainer = _trainer(preset("tis"), micro_batch=2)
+    trainer.moe_routing = _StandInRouting()
+    experience = _experience()
+    experience.info[ROUTED_EXPERTS] = [_engine_routing(i, experience.sequences.shape[1]) for i in experience.index]
+    _train(trainer, experience, tmp_path)
+    assert trainer.moe_routing.batches == 2  # both micro-batches replayed
+    got = _dump(tmp_path)
+    layers = {(int(s), int(p)): None if v is None else v.tolist()
+              for s, p, v in zip(got["sample_id"], got["position"], got["routing_mismatch_layers"], strict=True)}
+    assert layers == EXPECTED_LAYERS
+    count = [-1 if v is None else len(v) for v in EXPECTED_LAYERS.values()]
+    assert got["routing_mismatch_count"].tolist() == count
+
+
+def test_a_run_without_routing_dumps_nothing_compared(tmp_path):
+    _train(_trainer(preset("tis")), _experience(), tmp_path)
+    got = _dump(tmp_path)
+    assert (got["routing_mismatch_count"] == -1).all() and got["routing_mismatch_layers"].isna().all()

@@ -60,6 +60,10 @@ def _write_step(writer: TokenDumpWriter, step: int) -> None:
     prompts = {"prompt_text": [f"Q{s}: what is 2 + {s}?\n" for s in sample]} if step == 3 else {}
     if step == 3:  # sample 4 was generated one policy version back (async training); step 1's dump has no lag column
         prompts["lag"] = np.array([1 if s == 4 else 0 for s in sample])
+        # an MoE run with routing replay: the layers whose routing differed (None: not compared); step 1 has none
+        layers = {1: [[], [0, 2], [], None], 4: [[], [], [1]]}
+        prompts["routing_mismatch_layers"] = np.array(
+            [None if v is None else np.array(v, np.int16) for s in TOKENS[3] for v in layers[s]], dtype=object)
     writer.write_step(step, {**prompts,
         "sample_id": np.array(sample), "prompt_id": np.array(sample) // 2, "position": np.array(position),
         "token_id": np.arange(n) + 100, "token_text": text, "rollout_logprob": np.array(rollout),
@@ -128,6 +132,7 @@ def test_change_sample_and_step(root):
     ("truncated", [1], [], 1),
     ("veto", [], [1, 2], 2),
     ("nan", [3], [], 1),
+    ("routing", [1], [2], 2),
 ])
 def test_show_filter(root, show, sample1, sample4, step_rows):
     ex = TokenExplorer(root / "a")
@@ -136,6 +141,21 @@ def test_show_filter(root, show, sample1, sample4, step_rows):
     ex.sample.value = 4
     assert active(ex) == sample4
     assert len(shown(ex)) == 3  # filtered-out tokens stay as uncoloured context
+
+
+def test_routing_marks_titles_and_header(root):
+    ex = TokenExplorer(root / "a")
+    spans = shown(ex)
+    assert ["rdiff" in s["classes"] for s in spans] == [False, True, False, False]
+    assert spans[1]["title"].endswith("MoE routing differs in 2 layers: 0, 2")
+    assert spans[0]["title"].endswith("MoE routing: engine and trainer agree in every layer")
+    assert "MoE routing" not in spans[3]["title"]  # not compared: no routing line
+    assert "MoE routing differed on 1 of 3 tokens" in ex.response.value and "underlined purple" in ex.response.value
+    ex.select(step=1, sample=1)  # a dump without routing: no mark, no line, no legend entry
+    assert not any("rdiff" in s["classes"] or "MoE" in s["title"] for s in shown(ex))
+    assert "MoE routing" not in ex.response.value and "underlined purple" not in ex.response.value
+    ex.show.value = "routing"
+    assert active(ex) == [] and len(ex.step_tokens) == 0
 
 
 def test_lag_filter(root):

@@ -91,6 +91,18 @@ def test_title_holds_probabilities_weights_and_reason():
     assert "μ (rollout)   p = n/a" in third["title"] and "log π_θ − log μ = n/a" in third["title"]
 
 
+def test_routing_layers_in_title_and_mark():
+    layers = [np.array([3, 17], np.int16), np.array([], np.int16), None]
+    spans = Spans(render_response(_tokens(routing_mismatch_layers=layers))).spans
+    assert [s["title"].split("\n")[-1] for s in spans] == [
+        "MoE routing differs in 2 layers: 3, 17", "MoE routing: engine and trainer agree in every layer",
+        "mask: nan"]  # not compared: no routing line
+    assert ["rdiff" in s["classes"] for s in spans] == [True, False, False]
+    assert "underlined purple" in render_response(_tokens(routing_mismatch_layers=layers))
+    assert "underlined purple" not in render_response(_tokens())  # a dense run's legend does not mention it
+    assert "underlined purple" not in render_response(_tokens(routing_mismatch_layers=[None] * 3))
+
+
 def test_marks_colours_filters_and_focus():
     spans = Spans(render_response(_tokens(), clamp=0.5, focus=1)).spans
     assert [background(s) for s in spans] == [log_ratio_colour(math.log(2), 0.5), "#ecc5ca", NO_RATIO_COLOUR]

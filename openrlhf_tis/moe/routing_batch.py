@@ -85,6 +85,18 @@ def router_rows(per_position: torch.Tensor, attention_mask: torch.Tensor, *, pac
     return per_position.reshape(-1, *per_position.shape[2:])
 
 
+def positions_from_rows(rows: torch.Tensor, attention_mask: torch.Tensor, *, packed: bool,
+                        fill: int = NO_ROUTE) -> torch.Tensor:
+    """The inverse of `router_rows`: (tokens, ...) in the MoE blocks' order back to (batch, seq, ...), `fill` on the
+    padding a packed forward left out."""
+    mask = attention_mask.bool().to(rows.device)
+    if not packed:
+        return rows.reshape(*mask.shape, *rows.shape[1:])
+    out = torch.full((*mask.shape, *rows.shape[1:]), fill, dtype=rows.dtype, device=rows.device)
+    out[mask] = rows
+    return out
+
+
 def position_log_ratio(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, action_mask: torch.Tensor,
                        seq_len: int) -> torch.Tensor:
     """(batch, seq) float64 log π − log μ at the column of the token that *predicts* each action token (column t

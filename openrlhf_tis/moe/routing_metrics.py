@@ -63,9 +63,14 @@ def agreement_by_layer(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.where(counts > 0, (same & both).sum(axis=0) / counts, np.nan)
 
 
+def layers_differed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """(tokens, layers): both routed the token in the layer and their sets differ."""
+    return routed(a, b) & ~same_expert_sets(a, b)
+
+
 def routing_differed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """(tokens,): in at least one layer both routed, the sets differ."""
-    return (routed(a, b) & ~same_expert_sets(a, b)).any(axis=-1)
+    return layers_differed(a, b).any(axis=-1)
 
 
 def compared(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -134,6 +134,18 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         self._routing_layers = list(layers[0])
         return self._routing_layers
 
+    async def forget_stale_routing(self) -> int:
+        """At a weight sync: drop the routing of requests never taken (aborted mid-rollout; rollout/routing_capture.py
+        `forget_stale`), saying so; return how many. Called by the controller (trainer/step_part.py
+        RoutingCapturePart)."""
+        if self._routing_layers is None:
+            return 0
+        stale = (await self.llm.collective_rpc("forget_stale_routing"))[0]
+        if stale:
+            print(f"[openrlhf_tis] routing capture: dropped the routing of {len(stale)} request(s) never taken "
+                  f"(aborted before their end), e.g. {stale[0]!r}")
+        return len(stale)
+
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
         """Upstream's token-level generation; with the routing capture on, the request's routed experts are taken as
         it ends (always, so that the engine keeps none) and handed to the sample being generated, if any."""

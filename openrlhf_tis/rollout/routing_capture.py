@@ -19,6 +19,11 @@ A position holds the routing of the last forward that computed it, so:
 
 The layer axis is the decoder layer index (`layers.<i>`), as vLLM's own capture and the trainer's replay use it
 (moe/routing_replay.py); slots of layers without experts stay NO_ROUTE.
+
+A request is forgotten when its routing is taken. One that is never taken (aborted before its take, e.g. by an engine
+error mid-rollout) is forgotten by `forget_stale`, which each weight sync calls: a request nothing was routed for since
+the previous sync is dropped, so such an orphan lives until the sync after next, and a request still running (routed
+again before then) is never dropped.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ class _RequestRouting:
     def __init__(self, num_layers: int, k: int):
         self.array = np.full((64, num_layers, k), NO_ROUTE, dtype=ROUTED_DTYPE)
         self.length = 0
+        self.sweep = 0  # the capture's sweep count when something was last routed for the request
 
     def write(self, first: int, rows: np.ndarray) -> None:
         end = first + len(rows)
@@ -104,6 +110,7 @@ class RoutingCapture:
         self.first_layer = min(self.routers)
         self.step: _Step | None = None
         self.requests: dict[str, _RequestRouting] = {}
+        self.sweeps = 0  # calls of forget_stale so far
         for layer, router in self.routers.items():
             router.set_capture_fn(lambda topk_ids, layer=layer: self._capture(layer, topk_ids))
 
@@ -143,6 +150,17 @@ class RoutingCapture:
             if routing is None:
                 routing = self.requests[req_id] = _RequestRouting(self.num_layers, k)
             routing.write(int(step.first_positions[i]), stacked[step.row_starts[i]:step.row_starts[i + 1]])
+            routing.sweep = self.sweeps
+
+    def forget_stale(self) -> list[str]:
+        """Forget the requests nothing was routed for since the previous call, and return their engine ids (called at
+        each weight sync: see the module doc)."""
+        self._file_step()
+        stale = [engine_id for engine_id, routing in self.requests.items() if routing.sweep < self.sweeps]
+        for engine_id in stale:
+            del self.requests[engine_id]
+        self.sweeps += 1
+        return stale
 
     def take(self, lengths: Mapping[str, int]) -> dict[str, np.ndarray]:
         """Each request's routing as (lengths[id], layers, k), NO_ROUTE where nothing was routed; then forget it.

@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from openrlhf_tis.runs.layout import RunStoreWarning, existing_dir, token_files
-from openrlhf_tis.runs.schema import COLUMNS, MASK_REASON_CODES, MASK_REASONS, SCHEMA
+from openrlhf_tis.runs.schema import COLUMNS, MASK_REASON_CODES, MASK_REASONS, NOT_COMPARED, SCHEMA
 
 RunPaths = str | os.PathLike | Sequence[str | os.PathLike]
 StepRange = tuple[int | None, int | None]
@@ -119,6 +119,7 @@ def where_clause(
     reasons: Iterable[str] | None = None,
     prob_range: ProbRange | None = None,
     lags: StepRange | None = None,
+    routing_mismatched: bool = False,
 ) -> str:
     """The SQL filter of a query. Values are rendered from ints and floats only, never from raw text."""
     terms = []
@@ -140,6 +141,8 @@ def where_clause(
             terms.append(f"lag <= {int(hi)}")
     if masked_only:
         terms.append("masked")
+    if routing_mismatched:  # dumps without routing read -1: none of their tokens matches
+        terms.append("routing_mismatch_count > 0")
     if reasons is not None:
         names = list(reasons)
         unknown = [r for r in names if r not in MASK_REASON_CODES]
@@ -175,14 +178,17 @@ def _empty(columns: list[str]) -> pd.DataFrame:
 
 # How a column that a dump lacks is read (an older writer, or the optional columns of schema.py):
 # `step` from the file name (layout.token_file), `masked` from the reason code, `old_logprob` NaN as in
-# bypass mode, `lag` 0 (older dumps come from synchronous runs); any other missing column reads as NULL.
+# bypass mode, `lag` 0 (older dumps come from synchronous runs), `routing_mismatch_count` -1 (not compared: no dump
+# before version 4 holds routing); any other missing column reads as NULL.
 _MISSING_DEFAULTS = {
     "step": r"CAST(regexp_extract(filename, 'step_(\d+)[^/\\]*$', 1) AS INTEGER)",
     "masked": "mask_reason <> 0",
     "old_logprob": "'NaN'::FLOAT",
     "lag": "0",
+    "routing_mismatch_count": str(NOT_COMPARED),
 }
-_SQL_TYPES = {"int8": "TINYINT", "int32": "INTEGER", "float": "FLOAT", "bool": "BOOLEAN", "string": "VARCHAR"}
+_SQL_TYPES = {"int8": "TINYINT", "int16": "SMALLINT", "int32": "INTEGER", "float": "FLOAT", "bool": "BOOLEAN",
+              "string": "VARCHAR", "list<item: int16>": "SMALLINT[]"}
 # Parquet min/max statistics leave NaN out, and DuckDB by default takes them to mean "no NaN": it then
 # drops `NOT isnan(x)` and lets a NaN log-prob pass `x >= lo` (duckdb/duckdb#25521). Declare NaN possible.
 _READ_OPTIONS = "can_have_nan = true"
@@ -268,6 +274,7 @@ def query_tokens(
     reasons: Iterable[str] | None = None,
     reason_names: bool = True,
     lags: StepRange | None = None,
+    routing_mismatched: bool = False,
 ) -> pd.DataFrame:
     """Token rows of one run (or several: pass a list, a `run` column is added) matching every filter.
 
@@ -276,6 +283,7 @@ def query_tokens(
     masked_only: only tokens excluded from the loss; reasons: only these mask reasons (names of
     schema.MASK_REASONS). prob_range: inclusive (lo, hi) on the rollout probability exp(rollout_logprob).
     lags: inclusive (lo, hi) on the sample's staleness (policy versions behind π_old; async training).
+    routing_mismatched: only tokens whose MoE routing differed between the engine and the trainer in some layer.
     columns: the columns to return (default all; fewer is faster). reason_names: `mask_reason` as a
     Categorical of names instead of the stored int code. Rows come in (step, sample, position) order.
     A run directory that does not exist raises FileNotFoundError naming it.
@@ -287,7 +295,7 @@ def query_tokens(
     unknown = [c for c in wanted if c not in COLUMNS]
     if unknown:
         raise ValueError(f"unknown token columns {unknown}; known: {list(COLUMNS)}")
-    where = where_clause(bounds, samples, prompts, masked_only, reasons, prob_range, lags)
+    where = where_clause(bounds, samples, prompts, masked_only, reasons, prob_range, lags, routing_mismatched)
     frames = []
     for run in runs:
         files = [p for step, paths in token_files(run).items() if wanted_step(step) for p in paths]

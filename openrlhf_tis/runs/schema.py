@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-SCHEMA_VERSION = 3  # 2: `lag` (async training's staleness); 3: `prompt_text`
+SCHEMA_VERSION = 4  # 2: `lag` (async training's staleness); 3: `prompt_text`; 4: `routing_mismatch_*` (MoE)
 
 # Code -> name. Stable: codes are stored on disk, so add new reasons at the end, never renumber.
 MASK_REASONS: dict[int, str] = {
@@ -51,6 +51,10 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "lag": (pa.int32(), "policy versions between the sample's rollout policy and π_old (0: on-policy; async)"),
     "prompt_text": (pa.string(), "the prompt the response answers, repeated on each of its tokens (null when "
                     "the writer did not give it)"),
+    "routing_mismatch_count": (pa.int16(), "MoE layers whose top-k expert sets differ between the engine and the "
+                               "trainer at the forward position that scores the token (-1: not compared)"),
+    "routing_mismatch_layers": (pa.list_(pa.int16()), "those layers' decoder indices, ascending (null: not "
+                                "compared; empty: every routed layer agreed)"),
 }
 SCHEMA = pa.schema(
     [pa.field(name, dtype) for name, (dtype, _) in COLUMNS.items()],
@@ -60,9 +64,16 @@ SCHEMA = pa.schema(
 # (else null), `old_logprob` is NaN (bypass mode has no π_old), `masked` is `mask_reason != 0`, `lag` is 0
 # (version-1 dumps predate async training: every run was synchronous), `prompt_text` is null. Text columns are
 # dictionary-encoded on disk: a prompt repeated on every token of its response costs one entry.
-OPTIONAL_COLUMNS = frozenset({"step", "token_text", "old_logprob", "masked", "lag", "prompt_text"})
+# The routing columns are filled only in a run whose samples carry the engine's routed experts (routing replay,
+# docs/moe.md); elsewhere, and in dumps before version 4, a token was not compared: count -1, layers null. The
+# count is the layers' length, written beside them so that a filter on it reads one small int column.
+OPTIONAL_COLUMNS = frozenset({"step", "token_text", "old_logprob", "masked", "lag", "prompt_text",
+                              "routing_mismatch_count", "routing_mismatch_layers"})
 TEXT_COLUMNS = ("token_text", "prompt_text")
 REQUIRED_COLUMNS = tuple(name for name in COLUMNS if name not in OPTIONAL_COLUMNS)
+LIST_COLUMNS = ("routing_mismatch_layers",)
+NOT_COMPARED = -1
+"""`routing_mismatch_count` of a token whose routing was not compared."""
 
 
 def mask_reason_codes(n: int | None = None, **reasons: np.ndarray | None) -> np.ndarray:

@@ -17,7 +17,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from openrlhf_tis.runs.layout import atomic_write, token_file
-from openrlhf_tis.runs.schema import COLUMNS, MASK_REASONS, OPTIONAL_COLUMNS, REQUIRED_COLUMNS, SCHEMA, TEXT_COLUMNS
+from openrlhf_tis.runs.schema import (
+    COLUMNS,
+    LIST_COLUMNS,
+    MASK_REASONS,
+    NOT_COMPARED,
+    OPTIONAL_COLUMNS,
+    REQUIRED_COLUMNS,
+    SCHEMA,
+    TEXT_COLUMNS,
+)
 
 # Float columns are stored byte-stream-split: with zstd a few percent smaller than plain (bench_runs.py).
 _FLOAT_COLUMNS = [name for name, (dtype, _) in COLUMNS.items() if pa.types.is_floating(dtype)]
@@ -75,7 +84,8 @@ def flatten_response_tokens(
     """Turn padded [B, T] batch tensors into flat per-token columns for `TokenDumpWriter.write_step`.
 
     Keeps the tokens where `action_mask` is set, for the batch rows in `rows` (default: all), in
-    (sample, position) order, and adds `position` (0-based within the response). `per_sample` values
+    (sample, position) order, and adds `position` (0-based within the response). A per-token value may have
+    trailing axes ([B, T, ...]: e.g. one flag per MoE layer), kept as [N, ...]. `per_sample` values
     ([B], e.g. sample_id, prompt_id, reward) are repeated on each token of their sample.
     """
     mask = to_numpy(action_mask).astype(bool)
@@ -86,10 +96,10 @@ def flatten_response_tokens(
     columns: dict[str, np.ndarray] = {"position": (np.cumsum(mask, axis=1) - 1)[mask]}
     for name, value in per_token.items():
         array = to_numpy(value)
-        if array.ndim != 2:
-            raise ValueError(f"per-token column {name!r} must be [batch, tokens], got shape {array.shape}")
+        if array.ndim < 2:
+            raise ValueError(f"per-token column {name!r} must be [batch, tokens, ...], got shape {array.shape}")
         array = array[rows]
-        if array.shape != mask.shape:
+        if array.shape[:2] != mask.shape:
             raise ValueError(f"per-token column {name!r} has shape {array.shape}, action_mask {mask.shape}")
         columns[name] = array[mask]
     counts = mask.sum(axis=1)
@@ -97,6 +107,36 @@ def flatten_response_tokens(
         array = to_numpy(value).reshape(-1)[rows]
         columns[name] = np.repeat(array, counts)
     return columns
+
+
+def routing_mismatch_layers(differed: Any, compared: Any) -> np.ndarray:
+    """The `routing_mismatch_layers` column from per-token flags: `differed` [N, layers] (the engine's and the
+    trainer's top-k sets differ in that layer), `compared` [N] (some layer was routed by both). Each entry is the
+    ascending int16 layer indices that differed, None where the token was not compared."""
+    differed, compared = to_numpy(differed).astype(bool), to_numpy(compared).astype(bool).reshape(-1)
+    if differed.ndim != 2 or len(differed) != len(compared):
+        raise ValueError(f"routing mismatch: [tokens, layers] flags and [tokens] compared expected, got "
+                         f"{differed.shape} and {compared.shape}")
+    out = np.empty(len(compared), dtype=object)
+    for i in range(len(compared)):
+        out[i] = np.flatnonzero(differed[i]).astype(np.int16) if compared[i] else None
+    return out
+
+
+def _layer_lists(step: int, columns: Mapping[str, Any], n: int) -> tuple[pa.Array, np.ndarray]:
+    """`routing_mismatch_layers` as an Arrow list array and its lengths as `routing_mismatch_count` (NOT_COMPARED
+    where null), checked against a count the writer gave."""
+    given = columns.get("routing_mismatch_layers")
+    layers = (pa.array(list(given), COLUMNS["routing_mismatch_layers"][0]) if given is not None
+              else pa.nulls(n, COLUMNS["routing_mismatch_layers"][0]))
+    if len(layers) != n:
+        raise ValueError(f"token dump of step {step}: routing_mismatch_layers has {len(layers)} rows, not {n}")
+    count = np.where(layers.is_null().to_numpy(zero_copy_only=False), NOT_COMPARED,
+                     layers.value_lengths().fill_null(0).to_numpy(zero_copy_only=False)).astype(np.int16)
+    if "routing_mismatch_count" in columns and not np.array_equal(to_numpy(columns["routing_mismatch_count"]), count):
+        raise ValueError(f"token dump of step {step}: `routing_mismatch_count` disagrees with the length of "
+                         "`routing_mismatch_layers` (-1 where null)")
+    return layers, count
 
 
 class TokenDumpWriter:
@@ -130,7 +170,8 @@ class TokenDumpWriter:
                 f"token dump of step {step}: unknown columns {sorted(unknown)}, missing columns {missing}; "
                 f"required: {list(REQUIRED_COLUMNS)}, optional: {sorted(OPTIONAL_COLUMNS)}"
             )
-        arrays = {name: to_numpy(value) for name, value in columns.items() if name not in TEXT_COLUMNS}
+        arrays = {name: to_numpy(value) for name, value in columns.items()
+                  if name not in TEXT_COLUMNS and name not in LIST_COLUMNS}
         n = len(arrays["token_id"])
         bad = {name: array.shape for name, array in arrays.items() if array.shape != (n,)}
         if bad:
@@ -149,8 +190,11 @@ class TokenDumpWriter:
         arrays.setdefault("step", np.full(n, step))
         arrays.setdefault("old_logprob", np.full(n, np.nan, dtype=np.float32))
         arrays.setdefault("lag", np.zeros(n, dtype=np.int32))
-        fields = {}
+        layers, arrays["routing_mismatch_count"] = _layer_lists(step, columns, n)
+        fields = {"routing_mismatch_layers": layers}
         for name, (dtype, _) in COLUMNS.items():
+            if name in LIST_COLUMNS:
+                continue
             if name in TEXT_COLUMNS:
                 text = columns.get(name)
                 fields[name] = (pa.array(list(text), pa.string()) if text is not None

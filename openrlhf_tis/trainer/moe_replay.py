@@ -21,12 +21,45 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from openrlhf_tis.moe.routing_batch import ROUTED_EXPERTS, batch_routing, position_log_ratio, router_rows
-from openrlhf_tis.moe.routing_metrics import RoutingTally
+from openrlhf_tis.moe.routing_batch import (
+    ROUTED_EXPERTS,
+    batch_routing,
+    position_log_ratio,
+    positions_from_rows,
+    router_rows,
+)
+from openrlhf_tis.moe.routing_metrics import RoutingTally, layers_differed, routed
 from openrlhf_tis.moe.routing_replay import RoutingRecord, install_routing_replay, replaying
+
+
+@dataclass(frozen=True)
+class ReplayedBatch:
+    """One batch inside its `replaying` block: the engine's routing per position, and the routers' record, which holds
+    the trainer's own choice once a forward has run."""
+
+    engine: torch.Tensor
+    """(batch, seq, layers, k) long, NO_ROUTE where the engine routed nothing and on padding."""
+    record: RoutingRecord
+    attention_mask: torch.Tensor
+    packed: bool
+
+    def rows(self, per_position: torch.Tensor) -> np.ndarray:
+        """A (batch, seq, ...) tensor in the routers' row order, as numpy."""
+        return router_rows(per_position, self.attention_mask, packed=self.packed).numpy()
+
+    def mismatch_by_position(self) -> tuple[np.ndarray, np.ndarray]:
+        """After a forward: (batch, seq, layers) whether the engine's and the trainer's top-k sets differ there, and
+        (batch, seq) whether both routed the position in some layer (False on padding and NO_ROUTE positions)."""
+        trainer = positions_from_rows(self.record.trainer_choice(), self.attention_mask, packed=self.packed)
+        engine, trainer = self.engine.flatten(0, 1).numpy(), trainer.flatten(0, 1).numpy()
+        batch, seq, layers = self.engine.shape[:3]
+        return (layers_differed(engine, trainer).reshape(batch, seq, layers),
+                routed(engine, trainer).any(axis=-1).reshape(batch, seq))
 
 
 class ActorRouting:
@@ -40,23 +73,19 @@ class ActorRouting:
         self.tally = RoutingTally(self.num_layers)
 
     @contextmanager
-    def replaying(self, routings: Sequence[torch.Tensor],
-                  attention_mask: torch.Tensor) -> Iterator[tuple[RoutingRecord, torch.Tensor]]:
-        """Inside the block the actor's forwards on this batch use the samples' routings; yields the routers'
-        record and the batch's engine routing (batch, seq, layers, k)."""
+    def replaying(self, routings: Sequence[torch.Tensor], attention_mask: torch.Tensor) -> Iterator[ReplayedBatch]:
+        """Inside the block the actor's forwards on this batch use the samples' routings; yields the batch's engine
+        routing and the routers' record."""
         mask = attention_mask.cpu()
         engine = batch_routing(routings, mask)
         with replaying(self.routers, router_rows(engine, mask, packed=self.packed),
                        num_layers=self.num_layers) as record:
-            yield record, engine
+            yield ReplayedBatch(engine, record, mask, self.packed)
 
-    def observe(self, record: RoutingRecord, engine: torch.Tensor, log_ratio: torch.Tensor,
-                attention_mask: torch.Tensor) -> None:
+    def observe(self, batch: ReplayedBatch, log_ratio: torch.Tensor) -> None:
         """Tally the engine's routing against the routers' own choice in the forward just run; `log_ratio`
         (batch, seq) from `position_log_ratio`."""
-        mask = attention_mask.cpu()
-        self.tally.add(router_rows(engine, mask, packed=self.packed).numpy(), record.trainer_choice().numpy(),
-                       router_rows(log_ratio, mask, packed=self.packed).numpy())
+        self.tally.add(batch.rows(batch.engine), batch.record.trainer_choice().numpy(), batch.rows(log_ratio))
 
     def step_metrics(self, allreduce: Callable[[torch.Tensor], torch.Tensor] | None, device) -> dict[str, float]:
         """The step's moe/* metrics over every rank (a collective when `allreduce` is given); the tally restarts."""
@@ -67,19 +96,20 @@ class ActorRouting:
         return RoutingTally.from_array(sums.numpy()).metrics()
 
 
-def replay_training_step(routing: ActorRouting, experience, step: Callable[[], dict]) -> dict:
-    """Run a training step (`step`: forward, loss, backward) inside the experience's replayed routing and tally the
-    routing mismatch; the routing leaves `info` first (upstream logs every `info` entry)."""
+def replay_training_step(routing: ActorRouting, experience, step: Callable[[ReplayedBatch], dict]) -> dict:
+    """Run a training step (`step`: forward, loss, backward, given the batch's routing so that a token dump can read
+    it) inside the experience's replayed routing and tally the routing mismatch; the routing leaves `info` first
+    (upstream logs every `info` entry)."""
     routings = experience.info.pop(ROUTED_EXPERTS)
-    with routing.replaying(routings, experience.attention_mask) as (record, engine):
-        status = step()
+    with routing.replaying(routings, experience.attention_mask) as batch:
+        status = step(batch)
     old, rollout = experience.action_log_probs, experience.rollout_log_probs
     seq_len = experience.attention_mask.shape[1]
     if old is None or rollout is None:
         log_ratio = torch.full(experience.attention_mask.shape, float("nan"), dtype=torch.float64)
     else:
         log_ratio = position_log_ratio(old, rollout, experience.action_mask, seq_len)
-    routing.observe(record, engine, log_ratio, experience.attention_mask)
+    routing.observe(batch, log_ratio)
     return status
 
 

@@ -22,7 +22,8 @@ and `ppo_train` adds the step's `moe/*` metrics.
 
 Per-token dumps (trainer/token_dumps.py): `set_token_dump` takes the controller's plan for a step,
 `append` keeps each replay-buffer item's sample id, and `ppo_train` collects and writes the planned rows, read off
-the loss's own output (computed with details on the dumped micro-batches only).
+the loss's own output (computed with details on the dumped micro-batches only); in a replay run each row also carries
+the MoE layers whose routing differed between the engine and the routers' own choice in that forward.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from openrlhf_tis.run_spec import run_spec
 from openrlhf_tis.runs.identity import write_checkpoint_identity
 from openrlhf_tis.runs.tokens import TokenDumpWriter
 from openrlhf_tis.trainer.bypass import rollout_as_old
-from openrlhf_tis.trainer.moe_replay import ActorRouting, replay_training_step, unwrapped_model
+from openrlhf_tis.trainer.moe_replay import ActorRouting, ReplayedBatch, replay_training_step, unwrapped_model
 from openrlhf_tis.trainer.policy_loss import CorrectionPolicyLoss
 from openrlhf_tis.trainer.token_dumps import (
     TokenDumpCollector,
@@ -134,17 +135,17 @@ class CorrectionActorPPOTrainer(ActorPPOTrainer):
             self._local_sample_ids = False  # the buffer is cleared after fit; the next step tags afresh
 
     def training_step(self, experience, kl_ctl: float, step: int, loss_batch_info=None):
-        def corrected_step():
-            return self._corrected_step(experience, kl_ctl, step, loss_batch_info)
-
         if self.moe_routing is not None and ROUTED_EXPERTS in experience.info:
-            return replay_training_step(self.moe_routing, experience, corrected_step)
-        return corrected_step()
+            return replay_training_step(
+                self.moe_routing, experience,
+                lambda routing: self._corrected_step(experience, kl_ctl, step, loss_batch_info, routing))
+        return self._corrected_step(experience, kl_ctl, step, loss_batch_info)
 
     def _device(self):
         return torch.cuda.current_device() if run_spec(self.args).cluster.device == "cuda" else "cpu"
 
-    def _corrected_step(self, experience, kl_ctl: float, step: int, loss_batch_info):
+    def _corrected_step(self, experience, kl_ctl: float, step: int, loss_batch_info,
+                        routing: ReplayedBatch | None = None):
         if self.correction.bypass and experience.rollout_log_probs is not None:
             # π_old := μ, also for the KL loss (the experience maker already set it; this keeps it exact).
             experience.action_log_probs = rollout_as_old(experience.rollout_log_probs, experience.action_mask)
@@ -156,7 +157,8 @@ class CorrectionActorPPOTrainer(ActorPPOTrainer):
             with capture_response_entropy(self.actor, rows) as found:
                 status = super().training_step(experience, kl_ctl, step, loss_batch_info)
         started = time.perf_counter()
-        dump.add(experience, rows, call, found.get("entropy"))
+        mismatch = routing.mismatch_by_position() if routing is not None else None
+        dump.add(experience, rows, call, found.get("entropy"), mismatch)
         dump.seconds += time.perf_counter() - started + found.get("seconds", 0.0)
         return status
 

@@ -124,13 +124,16 @@ class RewardLimitPart(StepPart):
 class RoutingCapturePart(StepPart):
     """`--vllm.routing_replay r3`: every engine captures its requests' routed experts from the first rollout on
     (rollout/engine_actor.py `start_routing_capture`), for the samples to carry to the trainer
-    (trainer/moe_replay.py)."""
+    (trainer/moe_replay.py); at each sync it drops the routing of requests aborted before their take."""
 
     def __init__(self, engines: Sequence):
         self.engines = engines
 
     def on_start(self, step: int) -> None:
         ray.get([engine.start_routing_capture.remote() for engine in self.engines])
+
+    def synced(self) -> None:
+        ray.get([engine.forget_stale_routing.remote() for engine in self.engines])
 
 
 # ── the step's samples ──

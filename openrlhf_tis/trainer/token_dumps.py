@@ -24,7 +24,7 @@ from openrlhf.utils.loss_utils import _get_dp_group
 
 from openrlhf_tis.correction import CorrectionConfig, PolicyLossOutput
 from openrlhf_tis.runs.schema import mask_reason_codes
-from openrlhf_tis.runs.tokens import flatten_response_tokens
+from openrlhf_tis.runs.tokens import flatten_response_tokens, routing_mismatch_layers
 from openrlhf_tis.trainer.policy_loss import LossCall
 from openrlhf_tis.trainer.staleness import LAG
 from openrlhf_tis.upstream_guards import PatchTargetMissingError, require_version, swapped
@@ -170,6 +170,13 @@ def correction_token_details(config: CorrectionConfig, output: PolicyLossOutput,
     return {"is_weight_raw": raw, "is_weight": weight, "keep": keep, "reasons": reasons}
 
 
+def scoring_columns(per_position: np.ndarray, width: int) -> np.ndarray:
+    """(B, width, ...) of a (B, seq, ...) per-position array: at each action token, the column whose forward scores
+    it (column t's logits predict token t + 1: the response tokens are scored at t = T-1-width .. T-2)."""
+    seq_len = per_position.shape[1]
+    return per_position[:, seq_len - 1 - width: seq_len - 1]
+
+
 def _per_sample(value: Any, batch: int) -> torch.Tensor:
     """A (B,) float tensor from a per-sample field (tensor, or upstream's list of 0-d tensors); NaN if absent."""
     if value is None:
@@ -203,12 +210,16 @@ class TokenDumpCollector:
             return []
         return [row for row, sample_id in enumerate(ids) if sample_id in self.wanted and sample_id not in self.done]
 
-    def add(self, experience, rows: list[int], call: LossCall, entropy: torch.Tensor | None) -> None:
+    def add(self, experience, rows: list[int], call: LossCall, entropy: torch.Tensor | None,
+            routing: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """Flatten the rows' response tokens into dump columns (see schema.COLUMNS).
 
         old_logprob is NaN under the bypass losses: π_old is never computed there, and μ, which stands in
         for it, is the rollout_logprob column already. entropy is NaN where the forward's output has no
-        (B, T) layout (packed samples without --actor.entropy_coef).
+        (B, T) layout (packed samples without --actor.entropy_coef). `routing` (a routing-replay run:
+        `ReplayedBatch.mismatch_by_position`, the engine's routing against the trainer's own choice in this π_θ
+        forward, as the moe/* metrics count it): (B, T, layers) differed, (B, T) compared, read at the column
+        that scores each token; without it the routing columns say "not compared".
         """
         if call.output is None:
             raise RuntimeError("token dump: the policy loss did not run on a dumped micro-batch")
@@ -230,6 +241,9 @@ class TokenDumpCollector:
             "entropy": entropy if entropy is not None else nan,
             **{f"reason_{name}": mask for name, mask in details["reasons"].items()},
         }
+        if routing is not None:
+            per_token["routing_differed"] = scoring_columns(routing[0], width)
+            per_token["routing_compared"] = scoring_columns(routing[1], width)
         ids = torch.tensor([int(i) for i in experience.index])
         prompts = ids // max(self.plan.group_size, 1) if self.global_ids else torch.full_like(ids, -1)
         reward = experience.rewards if experience.rewards is not None else experience.info.get("reward")
@@ -241,6 +255,9 @@ class TokenDumpCollector:
         columns = flatten_response_tokens(action_mask, per_token, per_sample, rows=rows)
         reasons = {name[len("reason_"):]: columns.pop(name) for name in list(columns) if name.startswith("reason_")}
         columns["mask_reason"] = mask_reason_codes(len(columns["token_id"]), **reasons)
+        if routing is not None:
+            columns["routing_mismatch_layers"] = routing_mismatch_layers(columns.pop("routing_differed"),
+                                                                         columns.pop("routing_compared"))
         self.parts.append(columns)
         self.done.update(int(experience.index[row]) for row in rows)
 

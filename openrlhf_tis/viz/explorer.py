@@ -1,9 +1,10 @@
 """The per-token mismatch explorer (ipywidgets 8): which tokens of which responses the trainer and vLLM disagree on.
 
 Pick a run (a dropdown when given a root of runs), a dumped step and a sample; the response is drawn
-with each token coloured by log π_θ − log μ (token_html.py); filters restrict the view to masked,
-truncated or one mask reason's tokens and to a rollout-probability range; the step figure shows
-p_rollout vs p_train and the log-ratio per probability bucket (token_plots.py); the worst-token list
+with each token coloured by log π_θ − log μ (token_html.py), and in a routing-replay run the tokens whose MoE
+routing differed between engine and trainer underlined (their layers in the hover); filters restrict the view to
+masked, truncated, one mask reason's or routing-differed tokens and to a rollout-probability range; the step
+figure shows p_rollout vs p_train and the log-ratio per probability bucket (token_plots.py); the worst-token list
 (largest |log π_θ − log μ| of the step) jumps to a token's sample when a row is chosen.
 
 Every interaction queries the run store: one step file, the step and sample pushed into the scan and
@@ -56,11 +57,12 @@ FILTERS = {
     "masked": "masked (any reason)",
     "truncated": "truncated (kept, weight < raw)",
     **{name: f"masked: {name}" for name in MASK_REASONS.values() if name != "kept"},
+    "routing": "MoE routing differed (routing replay runs)",
 }
 TOKEN_COLUMNS = ["sample_id", "position", "token_id", "token_text", "rollout_logprob", "old_logprob",
                  "train_logprob", "is_weight_raw", "is_weight", "mask_reason"]
 LAG_FILTERS = [("any", None), ("0 (on-policy)", (0, 0)), ("≥ 1 (stale)", (1, None))]  # query_tokens' lags
-SAMPLE_COLUMNS = [*TOKEN_COLUMNS, "prompt_id", "prompt_text", "reward", "advantage"]
+SAMPLE_COLUMNS = [*TOKEN_COLUMNS, "prompt_id", "prompt_text", "reward", "advantage", "routing_mismatch_layers"]
 
 
 def _directory(value: str) -> str | None:
@@ -299,6 +301,8 @@ class TokenExplorer:
             args["masked_only"] = True
         elif show == "truncated":
             args["reasons"] = ["kept"]
+        elif show == "routing":
+            args["routing_mismatched"] = True
         elif show != "all":
             args["reasons"] = [show]
         if self.lag.value is not None:
@@ -347,6 +351,9 @@ class TokenExplorer:
             masked = int((tokens["mask_reason"].astype(str) != "kept").sum())
             header += (f" · prompt {int(first['prompt_id'])} · reward {float(first['reward']):.4g}"
                        f" · advantage {float(first['advantage']):.4g} · {masked} masked")
+            layers = tokens["routing_mismatch_layers"].dropna()
+            if len(layers):  # a routing-replay run: how many of the compared tokens the routers split on
+                header += f" · MoE routing differed on {sum(len(v) > 0 for v in layers)} of {len(layers)} tokens"
             text = first["prompt_text"]
             prompt = text if isinstance(text, str) else "(this dump does not hold the prompt's text)"
         self.response.value = render_response(tokens, self.clamp, self.active_positions(), self.focus, header,

@@ -8,8 +8,10 @@ straight line in sRGB, so the legend can be a CSS gradient that matches the span
 Every token is `<span class="tok" ...>` (the browser test and the explorer rely on that class; nothing
 else in the markup has a class starting with "tok", so counting `class="tok` counts tokens) with a
 hover `title` giving μ, π_old and π_θ as probabilities, the raw and final IS weight and the mask
-reason. Extra classes: `masked` (struck through and outlined), `off` (outside the explorer's filters:
-uncoloured, grey), `focus` (the token a worst-token click jumped to). Pure functions of their input.
+reason, and in a routing-replay run the MoE layers whose engine and trainer top-k sets differed at the token.
+Extra classes: `masked` (struck through and outlined), `off` (outside the explorer's filters:
+uncoloured, grey), `focus` (the token a worst-token click jumped to), `rdiff` (its MoE routing differed in some
+layer: underlined purple). Pure functions of their input.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ _STYLE = """<style>
 .mm-view .tok.masked {text-decoration: line-through; outline: 1px dashed #222; outline-offset: -1px}
 .mm-view .tok.off {color: #999}
 .mm-view .tok.focus {outline: 2px solid #000; outline-offset: 0}
+.mm-view .tok.rdiff {box-shadow: inset 0 -3px 0 #7b3294}
 .mm-prompt {font-family: monospace; white-space: pre-wrap; font-size: 13px; color: #333; background: #f4f4f4;
              border-left: 3px solid #999; padding: 2px 6px; margin: 4px 0}
 .mm-legend {font-family: sans-serif; font-size: 12px; margin: 4px 0}
@@ -84,8 +87,27 @@ def _reason(value: Any) -> str:
     return MASK_REASONS.get(int(value), f"code {int(value)}")
 
 
+def routing_layers(token: Any) -> list[int] | None:
+    """The MoE layers whose engine and trainer top-k sets differed at the token; None where its routing was not
+    compared (a dense model, a run without routing replay, an older dump, or rows without the column)."""
+    layers = getattr(token, "routing_mismatch_layers", None)
+    if layers is None or (isinstance(layers, float) and math.isnan(layers)):
+        return None
+    return [int(layer) for layer in layers]
+
+
+def _routing_line(layers: list[int] | None) -> list[str]:
+    if layers is None:
+        return []
+    if not layers:
+        return ["MoE routing: engine and trainer agree in every layer"]
+    return [f"MoE routing differs in {len(layers)} layer{'s' if len(layers) > 1 else ''}: "
+            + ", ".join(map(str, layers))]
+
+
 def token_title(token: Any) -> str:
-    """Hover text of one token (a row with the schema's columns): probabilities, log-ratio, weights, reason."""
+    """Hover text of one token (a row with the schema's columns): probabilities, log-ratio, weights, reason, and the
+    layers whose MoE routing differed when the dump compared it."""
     log_ratio = float(token.train_logprob) - float(token.rollout_logprob)
     return "\n".join([
         f"position {int(token.position)} · token id {int(token.token_id)}",
@@ -95,6 +117,7 @@ def token_title(token: Any) -> str:
         f"log π_θ − log μ = {log_ratio:+.4f}" if math.isfinite(log_ratio) else "log π_θ − log μ = n/a",
         f"IS weight raw = {float(token.is_weight_raw):.4g}, final = {float(token.is_weight):.4g}",
         f"mask: {_reason(token.mask_reason)}",
+        *_routing_line(routing_layers(token)),
     ])
 
 
@@ -106,6 +129,8 @@ def token_span(token: Any, clamp: float = DEFAULT_CLAMP, active: bool = True, fo
         classes.append("masked")
     if focus:
         classes.append("focus")
+    if routing_layers(token):
+        classes.append("rdiff")
     style = ""
     if active:
         log_ratio = float(token.train_logprob) - float(token.rollout_logprob)
@@ -119,14 +144,17 @@ def token_span(token: Any, clamp: float = DEFAULT_CLAMP, active: bool = True, fo
             f"{visible_text(token.token_text, token.token_id)}</span>")
 
 
-def legend_html(clamp: float = DEFAULT_CLAMP) -> str:
-    """The colour scale and the meaning of the marks, as one line of HTML."""
+def legend_html(clamp: float = DEFAULT_CLAMP, routing: bool = False) -> str:
+    """The colour scale and the meaning of the marks, as one line of HTML; `routing`: also the MoE routing mark."""
     stops = ", ".join(log_ratio_colour(x * clamp, clamp) for x in (-1, 0, 1))
+    moe = ('<span style="box-shadow: inset 0 -3px 0 #7b3294">underlined purple</span>: the engine and the trainer '
+           "routed it to other experts in some MoE layer; " if routing else "")
     return (f'<div class="mm-legend">log π_θ − log μ: −{clamp:g}'
             f'<span class="bar" style="background:linear-gradient(to right, {stops})"></span>+{clamp:g} '
             f"(blue: the trainer finds the token less likely than the rollout, red: more likely; clamped); "
             f'<span style="background:{NO_RATIO_COLOUR}">&nbsp;grey&nbsp;</span>: no finite log-prob; '
-            f"<s>struck through</s>: masked; hover a token for μ, π_old, π_θ, IS weights, mask reason</div>")
+            f"<s>struck through</s>: masked; {moe}hover a token for μ, π_old, π_θ, IS weights, mask reason"
+            f"{', routing' if routing else ''}</div>")
 
 
 def render_response(
@@ -151,4 +179,5 @@ def render_response(
     head = f'<div class="mm-legend"><b>{html.escape(header)}</b></div>' if header else ""
     if prompt is not None:
         head += f'<div class="mm-prompt" title="prompt">{html.escape(prompt)}</div>'
-    return f'{_STYLE}{legend_html(clamp)}{head}<div class="mm-view">{spans}</div>'
+    routing = "routing_mismatch_layers" in rows and bool(rows["routing_mismatch_layers"].notna().any())
+    return f'{_STYLE}{legend_html(clamp, routing)}{head}<div class="mm-view">{spans}</div>'

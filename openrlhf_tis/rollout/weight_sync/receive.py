@@ -95,3 +95,9 @@ class CPUWorkerExtension(WorkerWrap):
         if capture is None:
             raise RuntimeError("routing capture: take_routed_experts before start_routing_capture")
         return capture.take(lengths)
+
+    def forget_stale_routing(self) -> list[str]:
+        """Drop the routing of requests nothing was routed for since the previous call (aborted before their take);
+        return their engine ids. Called at each weight sync; nothing to do before the capture started."""
+        capture = getattr(self, "_routing_capture", None)
+        return capture.forget_stale() if capture is not None else []
