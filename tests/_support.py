@@ -255,7 +255,8 @@ def engine_input_scales(llm) -> dict[str, float]:
 
 
 RAY = Path(sys.executable).with_name("ray")
-PATIENT_RAY = (sys.executable, "-m", "openrlhf_tis.cli.patient_ray")  # `ray` giving a new node the product's wait
+# `ray` giving a new node the product's wait, and no Ray Client server (its own 30 s wait for the node kills the head)
+PATIENT_RAY = (sys.executable, "-m", "openrlhf_tis.cli.patient_ray", "--no-ray-client")
 SETTLE_S = 5  # how long a started head must stay up before it is used
 # Ray's fixed windows for a head's dashboard, which `ray job submit` needs: `ray start` gives up when the dashboard has
 # not published its address within 60 s, and the dashboard when one of its nine module processes is not ready within

@@ -230,10 +230,14 @@ def test_patient_ray_is_rays_command_line_with_the_nodes_wait(monkeypatch):
     def ray_main():
         seen["argv"] = list(sys.argv)
         seen["node"] = services.get_node("127.0.0.1:1", "abc")
+        seen["client"] = ray_scripts.get_ray_client_dependency_error() is None
 
     monkeypatch.setattr(services, "get_node", not_yet_twice)
     monkeypatch.setattr(ray_scripts, "main", ray_main)
     monkeypatch.setattr(sys, "argv", ["patient_ray"])
     patient_ray.main(["start", "--head", "--block"])
-    assert seen == {"argv": ["ray", "start", "--head", "--block"], "node": {"node_id": "abc"}}
+    assert seen == {"argv": ["ray", "start", "--head", "--block"], "node": {"node_id": "abc"}, "client": True}
     assert calls == ["abc"] * 3 and services.get_node is not_yet_twice
+    patient_ray.main(["--no-ray-client", "start", "--head"])  # `ray start` then starts no Ray Client server
+    assert seen["argv"] == ["ray", "start", "--head"] and seen["client"] is False
+    assert ray_scripts.get_ray_client_dependency_error() is None  # restored (grpc is installed with Ray)
