@@ -43,7 +43,7 @@ def ray_cluster(env: dict[str, str], log: Path) -> Iterator[str]:
     dashboard, agent = free_port(), free_port()
     options = ["--num-cpus", "8", "--num-gpus", str(GPU_SLOTS), "--include-dashboard", "true",
                "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
-               "--dashboard-agent-listen-port", str(agent), "--ray-client-server-port", str(free_port())]
+               "--dashboard-agent-listen-port", str(agent)]
     address = f"http://127.0.0.1:{dashboard}"
     # a job goes through the node's agent
     with ray_head(options, env, log, lambda: _answers(f"{address}/api/jobs/") and _listening(agent), START_S):

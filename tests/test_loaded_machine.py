@@ -241,3 +241,5 @@ def test_patient_ray_is_rays_command_line_with_the_nodes_wait(monkeypatch):
     patient_ray.main(["--no-ray-client", "start", "--head"])  # `ray start` then starts no Ray Client server
     assert seen["argv"] == ["ray", "start", "--head"] and seen["client"] is False
     assert ray_scripts.get_ray_client_dependency_error() is None  # restored (grpc is installed with Ray)
+    with pytest.raises(SystemExit, match="--no-ray-client and --ray-client-server-port contradict"):
+        patient_ray.main(["--no-ray-client", "start", "--head", "--ray-client-server-port=10002"])

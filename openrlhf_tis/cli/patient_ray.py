@@ -41,6 +41,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     require_version("ray", "==2.55.0", patch=_THIS_FILE)
     args = list(sys.argv[1:] if argv is None else argv)
     no_client = bool(args) and args[0] == NO_RAY_CLIENT
+    if no_client and any(arg.startswith("--ray-client-server-port") for arg in args):
+        raise SystemExit(f"patient_ray: {NO_RAY_CLIENT} and --ray-client-server-port contradict each other (`ray "
+                         "start` starts a client server wherever its port is given)")
     sys.argv = ["ray", *args[no_client:]]
     with contextlib.ExitStack() as swaps:
         swaps.enter_context(swapped(services, "get_node", patient_get_node(services.get_node, REGISTRATION_WAIT_S),
