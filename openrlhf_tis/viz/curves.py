@@ -150,15 +150,34 @@ def _runs_legend(fig: Figure, styles: Mapping[str, Mapping[str, Any]]) -> None:
                ncol=min(len(styles), 3), frameon=False)
 
 
+def _panel_grid(panels: int, ncols: int) -> tuple[Figure, np.ndarray]:
+    """A figure with a grid of axes for `panels` panels, the cells past the last panel blank."""
+    nrows = -(-panels // ncols)
+    fig = Figure(figsize=(4.2 * ncols, 3.0 * nrows))
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    for ax in list(axes.flat)[panels:]:
+        ax.axis("off")
+    return fig, axes
+
+
+def _finish_panel(ax, panel: Panel, drawn: int) -> None:
+    """Title, axis and scale of a drawn panel; a panel none of the runs logged says so instead of staying empty."""
+    ax.set_title(panel.title, fontsize=10)
+    ax.set_xlabel("step", fontsize=8)
+    ax.tick_params(labelsize=8)
+    if panel.log and drawn:
+        ax.set_yscale("log")
+    if not drawn:
+        ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
+
+
 def plot_curves(runs: pd.DataFrame | list[dict] | Mapping[str, pd.DataFrame | list[dict]],
                 panels: tuple[Panel, ...] = PANELS, ncols: int = 4, title: str | None = None) -> Figure:
     """A grid of panels: one run (every present key of a panel) or several runs overlaid (one line each)."""
     many = isinstance(runs, Mapping)
     frames = {name: as_frame(m) for name, m in runs.items()} if many else {"": as_frame(runs)}
     styles = run_styles(list(frames)) if many else {"": {}}
-    nrows = -(-len(panels) // ncols)
-    fig = Figure(figsize=(4.2 * ncols, 3.0 * nrows))
-    axes = fig.subplots(nrows, ncols, squeeze=False)
+    fig, axes = _panel_grid(len(panels), ncols)
     for ax, panel in zip(axes.flat, panels, strict=False):
         drawn = 0
         for name, frame in frames.items():
@@ -168,17 +187,9 @@ def plot_curves(runs: pd.DataFrame | list[dict] | Mapping[str, pd.DataFrame | li
                     (frame["step"].to_numpy(), frame[key].to_numpy())
                 _draw(ax, steps, values, name if many else key, panel.log, **styles[name])
                 drawn += 1
-        ax.set_title(panel.title, fontsize=10)
-        ax.set_xlabel("step", fontsize=8)
-        ax.tick_params(labelsize=8)
-        if panel.log and drawn:
-            ax.set_yscale("log")
+        _finish_panel(ax, panel, drawn)
         if drawn and not many:
             ax.legend(fontsize=7)
-        elif not drawn:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -206,9 +217,7 @@ def plot_setting_curves(runs: Mapping[str, pd.DataFrame | list[dict]], setting_o
     palette = matplotlib.colormaps["tab10" if len(settings) <= 10 else "tab20"]
     colours = {s: palette(i % palette.N) for i, s in enumerate(settings)}
     seeds = {s: sum(setting_of[name] == s for name in frames) for s in settings}
-    nrows = -(-len(panels) // ncols)
-    fig = Figure(figsize=(4.2 * ncols, 3.0 * nrows))
-    axes = fig.subplots(nrows, ncols, squeeze=False)
+    fig, axes = _panel_grid(len(panels), ncols)
     for ax, panel in zip(axes.flat, panels, strict=False):
         drawn = 0
         for setting in settings:
@@ -227,15 +236,7 @@ def plot_setting_curves(runs: Mapping[str, pd.DataFrame | list[dict]], setting_o
                 ax.fill_between(steps[band], np.maximum(low[band], floor), high[band], color=colours[setting],
                                 alpha=0.18, linewidth=0)
             drawn += 1
-        ax.set_title(panel.title, fontsize=10)
-        ax.set_xlabel("step", fontsize=8)
-        ax.tick_params(labelsize=8)
-        if panel.log and drawn:
-            ax.set_yscale("log")
-        if not drawn:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
+        _finish_panel(ax, panel, drawn)
     fig.suptitle(title or "mean over seeds, band: 95% t-interval over seeds")
     fig.tight_layout()
     _runs_legend(fig, {f"{s} ({seeds[s]} seed{'s' if seeds[s] > 1 else ''})": {"color": colours[s]}
