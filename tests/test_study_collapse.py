@@ -40,14 +40,6 @@ def test_the_endpoint_is_fixed_by_the_first_sitting_and_refused_once_cells_exist
         collapse.check_endpoint(out, collapse.Endpoint(0.1, 23), cells=5)
 
 
-def test_one_code_revision_per_study(tmp_path):
-    collapse.check_revision(tmp_path, "abc")
-    collapse.check_revision(tmp_path, "abc")
-    with pytest.raises(ParameterError, match="its cells ran on code revision abc, this is def"):
-        collapse.check_revision(tmp_path, "def")
-    assert collapse.code_revision() != ""
-
-
 def test_report_counts_falls_by_the_endpoint_and_tests_them_with_fisher():
     arms = {(1e-4, 1, "off"): dict(enumerate([0.3, 0.4, 0.35, 0.2], 1)),
             (1e-4, 8, "off"): dict(enumerate([0.05, -0.1, 0.3, 0.0], 1)),  # 3 of 4 below 0.1

@@ -39,8 +39,19 @@ def test_a_narrowed_grid_names_its_cells_as_the_full_grid_does(tmp_path):
     assert all(c.name in full for c in combined)
 
 
+def test_the_adaptive_correction_runs_only_when_asked_for_by_name(tmp_path):
+    """The committed folders were run with the default grid: adding a correction to it would give them new cells."""
+    assert "adaptive" not in staleness.CORRECTIONS
+    asked = _dry_run(tmp_path / "s", "--every", "4", "--seeds", "2", "--corrections", "off", "tis", "adaptive",
+                     "--no_int8")
+    assert [(c.params["sync_every"], c.params["correction"]) for c in asked] == [
+        (1, "off"), (4, "off"), (4, "tis"), (4, "adaptive")]
+    full = {c.name: c.params for c in _dry_run(tmp_path / "s", "--every", "4", "--seeds", "2", "--no_int8")}
+    assert all(full[c.name] == c.params for c in asked if c.params["correction"] != "adaptive")
+
+
 @pytest.mark.parametrize(("extra", "fault"), [
-    (["--corrections", "seq_mis"], "--corrections: the study runs off tis token_mis, got seq_mis"),
+    (["--corrections", "seq_mis"], "--corrections: the study runs off tis token_mis adaptive, got seq_mis"),
     (["--corrections", "tis", "tis"], "--corrections: each correction once"),
     (["--every", "1", "8"], "--every: cadences must be 2 or more"),
     (["--every", "0"], "--every: cadences must be 2 or more"),

@@ -37,10 +37,10 @@ from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.main_job import check_model_option
 from openrlhf_tis.pipeline.sweep import SweepResult, load_grid, recorded_cells, run_command
 from openrlhf_tis.pipeline.train_params import TrainParams
-from openrlhf_tis.runs.config import git_revision
 from openrlhf_tis.runs.kept_score import read_kept_heldout
 from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.study.dose_response import cell_count, check_profile, estimate_seconds, rebuild_report, write_outputs
+from openrlhf_tis.study.revision import check_revision, code_revision
 from openrlhf_tis.study.staleness import staleness_grid
 from openrlhf_tis.viz.stats import (
     detectable_effect,
@@ -59,7 +59,6 @@ CORRECTIONS = ("tis",)  # beside K uncorrected, always run
 FALL_BELOW = 0.1
 PLANNED_RUNS = 6  # the pilot's runs per arm; the powered study sets its own from the pilot's rates
 ENDPOINT_FILE = "endpoint.json"
-REVISION_FILE = "revision.json"
 REPORT_FILE = "collapse.md"
 PRIMARY_TESTS = {
     "fisher": "Fisher's exact test, two-sided, alpha 0.05: K uncorrected against each correction",
@@ -100,24 +99,6 @@ def check_endpoint(out: Path, endpoint: Endpoint, cells: int) -> None:
         if fixed.get(field) != getattr(endpoint, field):
             raise ParameterError(f"{flag} {getattr(endpoint, field)}: the study under {out} fixed {field} = "
                                  f"{fixed.get(field)} before its cells ran ({path}); keep it, or start a new --out")
-
-
-def code_revision() -> str:
-    """The git commit this package runs from, '+dirty' when its tracked files differ from it (runs/config.py)."""
-    git = git_revision()
-    return f"{git['revision'] or 'unknown'}{'+dirty' if git['dirty'] else ''}"
-
-
-def check_revision(out: Path, revision: str) -> None:
-    """Record the revision of a new study; refuse a sitting of another revision (one revision per study)."""
-    path = out / REVISION_FILE
-    if not path.is_file():
-        atomic_write(path, (json.dumps({"revision": revision}, indent=1) + "\n").encode())
-        return
-    fixed = json.loads(path.read_text()).get("revision")
-    if fixed != revision:
-        raise ParameterError(f"--out {out}: its cells ran on code revision {fixed}, this is {revision}: one revision "
-                             "per study; start a new --out (or run from a clone at that revision)")
 
 
 def collapse_grid(out: Path, model: str, lrs: list[float], every: int, seeds: list[int],
@@ -288,9 +269,9 @@ def main(argv: list[str] | None = None) -> None:
         grid_file.write_text(json.dumps(grid, indent=1))
         load_grid(grid_file)
         if not args.dry_run:
-            check_endpoint(out, Endpoint.of(args.fall_below, args.runs_per_arm, args.primary),
-                           len(recorded_cells(out).results))
-            check_revision(out, code_revision())
+            cells = len(recorded_cells(out).results)
+            check_endpoint(out, Endpoint.of(args.fall_below, args.runs_per_arm, args.primary), cells)
+            check_revision(out, code_revision(), cells=cells)
     except ParameterError as err:
         parser.error(str(err))
     print(f"[collapse] {cell_count(grid)} cells of {args.steps} steps at lr {args.lrs}, K = {args.every}, seeds "

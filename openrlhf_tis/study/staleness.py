@@ -26,7 +26,7 @@ from pathlib import Path
 
 from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.main_job import check_model_option
-from openrlhf_tis.pipeline.sweep import load_grid, run_command
+from openrlhf_tis.pipeline.sweep import load_grid, recorded_cells, run_command
 from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.study.dose_response import (
     cell_count,
@@ -37,12 +37,14 @@ from openrlhf_tis.study.dose_response import (
     study_grid,
     write_outputs,
 )
+from openrlhf_tis.study.revision import check_revision, code_revision
 
 LR = 6e-5
 EVERY = (4, 8)
 SEEDS = (1, 2, 3)
 STEPS = 24
 CORRECTIONS = ("off", "tis", "token_mis")
+OPT_IN = ("adaptive",)  # by name only: the default grid (the committed folders' cells) stays as it was
 COMBINED = ("off", "tis")  # with INT8 rollouts at the largest cadence
 
 
@@ -61,9 +63,10 @@ def check_cadences(every: list[int]) -> None:
 def check_corrections(corrections: list[str]) -> None:
     """Refuse a correction the study does not run (its cells would be a new setting, not more seeds of one) or one
     asked for twice, naming --corrections."""
-    unknown = [c for c in corrections if c not in CORRECTIONS]
+    unknown = [c for c in corrections if c not in CORRECTIONS + OPT_IN]
     if unknown:
-        raise ParameterError(f"--corrections: the study runs {' '.join(CORRECTIONS)}, got {' '.join(unknown)}")
+        raise ParameterError(f"--corrections: the study runs {' '.join(CORRECTIONS + OPT_IN)}, got "
+                             f"{' '.join(unknown)}")
     if len(set(corrections)) < len(corrections):
         raise ParameterError(f"--corrections: each correction once, got {corrections}")
 
@@ -102,9 +105,9 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"sync cadences K >= 2 (lags 0..K-1); default {' '.join(map(str, EVERY))}")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="training seeds (default 1 2 3)")
     parser.add_argument("--corrections", nargs="+", default=list(CORRECTIONS), metavar="C",
-                        help=f"corrections at each cadence, a subset of {' '.join(CORRECTIONS)} (the INT8 cells run "
-                        f"those of {' '.join(COMBINED)} among them); default all: narrow it to add seeds to the "
-                        "comparisons that decide the answer")
+                        help=f"corrections at each cadence, a subset of {' '.join(CORRECTIONS + OPT_IN)} (the INT8 "
+                        f"cells run those of {' '.join(COMBINED)} among them); default {' '.join(CORRECTIONS)}: narrow "
+                        "it to add seeds to the comparisons that decide the answer")
     parser.add_argument("--no_int8", action="store_true", help="leave out the INT8 cells (precision and staleness "
                         "together)")
     parser.add_argument("--steps", type=int, default=STEPS, help=f"steps per cell (default {STEPS}, the study's "
@@ -140,6 +143,10 @@ def main(argv: list[str] | None = None) -> None:
           f"skip); grid {grid_file}", file=sys.stderr)
     if args.dry_run:
         return
+    try:
+        check_revision(out, code_revision(), cells=len(recorded_cells(out).results))
+    except ParameterError as err:
+        parser.error(str(err))
     write_outputs(run_command(parser.prog, grid_file, out, report_title(out), whole_folder=True), out)
 
 
