@@ -34,10 +34,13 @@ def _existing_file_or_empty(value: str) -> str | None:
     return None if not value or Path(value).expanduser().is_file() else f"no such file: {value}"
 
 
+MODEL_NAMES = ("tiny", "default", "upcycled")  # the models pipeline/train.py resolve_model builds
+
+
 def _model(value: str) -> str | None:
-    if value in ("tiny", "default") or (Path(value).expanduser() / "config.json").is_file():
+    if value in MODEL_NAMES or (Path(value).expanduser() / "config.json").is_file():
         return None
-    return "must be 'tiny', 'default' or a model directory holding config.json"
+    return "must be 'tiny', 'default', 'upcycled' or a model directory holding config.json"
 
 
 def _str_list(value: list) -> str | None:
@@ -66,8 +69,9 @@ def micro_batch(batch: int, largest: int = 8) -> int:
 class TrainParams(ParamObject):
     """One training job's parameters; the field order is the order of the parameters cell and of the flags."""
 
-    model: str = param("tiny", "'tiny' (random 2-layer, seconds per step), 'default' (embedded SmolLM2-135M-Instruct) "
-                       "or a model directory", (str,), check=_model, flag="--actor.model_name_or_path")
+    model: str = param("tiny", "'tiny' (random 2-layer, seconds per step), 'default' (embedded SmolLM2-135M-Instruct), "
+                       "'upcycled' (it upcycled into a 4-expert top-2 Mixtral, the MoE demo) or a model directory",
+                       (str,), check=_model, flag="--actor.model_name_or_path")
     prompts: str = param("", "prompt JSONL with input/label keys; '' writes the demo task's training questions", (str,),
                          check=_existing_file_or_empty, flag="--data.prompt_dataset")
     reward: str = param("", "reward script defining reward_func; '' uses the demo task's reward plus its dense digit "
