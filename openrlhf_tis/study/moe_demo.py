@@ -30,7 +30,7 @@ from openrlhf_tis.pipeline.sweep import SweepResult, finish, load_grid, recorded
 from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.runs.reader import load_metrics
-from openrlhf_tis.study.dose_response import CellCost, check_profile, dose_params, study_grid
+from openrlhf_tis.study.dose_response import COSTS, check_profile, dose_params, study_grid
 from openrlhf_tis.viz.compare import run_facts
 from openrlhf_tis.viz.gains import KEPT, run_gains
 from openrlhf_tis.viz.stats import t_interval
@@ -43,10 +43,10 @@ TABLE_FILE = "moe_table.md"
 MOE_COLUMNS = {MOE_AGREEMENT: "routing agreement", MOE_TOKENS_DIFFERED: "tokens routed differently",
                MOE_K3_DIFFERED: "k3 (routing differed)", MOE_K3_SAME: "k3 (routing same)"}
 GAIN = "kept gain"
-# One cell of the upcycled model on the AVX-512 BF16 machine (bf16 trainer): the demo run's start and step
-# (docs/moe.md, measured under the study's load); a held-out pass costed as the dense one's 25 s times the active
-# parameters' ratio (214 M / 135 M), rounded up: not timed.
-COST = CellCost(startup_s=600, score_s=45, scores=4, step_s=300, overhead_s=60)
+# Not measured (the demo run did not get past Ray's start beside the project's study): a dense cell's measured parts
+# (dose_response.COSTS) times 2, since every part that runs the model runs at most twice the dense compute per token
+# (top-2 of expert copies; attention and head unchanged), and loading 2.8x the weights is a small part of a start.
+DENSE_FACTOR = 2.0
 
 
 def check_moe_model(model: str) -> None:
@@ -75,7 +75,9 @@ def cell_count(grid: dict) -> int:
 
 
 def estimate_seconds(grid: dict) -> float:
-    return cell_count(grid) * COST.seconds(TrainParams(**grid["base"]).steps)
+    """The study's expected compute time on this machine's profile, all cells run (DENSE_FACTOR's estimate)."""
+    base = TrainParams(**grid["base"])
+    return cell_count(grid) * DENSE_FACTOR * COSTS[base.train_dtype].seconds(base.steps)
 
 
 def run_rows(result: SweepResult) -> pd.DataFrame:
@@ -166,8 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(err))
     steps = grid["base"]["steps"]
     print(f"[moe demo] {cell_count(grid)} cells of {steps} steps (replay {'/'.join(REPLAY)} x rollouts "
-          f"{'/'.join(ROLLOUTS)}, seeds {args.seeds}); all cells ≈ {estimate_seconds(grid) / 3600:.1f} h at the "
-          f"demo run's measured step (finished cells skip); grid {grid_file}", file=sys.stderr)
+          f"{'/'.join(ROLLOUTS)}, seeds {args.seeds}); all cells ≈ {estimate_seconds(grid) / 3600:.1f} h, "
+          f"estimated from the dense model's cells (finished cells skip); grid {grid_file}", file=sys.stderr)
     if args.dry_run:
         return
     write_outputs(run_command(parser.prog, grid_file, out, report_title(out), whole_folder=True), out)
