@@ -59,12 +59,13 @@ def test_perturbed_experts_are_distinct_functions(dense_dir, upcycled):
     weights, source = load_file(upcycled / "model.safetensors"), load_file(dense_dir / "model.safetensors")
     for layer in range(LAYERS):
         dense_up = source[f"model.layers.{layer}.mlp.up_proj.weight"]
-        experts = [weights[f"model.layers.{layer}.block_sparse_moe.experts.{e}.w3.weight"] for e in range(4)]
+        moe = f"model.layers.{layer}.block_sparse_moe"
+        experts = [weights[f"{moe}.experts.{e}.w3.weight"] for e in range(recipe.experts)]
         for e, w in enumerate(experts):
             relative = w / dense_up - 1  # (1 + noise·N(0,1)) - 1: its std is the recipe's noise
             assert relative.std().item() == pytest.approx(recipe.expert_noise, rel=0.05)
             assert all(not torch.equal(w, other) for other in experts[e + 1:])
-        router = weights[f"model.layers.{layer}.block_sparse_moe.gate.weight"]
+        router = weights[f"{moe}.gate.weight"]
         assert router.shape == (recipe.experts, 128)
         assert router.std().item() == pytest.approx(recipe.router_std, rel=0.1)
     # the draws are seeded: the same recipe drawn again gives the saved experts, in Mixtral's fused layout

@@ -34,7 +34,7 @@ UPCYCLED_DIR_NAME = "smollm2-135m-upcycled-mixtral"
 MARKER = "openrlhf_tis_upcycled.json"  # written last: its presence is what "complete" means
 REQUIRED_FILES = ("config.json", "tokenizer_config.json", MARKER)
 _TMP_PREFIX = ".tmp-upcycled-model-"
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "config.json", SOURCE_MARKER)
+_NOT_COPIED = ("model.safetensors", "model.safetensors.index.json", "config.json", SOURCE_MARKER)
 
 
 class UpcycleError(RuntimeError):
@@ -147,7 +147,7 @@ def upcycle(dense_dir: str | Path, out_dir: str | Path, recipe: Recipe = Recipe(
     model.tie_weights()
     model.save_pretrained(out_dir)  # transformers writes Mixtral's checkpoint layout (experts.<e>.w1/w2/w3)
     for source in dense_dir.iterdir():
-        if source.is_file() and source.name not in _WEIGHT_FILES and not source.name.startswith("model-"):
+        if source.is_file() and source.name not in _NOT_COPIED and not source.name.startswith("model-"):
             shutil.copy2(source, out_dir / source.name)
     _write_marker(out_dir, dense_dir, recipe, parameter_counts(config))
     return out_dir
