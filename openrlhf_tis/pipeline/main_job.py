@@ -55,6 +55,10 @@ MAIN_JOB_PARAMS: dict[str, Any] = {
 }
 
 
+MODEL_HELP = "'default' (SmolLM2-135M-Instruct), 'tiny', 'upcycled' (the MoE demo) or a directory"
+"""`--model`'s help, the main job's and the studies'."""
+
+
 # On CUDA the job asks for one GPU, whatever the machine has: the actor (upstream's default is 8 per node) and the
 # one vLLM engine share it (upstream's hybrid engine, --train.colocate_all), the engine's memory capped so DeepSpeed
 # fits beside it; no --vllm.enable_sleep, which the 135M model does not need.
@@ -188,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="main_job", description=__doc__.split("\n")[0],
                                      epilog="Any other --flag goes to the training CLI (train_ppo_ray) and wins.")
     parser.add_argument("--out", default="work/main_job", help="working directory (task files, runs, report)")
-    parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), 'tiny' or a directory")
+    parser.add_argument("--model", default="default", help=MODEL_HELP)
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="override a train.ipynb parameter (Python literal), e.g. --set steps=5")
     args, extra = parser.parse_known_args(argv)

@@ -38,7 +38,8 @@ class TrainingFailed(RuntimeError):
 
 
 def resolve_model(model: str, cache: Path, log: TextIO) -> Path:
-    """The model directory for `model`: built once under `cache` for 'tiny', the embedded one for 'default'.
+    """The model directory for `model`: built once under `cache` for 'tiny', the embedded one for 'default', the
+    default one upcycled into a Mixtral for 'upcycled' (demo/upcycle.py; built with the default one when missing).
 
     A model is built in a child process writing to `log` (the run's train.log), never in the caller: saving
     one imports transformers, hence accelerate, hence DeepSpeed, whose import probes its ops by compiling test
@@ -55,6 +56,13 @@ def resolve_model(model: str, cache: Path, log: TextIO) -> Path:
         if is_complete(path):
             return path
         module = "openrlhf_tis.demo.default_model"
+    elif model == "upcycled":
+        from openrlhf_tis.demo.upcycle import is_complete, upcycled_model_dir
+
+        path = upcycled_model_dir()
+        if is_complete(path):
+            return path
+        module = "openrlhf_tis.demo.upcycle"
     else:
         return Path(model).expanduser().resolve()
     if not (path / "config.json").is_file():

@@ -19,6 +19,7 @@ from openrlhf_tis.cli.cluster_device import ClusterResources, decide_device, rea
 from openrlhf_tis.cli.fork_flags import FLAGS, correction_option_problem
 from openrlhf_tis.correction.config import FLAG_PREFIX, PRESETS
 from openrlhf_tis.cpu_features import default_train_dtype
+from openrlhf_tis.moe.coverage import REPLAY_FLAG
 from openrlhf_tis.params import ParamObject, param, positive
 from openrlhf_tis.pipeline.kept_eval import KEPT_MODEL_DIR
 from openrlhf_tis.rollout.precision import PRECISION_FLAG, WEIGHT_BITS_FLAG
@@ -34,10 +35,13 @@ def _existing_file_or_empty(value: str) -> str | None:
     return None if not value or Path(value).expanduser().is_file() else f"no such file: {value}"
 
 
+MODEL_NAMES = ("tiny", "default", "upcycled")  # the models pipeline/train.py resolve_model builds
+
+
 def _model(value: str) -> str | None:
-    if value in ("tiny", "default") or (Path(value).expanduser() / "config.json").is_file():
+    if value in MODEL_NAMES or (Path(value).expanduser() / "config.json").is_file():
         return None
-    return "must be 'tiny', 'default' or a model directory holding config.json"
+    return "must be 'tiny', 'default', 'upcycled' or a model directory holding config.json"
 
 
 def _str_list(value: list) -> str | None:
@@ -66,8 +70,9 @@ def micro_batch(batch: int, largest: int = 8) -> int:
 class TrainParams(ParamObject):
     """One training job's parameters; the field order is the order of the parameters cell and of the flags."""
 
-    model: str = param("tiny", "'tiny' (random 2-layer, seconds per step), 'default' (embedded SmolLM2-135M-Instruct) "
-                       "or a model directory", (str,), check=_model, flag="--actor.model_name_or_path")
+    model: str = param("tiny", "'tiny' (random 2-layer, seconds per step), 'default' (embedded SmolLM2-135M-Instruct), "
+                       "'upcycled' (it upcycled into a 4-expert top-2 Mixtral, the MoE demo) or a model directory",
+                       (str,), check=_model, flag="--actor.model_name_or_path")
     prompts: str = param("", "prompt JSONL with input/label keys; '' writes the demo task's training questions", (str,),
                          check=_existing_file_or_empty, flag="--data.prompt_dataset")
     reward: str = param("", "reward script defining reward_func; '' uses the demo task's reward plus its dense digit "
@@ -110,6 +115,9 @@ class TrainParams(ParamObject):
     sync_every: int = FLAGS[SYNC_EVERY_FLAG].param(
         "send the weights to the engines after every Nth step only: step s+1's samples are s mod N versions behind "
         "(a fixed staleness dose; 1: every step)", check=positive)
+    routing_replay: str = FLAGS[REPLAY_FLAG].param(
+        "mixture-of-experts routing replay: r3 replays the experts the engines chose in the trainer's forwards (an "
+        "MoE model only, e.g. 'upcycled'); off: the trainer routes every token itself")
     token_dump_every: int = FLAGS["--logger.token_dump_steps"].param("dump per-token records every N steps (0: never)",
                                                                      default=1, check=_not_negative)
     run_dir: str = param("runs/notebook", "the run directory (created; a finished one is refused by the CLI)", (str,),
@@ -164,6 +172,7 @@ class TrainParams(ParamObject):
             "int8_weight_bits": None if self.int8_weight_bits == "auto" else self.int8_weight_bits,
             "async_queue": self.async_queue or None,
             "sync_every": self.sync_every if self.sync_every > 1 else None,  # upstream's sync after every step
+            "routing_replay": None if self.routing_replay == "off" else self.routing_replay,  # a dense run's lines kept
             "untrained_cache": str(Path(self.untrained_cache).expanduser().resolve()) if self.untrained_cache else None,
         }
 

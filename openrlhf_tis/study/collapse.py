@@ -34,7 +34,7 @@ import numpy as np
 
 from openrlhf_tis.correction.config import PRESETS
 from openrlhf_tis.params import ParameterError
-from openrlhf_tis.pipeline.main_job import check_model_option
+from openrlhf_tis.pipeline.main_job import MODEL_HELP, check_model_option
 from openrlhf_tis.pipeline.sweep import SweepResult, load_grid, recorded_cells, run_command
 from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.runs.kept_score import read_kept_heldout
@@ -231,7 +231,7 @@ def write_collapse_report(out: Path) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m openrlhf_tis.study.collapse", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="the study's folder (task, grid, cells, endpoint, report)")
-    parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), 'tiny' or a directory")
+    parser.add_argument("--model", default="default", help=MODEL_HELP)
     parser.add_argument("--lrs", type=float, nargs="+", default=list(LRS), help="learning rates (default 1e-4)")
     parser.add_argument("--every", type=int, default=EVERY, help=f"the sync cadence K >= 2 (default {EVERY})")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="training seeds (default 1..6)")

@@ -32,7 +32,7 @@ import pandas as pd
 from openrlhf_tis.correction.config import PRESETS
 from openrlhf_tis.cpu_features import native_bf16
 from openrlhf_tis.params import ParameterError
-from openrlhf_tis.pipeline.main_job import check_model_option, job_params
+from openrlhf_tis.pipeline.main_job import MODEL_HELP, check_model_option, job_params
 from openrlhf_tis.pipeline.sweep import (
     SweepResult,
     finish,
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     take_sigint()
     parser = argparse.ArgumentParser(prog="study", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="work/study", help="working directory (task, grid, cells, report)")
-    parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), 'tiny' or a directory")
+    parser.add_argument("--model", default="default", help=MODEL_HELP)
     parser.add_argument("--quick", action="store_true",
                         help=f"coarse curve: {QUICK}, seeds {list(QUICK_SEEDS)}, {QUICK_STEPS} steps (≈ 1 h on 2 AVX2 "
                         "cores); --doses/--corrections/--seeds/--steps still override")

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from openrlhf_tis.params import ParameterError
-from openrlhf_tis.pipeline.main_job import check_model_option
+from openrlhf_tis.pipeline.main_job import MODEL_HELP, check_model_option
 from openrlhf_tis.pipeline.sweep import load_grid, recorded_cells, run_command
 from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.study.dose_response import (
@@ -100,7 +100,7 @@ def report_title(out: Path) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m openrlhf_tis.study.staleness", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="the study's folder (task, grid, cells, report)")
-    parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), 'tiny' or a directory")
+    parser.add_argument("--model", default="default", help=MODEL_HELP)
     parser.add_argument("--every", type=int, nargs="+", default=list(EVERY), metavar="K",
                         help=f"sync cadences K >= 2 (lags 0..K-1); default {' '.join(map(str, EVERY))}")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="training seeds (default 1 2 3)")
