@@ -9,7 +9,7 @@ import pytest
 
 from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.sweep import STATUS_FILE
-from openrlhf_tis.study import dose_response, revision, staleness
+from openrlhf_tis.study import dose_response, moe_demo, revision, staleness
 
 
 def test_a_new_folder_records_its_revision_and_refuses_another(tmp_path):
@@ -35,6 +35,7 @@ def test_this_checkout_has_a_revision():
 @pytest.mark.parametrize(("study", "extra"), [
     (dose_response, ["--doses", "none", "--corrections", "off", "--seeds", "1"]),
     (staleness, ["--every", "4", "--corrections", "off", "--no_int8", "--seeds", "1"]),
+    (moe_demo, ["--seeds", "1"]),
 ])
 def test_a_study_sitting_on_another_revision_stops_before_any_cell(tmp_path, monkeypatch, capsys, study, extra):
     out = tmp_path / "s"
@@ -42,7 +43,7 @@ def test_a_study_sitting_on_another_revision_stops_before_any_cell(tmp_path, mon
     (out / revision.REVISION_FILE).write_text(json.dumps({"revision": "0" * 40}))
     monkeypatch.setattr(study, "run_command", lambda *a, **k: pytest.fail("a cell ran"))
     with pytest.raises(SystemExit) as done:
-        study.main(["--out", str(out), "--model", "tiny", *extra])
+        study.main(["--out", str(out), "--model", "upcycled" if study is moe_demo else "tiny", *extra])
     assert done.value.code == 2
     assert f"its cells ran on code revision {'0' * 40}, this is {revision.code_revision()}" in capsys.readouterr().err
     assert not list(out.glob(f"cells/*/{STATUS_FILE}"))

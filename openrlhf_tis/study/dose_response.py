@@ -47,7 +47,7 @@ from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.runs.reader import load_metrics
 from openrlhf_tis.sigint import take_sigint
 from openrlhf_tis.study.cost import attempts, cost_markdown, cost_summary
-from openrlhf_tis.study.revision import check_revision, code_revision
+from openrlhf_tis.study.revision import check_sitting
 from openrlhf_tis.viz.compare import final_table, run_facts
 from openrlhf_tis.viz.curves import png
 from openrlhf_tis.viz.gain_plots import plot_dose_response
@@ -318,10 +318,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{_describe(cells, trainer)}", file=sys.stderr)
     if args.dry_run:
         return
-    try:
-        check_revision(out, code_revision(), cells=len(recorded_cells(out).results))
-    except ParameterError as err:
-        parser.error(str(err))
+    check_sitting(parser, out)
     write_outputs(run_command(parser.prog, grid_file, out, report_title(out), whole_folder=True), out)
 
 

@@ -31,6 +31,7 @@ from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.runs.reader import load_metrics
 from openrlhf_tis.study.dose_response import COSTS, check_profile, dose_params, study_grid
+from openrlhf_tis.study.revision import check_sitting
 from openrlhf_tis.viz.compare import run_facts
 from openrlhf_tis.viz.gains import KEPT, run_gains
 from openrlhf_tis.viz.stats import t_interval
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
           f"estimated from the dense model's cells (finished cells skip); grid {grid_file}", file=sys.stderr)
     if args.dry_run:
         return
+    check_sitting(parser, out)
     write_outputs(run_command(parser.prog, grid_file, out, report_title(out), whole_folder=True), out)
 
 

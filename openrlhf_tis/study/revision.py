@@ -9,11 +9,13 @@ since nothing says what their cells ran on.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
 from openrlhf_tis.params import ParameterError
+from openrlhf_tis.pipeline.sweep import recorded_cells
 from openrlhf_tis.runs.config import git_revision
 from openrlhf_tis.runs.layout import atomic_write
 
@@ -42,3 +44,12 @@ def check_revision(out: Path, revision: str, *, cells: int = 0) -> None:
               file=sys.stderr)
         return
     atomic_write(path, (json.dumps({"revision": revision}, indent=1) + "\n").encode())
+
+
+def check_sitting(parser: argparse.ArgumentParser, out: Path) -> None:
+    """A study command's check before its first cell: this checkout's revision against the folder's, refused by
+    `parser` naming --out."""
+    try:
+        check_revision(out, code_revision(), cells=len(recorded_cells(out).results))
+    except ParameterError as err:
+        parser.error(str(err))

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.main_job import MODEL_HELP, check_model_option
-from openrlhf_tis.pipeline.sweep import load_grid, recorded_cells, run_command
+from openrlhf_tis.pipeline.sweep import load_grid, run_command
 from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.study.dose_response import (
     cell_count,
@@ -37,7 +37,7 @@ from openrlhf_tis.study.dose_response import (
     study_grid,
     write_outputs,
 )
-from openrlhf_tis.study.revision import check_revision, code_revision
+from openrlhf_tis.study.revision import check_sitting
 
 LR = 6e-5
 EVERY = (4, 8)
@@ -143,10 +143,7 @@ def main(argv: list[str] | None = None) -> None:
           f"skip); grid {grid_file}", file=sys.stderr)
     if args.dry_run:
         return
-    try:
-        check_revision(out, code_revision(), cells=len(recorded_cells(out).results))
-    except ParameterError as err:
-        parser.error(str(err))
+    check_sitting(parser, out)
     write_outputs(run_command(parser.prog, grid_file, out, report_title(out), whole_folder=True), out)
 
 
