@@ -10,6 +10,7 @@ minutes. What a local cluster leaves after its driver is killed is stopped by cl
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import sys
 import time
@@ -19,7 +20,7 @@ from typing import Any
 import ray
 
 from openrlhf_tis.cli.build_locks import clear_stale_build_locks
-from openrlhf_tis.cli.lifetime import reap_when_gone
+from openrlhf_tis.cli.lifetime import reap_when_gone, stop_session
 from openrlhf_tis.cli.ray_address import ADDRESS_VAR, check_ray_address
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.run_device import DEVICE_ENV, check_run_device
@@ -155,15 +156,19 @@ def init_local_ray(**kwargs):
     """ray.init for a new local cluster whose raylet gets `REGISTRATION_WAIT_S` to register, tried again if missed.
 
     While ray.init starts the node, Ray's `services.get_node` is the patient one (`patient_get_node`; restored
-    after). A try whose node still missed the window raises "node timed out during startup"; the half-started
-    cluster (its GCS and raylet, children of this process that Ray no longer tracks) is killed before the next try.
-    Any other error is raised at once; the last try's timeout raises RayStartError, one line with the machine's load
-    (the CLI prints it as it is).
+    after). A try whose node still missed the window raises "node timed out during startup"; what the try started
+    is stopped before the next one, found by the try's session directory (`started_sessions`, then
+    cli/lifetime.py `stop_session`): its GCS and raylet (children of this process that Ray no longer tracks), and
+    its agents, re-parented when the raylet gave up. Any other error is raised at once; the last try's timeout raises
+    RayStartError, one line with the machine's load (the CLI prints it as it is).
     """
+    from ray._common.utils import get_default_ray_temp_dir
     from ray._private import services
 
     require_version("ray", "==2.55.0", patch=_THIS_FILE)
+    temp_dir = kwargs.get("_temp_dir") or get_default_ray_temp_dir()
     for attempt in range(1, STARTUP_TRIES + 1):
+        before = started_sessions(temp_dir)
         try:
             with swapped(services, "get_node", patient_get_node(services.get_node, REGISTRATION_WAIT_S),
                          patch=_THIS_FILE):
@@ -172,7 +177,8 @@ def init_local_ray(**kwargs):
             if "timed out during startup" not in str(err):
                 raise
             ray.shutdown()
-            _kill_ray_children()
+            for session_dir in sorted(started_sessions(temp_dir) - before):
+                stop_session(session_dir)
             if attempt == STARTUP_TRIES:
                 raise RayStartError(f"Ray's node did not register within {REGISTRATION_WAIT_S:.0f} s on "
                                     f"{STARTUP_TRIES} tries ({machine_load()}): the machine is too busy to start "
@@ -181,15 +187,8 @@ def init_local_ray(**kwargs):
                   f"{machine_load()}); starting it again", file=sys.stderr)
 
 
-def _kill_ray_children() -> None:
-    import psutil
-
-    ours = []
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if "ray" in " ".join(proc.cmdline()).lower():
-                proc.kill()
-                ours.append(proc)
-        except psutil.Error:  # already gone
-            pass
-    psutil.wait_procs(ours, timeout=10)
+def started_sessions(temp_dir: str) -> set[str]:
+    """The session directories under Ray's `temp_dir` of the clusters this process started: Ray 2.55 names a new
+    head's session `session_<date>_<pid of the process that started it>` (ray/_private/node.py). Those that appear
+    during a try are the try's; another cluster on the machine, or the next try, is never among them."""
+    return set(glob.glob(os.path.join(glob.escape(temp_dir), f"session_*_{os.getpid()}")))
