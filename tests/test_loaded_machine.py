@@ -159,7 +159,6 @@ def test_the_products_ray_start_tries_again_and_ends_in_one_line_with_the_load(m
     assert patient_during_init == [("patient", ray_own, ray_cluster.REGISTRATION_WAIT_S)]
     assert services.get_node is ray_own  # restored after the start
     monkeypatch.setattr(ray_cluster.ray, "shutdown", lambda: None)
-    monkeypatch.setattr(ray_cluster, "_kill_ray_children", lambda: None)
     monkeypatch.setattr(ray_cluster.ray, "init", init([late, late, "context"]))
     assert ray_cluster.init_local_ray(address="local") == "context" and len(calls) == 3
     calls.clear()
@@ -174,6 +173,56 @@ def test_the_products_ray_start_tries_again_and_ends_in_one_line_with_the_load(m
     with pytest.raises(ValueError, match="bad resources"):
         ray_cluster.init_local_ray(address="local")
     assert len(calls) == 1
+
+
+# A process of a Ray session: it opens the log named by LOG for writing, says so, and sleeps; its
+# command line names the session only when asked to (the GCS, the raylet), as Ray's retitled agents' do not.
+SESSION_PROCESS = ("import os, time; f = open(os.environ['LOG'], 'a'); print('open', flush=True); "
+                   "time.sleep(600)")
+
+
+def test_a_failed_start_try_is_stopped_by_its_session_directory_and_nothing_else(monkeypatch, tmp_path):
+    """What a try whose node missed its window started is stopped before the next try, found by the session directory
+    Ray named after this process: the processes naming it and those only writing its logs (the agents, retitled, and
+    re-parented when the raylet gave up). Another cluster's session, and one this process started before the try,
+    keep theirs; the next try's session does not exist yet."""
+    from openrlhf_tis.cli import ray_cluster
+
+    temp = tmp_path / "ray"
+    earlier = temp / f"session_2026-01-01_00-00-00_000001_{os.getpid()}"
+    other = temp / "session_2026-01-01_00-00-00_000002_1"  # another cluster on the machine
+    tried = temp / f"session_2026-01-01_00-00-01_000003_{os.getpid()}"
+    started: dict[str, list[subprocess.Popen]] = {}
+
+    def start_session(session: Path) -> None:
+        (session / "logs").mkdir(parents=True)
+        env = {**os.environ, "LOG": str(session / "logs" / "agent.log")}
+        writer = subprocess.Popen([sys.executable, "-c", SESSION_PROCESS], stdout=subprocess.PIPE, text=True, env=env)
+        naming = subprocess.Popen([sys.executable, "-c", SESSION_PROCESS, str(session)], stdout=subprocess.PIPE,
+                                  text=True, env={**env, "LOG": str(session / "logs" / "gcs_server.out")})
+        assert writer.stdout.readline() == naming.stdout.readline() == "open\n"
+        started[session.name] = [writer, naming]
+
+    def ray_init(**kwargs):
+        assert kwargs["_temp_dir"] == str(temp)
+        if tried.name in started:
+            return "context"
+        start_session(tried)
+        raise Exception("The current node timed out during startup. This could happen because ...")
+
+    monkeypatch.setattr(ray_cluster.ray, "init", ray_init)
+    monkeypatch.setattr(ray_cluster.ray, "shutdown", lambda: None)
+    start_session(earlier)
+    start_session(other)
+    try:
+        assert ray_cluster.init_local_ray(address="local", _temp_dir=str(temp)) == "context"
+        assert [proc.poll() is not None for proc in started[tried.name]] == [True, True]
+        assert [proc.poll() for name in (earlier.name, other.name) for proc in started[name]] == [None] * 4
+    finally:
+        for proc in (proc for procs in started.values() for proc in procs):
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
 
 
 def test_a_patient_get_node_asks_again_until_its_window_closes():

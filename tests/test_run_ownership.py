@@ -498,7 +498,7 @@ def _umask() -> int:
 
 # A process of a Ray session whose command line names nothing (a retitled agent, `ray::DashboardAgent`): it writes
 # the session's log named by LOG, says so, and sleeps; with READ_ONLY it reads the log instead (a `tail -f`).
-LOG_HOLDER = ("import os, sys, time; f = open(os.environ['LOG'], 'r' if os.environ.get('READ_ONLY') else 'a'); "
+LOG_HOLDER = ("import os, time; f = open(os.environ['LOG'], 'r' if os.environ.get('READ_ONLY') else 'a'); "
           "print('open', flush=True); time.sleep(600)")
 
 DRIVER = textwrap.dedent("""

@@ -1,0 +1,179 @@
+"""Nothing of a local Ray session the CLI started outlives its driver, or a failed start try, on a real Ray.
+
+The CLI starts Ray with `cli/ray_cluster.py` `init_local_ray` and arms `cli/lifetime.py` `reap_when_gone`; a driver
+here does the same with a tiny cluster (one CPU, one actor) and no model. The reference for "every process of the
+session" is the driver's process tree read while it lived (GCS, raylet, dashboard, monitors, agents, workers, the
+watchdog), by pid and start time, not the watchdog's own way of finding them (command line, files written). Without
+the watchdog the agents outlived a SIGKILLed driver by about a minute (docs/run_store.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from _support import machine_load, processes_naming
+
+pytestmark = pytest.mark.e2e
+
+START_S = 240  # one try of Ray's start (it gives up sooner when the raylet aborts) on 2 cores busy with other work
+AGENTS = {"ray::DashboardAgent", "ray::RuntimeEnvAgent"}  # the raylet starts them; ray.init does not wait for them
+GONE_S = 30  # the watchdog's grace (3 s), its SIGTERM and SIGKILL (3 s more), and psutil's scans, on 2 busy cores
+
+DRIVER = textwrap.dedent("""
+    import os, sys, time
+    import ray
+    from openrlhf_tis.cli import ray_cluster
+    from openrlhf_tis.cli.lifetime import reap_when_gone
+
+    os.environ.update(ray_cluster.RAY_START_ENV)  # as start_ray does
+    ray_cluster.STARTUP_TRIES = 1  # the test's bound is one try
+    context = ray_cluster.init_local_ray(address="local", include_dashboard=False, num_cpus=1)
+    reap_when_gone(context.address_info["session_dir"])
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def pid(self):
+            return os.getpid()
+
+    worker = Worker.remote()
+    print(ray.get(worker.pid.remote()), flush=True)  # a worker of the session is up
+    time.sleep(600)
+""")
+
+FAILING_DRIVER = textwrap.dedent("""
+    import contextlib, json, os, time
+    import psutil
+    from ray._private import services
+    from openrlhf_tis.cli import ray_cluster
+
+    os.environ.update(ray_cluster.RAY_START_ENV)
+    ray_cluster.STARTUP_TRIES = 1
+    rays_own = services.get_node
+
+    def late_node(gcs_address, node_id):
+        # The try misses its window once its agents run, and its raylet has given up: as measured at a load of 8.5,
+        # the raylet aborted (its dashboard agent's port not written in 15 s) and its agents lived on, re-parented.
+        rays_own(gcs_address, node_id)  # RuntimeError until the raylet registered: init_local_ray asks again
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            tree = psutil.Process().children(recursive=True)
+            titles = set()
+            for proc in tree:
+                with contextlib.suppress(psutil.Error):
+                    titles.add(" ".join(proc.cmdline()).strip())
+            if {"ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= titles:
+                break
+            time.sleep(0.5)
+        print(json.dumps({proc.pid: proc.create_time() for proc in tree}), flush=True)
+        raylet = next(proc for proc in tree if proc.name() == "raylet")
+        raylet.kill()
+        raylet.wait()
+        raise Exception("The current node timed out during startup (provoked by the test)")
+
+    services.get_node = late_node
+    try:
+        ray_cluster.init_local_ray(address="local", include_dashboard=False, num_cpus=1)
+    except ray_cluster.RayStartError as err:
+        print(err, flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.fixture()
+def ray_tmp():
+    """A Ray temp dir of the test's own (short: Ray's socket paths must fit in 107 bytes); whatever of it is left
+    at the end is killed."""
+    path = tempfile.mkdtemp(prefix="rs", dir="/tmp")
+    yield path
+    for pid in processes_naming(path):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(pid).kill()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _start(code: str, ray_tmp: str, log: Path) -> subprocess.Popen:
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env["RAY_TMPDIR"] = ray_tmp
+    with log.open("w") as err:
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+
+
+def _line(proc: subprocess.Popen, log: Path, timeout: float) -> str:
+    """The driver's next stdout line, failing with its log's tail and the machine's load after `timeout` seconds."""
+    import select
+
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if ready else ""
+    assert line, f"no line from the driver in {timeout:.0f} s ({machine_load()}):\n{log.read_text()[-3000:]}"
+    return line.strip()
+
+
+def _tree(root: int) -> dict[int, tuple[float, str]]:
+    """pid -> (start time, title) of `root`'s descendants."""
+    found = {}
+    for proc in psutil.Process(root).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found[proc.pid] = (proc.create_time(), " ".join(proc.cmdline()).strip()[:80])
+    return found
+
+
+def _alive(tree: dict[int, tuple[float, str]]) -> dict[int, str]:
+    """Those of `tree` still running (the same pid and start time, no zombie)."""
+    alive = {}
+    for pid, (started, title) in tree.items():
+        try:
+            proc = psutil.Process(pid)
+            if proc.create_time() == started and proc.status() != psutil.STATUS_ZOMBIE:
+                alive[pid] = title
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def test_a_sigkilled_drivers_ray_session_ends_within_seconds(ray_tmp, tmp_path):
+    log = tmp_path / "driver.log"
+    driver = _start(DRIVER, ray_tmp, log)
+    try:
+        _line(driver, log, START_S)  # Ray is up, the watchdog armed, a worker answered
+        deadline = time.monotonic() + 120
+        while not AGENTS <= {title for _, title in _tree(driver.pid).values()} and time.monotonic() < deadline:
+            time.sleep(0.5)
+        tree = _tree(driver.pid)
+        assert AGENTS <= {title for _, title in tree.values()}, tree
+        driver.kill()
+        driver.wait()
+        killed = time.monotonic()
+        while (_alive(tree) or processes_naming(ray_tmp)) and time.monotonic() - killed < GONE_S:
+            time.sleep(0.5)
+        assert _alive(tree) == {} and processes_naming(ray_tmp) == {}, (_alive(tree), machine_load())
+        print(f"{len(tree)} processes of the session, all ended {time.monotonic() - killed:.1f} s after the kill "
+              f"({machine_load()})")
+    finally:
+        driver.kill()
+        driver.wait()
+        driver.stdout.close()
+
+
+def test_a_failed_start_try_leaves_nothing_of_its_session(ray_tmp, tmp_path):
+    log = tmp_path / "driver.log"
+    driver = _start(FAILING_DRIVER, ray_tmp, log)
+    try:
+        tree = {int(pid): (started, "") for pid, started in json.loads(_line(driver, log, START_S)).items()}
+        assert "did not register" in _line(driver, log, 60)  # the try was stopped: RayStartError, one line
+        assert driver.poll() is None  # what ended, the try's stop ended, not the driver's end
+        assert _alive(tree) == {} and processes_naming(ray_tmp) == {}, (_alive(tree), machine_load())
+    finally:
+        driver.kill()
+        driver.wait()
+        driver.stdout.close()
