@@ -153,13 +153,14 @@ def test_the_products_ray_start_tries_again_and_ends_in_one_line_with_the_load(m
 
     ray_own = services.get_node
     patient_during_init = []
-    monkeypatch.setattr(ray_cluster, "patient_get_node", lambda get_node, wait_s: ("patient", get_node, wait_s))
+    monkeypatch.setattr(ray_cluster, "patient_get_node",
+                        lambda get_node, wait_s, raylet_ended: ("patient", get_node, wait_s, raylet_ended.func))
     monkeypatch.setattr(ray_cluster.ray, "init", lambda **kwargs: patient_during_init.append(services.get_node))
     ray_cluster.init_local_ray(address="local")
-    assert patient_during_init == [("patient", ray_own, ray_cluster.REGISTRATION_WAIT_S)]
+    assert patient_during_init == [("patient", ray_own, ray_cluster.REGISTRATION_WAIT_S, ray_cluster.raylet_ended)]
     assert services.get_node is ray_own  # restored after the start
     monkeypatch.setattr(ray_cluster.ray, "shutdown", lambda: None)
-    monkeypatch.setattr(ray_cluster.ray, "init", init([late, late, "context"]))
+    monkeypatch.setattr(ray_cluster.ray, "init", init([late, ray_cluster.RayletEnded("ended"), "context"]))
     assert ray_cluster.init_local_ray(address="local") == "context" and len(calls) == 3
     calls.clear()
     monkeypatch.setattr(ray_cluster.ray, "init", init([late]))
@@ -228,7 +229,7 @@ def test_a_failed_start_try_is_stopped_by_its_session_directory_and_nothing_else
 def test_a_patient_get_node_asks_again_until_its_window_closes():
     """Ray's node start gives up 30 s after a failed `get_node`: the patient one keeps asking (1 s apart) while the
     node is not in the GCS yet, for its whole window, then raises Ray's own error; other errors at once."""
-    from openrlhf_tis.cli.ray_cluster import patient_get_node
+    from openrlhf_tis.cli.ray_cluster import RayletEnded, patient_get_node
 
     now = [0.0]
     asked = []
@@ -258,6 +259,47 @@ def test_a_patient_get_node_asks_again_until_its_window_closes():
     with pytest.raises(ValueError, match="bad node id"):
         patient_get_node(get_node([ValueError("bad node id")]), 10.0, clock=lambda: now[0], sleep=sleep)("g", "n")
     assert len(asked) == 1
+    asked.clear()
+    now[0] = 0.0
+    checks = []
+    ended_after_two = patient_get_node(get_node([absent]), 100.0, raylet_ended=lambda: checks.append(now[0]) or
+                                       len(checks) > 2, clock=lambda: now[0], sleep=sleep)
+    with pytest.raises(RayletEnded):  # a raylet that ended cannot register: no waiting out the window
+        ended_after_two("g", "n")
+    assert len(asked) == 3 and checks == [0.0, 1.0, 2.0]
+
+
+def test_a_try_whose_raylet_ended_is_one_whose_session_has_no_raylet_running(tmp_path):
+    """raylet_ended reads the sessions this process started since the try began: a raylet running in one of them
+    (found by its session, cli/lifetime.py session_processes) means the node may still register; one in another
+    session, this process's earlier one included, does not count."""
+    from openrlhf_tis.cli.ray_cluster import raylet_ended
+
+    temp = tmp_path / "ray"
+    earlier = temp / f"session_2026-01-01_00-00-00_000001_{os.getpid()}"
+    tried = temp / f"session_2026-01-01_00-00-01_000002_{os.getpid()}"
+    earlier.mkdir(parents=True)
+    before = {str(earlier)}
+    raylet = tmp_path / "raylet"  # a process named raylet (its executable's name), as Ray's is
+    raylet.symlink_to(sys.executable)
+    in_earlier = subprocess.Popen([raylet, "-c", "import time; time.sleep(600)", str(earlier)])
+    try:
+        assert raylet_ended(str(temp), before)  # the try's session is not even made yet
+        tried.mkdir()
+        assert raylet_ended(str(temp), before)  # made, but its raylet is not started (or ended)
+        in_tried = subprocess.Popen([raylet, "-c", "import time; time.sleep(600)", str(tried)])
+        try:
+            deadline = time.monotonic() + 30  # the process table, read by psutil, may lag under load
+            while raylet_ended(str(temp), before) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not raylet_ended(str(temp), before)
+        finally:
+            in_tried.kill()
+            in_tried.wait()
+        assert raylet_ended(str(temp), before)
+    finally:
+        in_earlier.kill()
+        in_earlier.wait()
 
 
 def test_patient_ray_is_rays_command_line_with_the_nodes_wait(monkeypatch):
