@@ -117,7 +117,8 @@ def _line(proc: subprocess.Popen, log: Path, timeout: float) -> str:
 
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
     line = proc.stdout.readline() if ready else ""
-    assert line, f"no line from the driver in {timeout:.0f} s ({machine_load()}):\n{log.read_text()[-3000:]}"
+    ended = "" if proc.poll() is None else f", it ended with exit code {proc.returncode}"
+    assert line, f"no line from the driver within {timeout:.0f} s{ended} ({machine_load()}):\n{log.read_text()[-3000:]}"
     return line.strip()
 
 
