@@ -136,6 +136,10 @@ def _tree(root: int) -> dict[int, tuple[float, str]]:
     return found
 
 
+def _has_agents(tree: dict[int, tuple[float, str]]) -> bool:
+    return all(any(title.startswith(agent) for _, title in tree.values()) for agent in AGENTS)
+
+
 def _alive(tree: dict[int, tuple[float, str]]) -> dict[int, str]:
     """Those of `tree` still running (the same pid and start time, no zombie)."""
     alive = {}
@@ -155,10 +159,10 @@ def test_a_sigkilled_drivers_ray_session_ends_within_seconds(ray_tmp, tmp_path):
     try:
         _line(driver, log, START_S)  # Ray is up, the watchdog armed, a worker answered
         deadline = time.monotonic() + 120
-        while not AGENTS <= {title for _, title in _tree(driver.pid).values()} and time.monotonic() < deadline:
+        while not _has_agents(tree := _tree(driver.pid)) and time.monotonic() < deadline:
             time.sleep(0.5)
-        tree = _tree(driver.pid)
-        assert AGENTS <= {title for _, title in tree.values()}, tree
+        assert _has_agents(tree), "the session's agents did not show up; its processes:\n" + "\n".join(
+            f"{pid}: {title}" for pid, (_, title) in tree.items())
         driver.kill()
         driver.wait()
         killed = time.monotonic()
