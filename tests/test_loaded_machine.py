@@ -153,14 +153,14 @@ def test_the_products_ray_start_tries_again_and_ends_in_one_line_with_the_load(m
 
     ray_own = services.get_node
     patient_during_init = []
-    monkeypatch.setattr(ray_cluster, "patient_get_node", lambda get_node, wait_s: ("patient", get_node, wait_s))
+    monkeypatch.setattr(ray_cluster, "patient_get_node",
+                        lambda get_node, wait_s, raylet_ended: ("patient", get_node, wait_s, raylet_ended.func))
     monkeypatch.setattr(ray_cluster.ray, "init", lambda **kwargs: patient_during_init.append(services.get_node))
     ray_cluster.init_local_ray(address="local")
-    assert patient_during_init == [("patient", ray_own, ray_cluster.REGISTRATION_WAIT_S)]
+    assert patient_during_init == [("patient", ray_own, ray_cluster.REGISTRATION_WAIT_S, ray_cluster.raylet_ended)]
     assert services.get_node is ray_own  # restored after the start
     monkeypatch.setattr(ray_cluster.ray, "shutdown", lambda: None)
-    monkeypatch.setattr(ray_cluster, "_kill_ray_children", lambda: None)
-    monkeypatch.setattr(ray_cluster.ray, "init", init([late, late, "context"]))
+    monkeypatch.setattr(ray_cluster.ray, "init", init([late, ray_cluster.RayletEnded("ended"), "context"]))
     assert ray_cluster.init_local_ray(address="local") == "context" and len(calls) == 3
     calls.clear()
     monkeypatch.setattr(ray_cluster.ray, "init", init([late]))
@@ -176,10 +176,60 @@ def test_the_products_ray_start_tries_again_and_ends_in_one_line_with_the_load(m
     assert len(calls) == 1
 
 
+# A process of a Ray session: it opens the log named by LOG for writing, says so, and sleeps; its
+# command line names the session only when asked to (the GCS, the raylet), as Ray's retitled agents' do not.
+SESSION_PROCESS = ("import os, time; f = open(os.environ['LOG'], 'a'); print('open', flush=True); "
+                   "time.sleep(600)")
+
+
+def test_a_failed_start_try_is_stopped_by_its_session_directory_and_nothing_else(monkeypatch, tmp_path):
+    """What a try whose node missed its window started is stopped before the next try, found by the session directory
+    Ray named after this process: the processes naming it and those only writing its logs (the agents, retitled, and
+    re-parented when the raylet gave up). Another cluster's session, and one this process started before the try,
+    keep theirs; the next try's session does not exist yet."""
+    from openrlhf_tis.cli import ray_cluster
+
+    temp = tmp_path / "ray"
+    earlier = temp / f"session_2026-01-01_00-00-00_000001_{os.getpid()}"
+    other = temp / "session_2026-01-01_00-00-00_000002_1"  # another cluster on the machine
+    tried = temp / f"session_2026-01-01_00-00-01_000003_{os.getpid()}"
+    started: dict[str, list[subprocess.Popen]] = {}
+
+    def start_session(session: Path) -> None:
+        (session / "logs").mkdir(parents=True)
+        env = {**os.environ, "LOG": str(session / "logs" / "agent.log")}
+        writer = subprocess.Popen([sys.executable, "-c", SESSION_PROCESS], stdout=subprocess.PIPE, text=True, env=env)
+        naming = subprocess.Popen([sys.executable, "-c", SESSION_PROCESS, str(session)], stdout=subprocess.PIPE,
+                                  text=True, env={**env, "LOG": str(session / "logs" / "gcs_server.out")})
+        assert writer.stdout.readline() == naming.stdout.readline() == "open\n"
+        started[session.name] = [writer, naming]
+
+    def ray_init(**kwargs):
+        assert kwargs["_temp_dir"] == str(temp)
+        if tried.name in started:
+            return "context"
+        start_session(tried)
+        raise Exception("The current node timed out during startup. This could happen because ...")
+
+    monkeypatch.setattr(ray_cluster.ray, "init", ray_init)
+    monkeypatch.setattr(ray_cluster.ray, "shutdown", lambda: None)
+    start_session(earlier)
+    start_session(other)
+    try:
+        assert ray_cluster.init_local_ray(address="local", _temp_dir=str(temp)) == "context"
+        assert [proc.poll() is not None for proc in started[tried.name]] == [True, True]
+        assert [proc.poll() for name in (earlier.name, other.name) for proc in started[name]] == [None] * 4
+    finally:
+        for proc in (proc for procs in started.values() for proc in procs):
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
+
+
 def test_a_patient_get_node_asks_again_until_its_window_closes():
     """Ray's node start gives up 30 s after a failed `get_node`: the patient one keeps asking (1 s apart) while the
     node is not in the GCS yet, for its whole window, then raises Ray's own error; other errors at once."""
-    from openrlhf_tis.cli.ray_cluster import patient_get_node
+    from openrlhf_tis.cli.ray_cluster import RayletEnded, patient_get_node
 
     now = [0.0]
     asked = []
@@ -209,6 +259,47 @@ def test_a_patient_get_node_asks_again_until_its_window_closes():
     with pytest.raises(ValueError, match="bad node id"):
         patient_get_node(get_node([ValueError("bad node id")]), 10.0, clock=lambda: now[0], sleep=sleep)("g", "n")
     assert len(asked) == 1
+    asked.clear()
+    now[0] = 0.0
+    checks = []
+    ended_after_two = patient_get_node(get_node([absent]), 100.0, raylet_ended=lambda: checks.append(now[0]) or
+                                       len(checks) > 2, clock=lambda: now[0], sleep=sleep)
+    with pytest.raises(RayletEnded):  # a raylet that ended cannot register: no waiting out the window
+        ended_after_two("g", "n")
+    assert len(asked) == 3 and checks == [0.0, 1.0, 2.0]
+
+
+def test_a_try_whose_raylet_ended_is_one_whose_session_has_no_raylet_running(tmp_path):
+    """raylet_ended reads the sessions this process started since the try began: a raylet running in one of them
+    (found by its session, cli/lifetime.py session_processes) means the node may still register; one in another
+    session, this process's earlier one included, does not count."""
+    from openrlhf_tis.cli.ray_cluster import raylet_ended
+
+    temp = tmp_path / "ray"
+    earlier = temp / f"session_2026-01-01_00-00-00_000001_{os.getpid()}"
+    tried = temp / f"session_2026-01-01_00-00-01_000002_{os.getpid()}"
+    earlier.mkdir(parents=True)
+    before = {str(earlier)}
+    raylet = tmp_path / "raylet"  # a process named raylet (its executable's name), as Ray's is
+    raylet.symlink_to(sys.executable)
+    in_earlier = subprocess.Popen([raylet, "-c", "import time; time.sleep(600)", str(earlier)])
+    try:
+        assert raylet_ended(str(temp), before)  # the try's session is not even made yet
+        tried.mkdir()
+        assert raylet_ended(str(temp), before)  # made, but its raylet is not started (or ended)
+        in_tried = subprocess.Popen([raylet, "-c", "import time; time.sleep(600)", str(tried)])
+        try:
+            deadline = time.monotonic() + 30  # the process table, read by psutil, may lag under load
+            while raylet_ended(str(temp), before) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not raylet_ended(str(temp), before)
+        finally:
+            in_tried.kill()
+            in_tried.wait()
+        assert raylet_ended(str(temp), before)
+    finally:
+        in_earlier.kill()
+        in_earlier.wait()
 
 
 def test_patient_ray_is_rays_command_line_with_the_nodes_wait(monkeypatch):

@@ -496,34 +496,62 @@ def _umask() -> int:
 
 # --- nothing outlives a killed run ----------------------------------------------------------------------
 
+# A process of a Ray session whose command line names nothing (a retitled agent, `ray::DashboardAgent`): it writes
+# the session's log named by LOG, says so, and sleeps; with READ_ONLY it reads the log instead (a `tail -f`).
+LOG_HOLDER = ("import os, time; f = open(os.environ['LOG'], 'r' if os.environ.get('READ_ONLY') else 'a'); "
+          "print('open', flush=True); time.sleep(600)")
+
 DRIVER = textwrap.dedent("""
     import os, subprocess, sys, time
     from openrlhf_tis.cli.lifetime import reap_when_gone
-    marker = os.environ["MARKER"]  # not in this driver's own command line, as a Ray session dir is not
-    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", marker], start_new_session=True)
-    print("started" if reap_when_gone(marker) else "not armed", flush=True)
+    session = os.environ["SESSION"]  # not in this driver's own command line, as a Ray session dir is not
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", session], start_new_session=True)
+    agent = subprocess.Popen([sys.executable, "-c", os.environ["LOG_HOLDER"]], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    agent.stdout.readline()  # its log is open
+    print("started" if reap_when_gone(session) else "not armed", flush=True)
     time.sleep(600)
 """)
 
 
 def test_what_a_killed_driver_started_is_stopped_by_its_watchdog(tmp_path):
-    from openrlhf_tis.cli.lifetime import GRACE_S, leftover_processes
+    """The watchdog stops the session's processes whether their command line names the session (the GCS, the raylet)
+    or they only write its logs (the agents retitle themselves); a process that only reads a log is not the session's.
+    """
+    import psutil
 
-    marker = str(tmp_path / "session_x")  # as a Ray session directory names its processes
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "MARKER": marker})
-    assert driver.stdout.readline().strip() == "started"  # reap_when_gone returned only once its watchdog was armed
-    deadline = time.monotonic() + 30  # both are started (Popen returned after their exec); the process table, read
-    while len(leftover_processes(marker)) < 2 and time.monotonic() < deadline:  # by psutil, may lag under load
-        time.sleep(0.2)
-    assert len(leftover_processes(marker)) == 2  # the straggler and the watchdog itself
-    driver.kill()  # kill -9: no atexit, no ray.shutdown
-    driver.wait()
-    driver.stdout.close()
-    deadline = time.monotonic() + 3 * GRACE_S + 10
-    while leftover_processes(marker) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert leftover_processes(marker) == []
+    from openrlhf_tis.cli.lifetime import GRACE_S, session_processes
+
+    session = tmp_path / "session_x"  # as a Ray session directory holds its processes' logs
+    (session / "logs").mkdir(parents=True)
+    log = session / "logs" / "dashboard_agent.log"
+    log.touch()
+    env = {**os.environ, "SESSION": str(session), "LOG": str(log), "LOG_HOLDER": LOG_HOLDER}
+    reader = subprocess.Popen([sys.executable, "-c", LOG_HOLDER], stdout=subprocess.PIPE, text=True,
+                              env={**env, "READ_ONLY": "1"})
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert reader.stdout.readline() == "open\n"
+        assert driver.stdout.readline().strip() == "started"  # reap_when_gone returned once its watchdog was armed
+        deadline = time.monotonic() + 30  # all are started (Popen returned after their exec); the process table,
+        while len(session_processes(str(session))) < 3 and time.monotonic() < deadline:  # read by psutil, may lag
+            time.sleep(0.2)
+        found = session_processes(str(session))
+        assert len(found) == 3  # the straggler naming the session, the agent writing its log, and the watchdog
+        assert reader.pid not in {proc.pid for proc in found}
+        driver.kill()  # kill -9: no atexit, no ray.shutdown
+        driver.wait()
+        deadline = time.monotonic() + 3 * GRACE_S + 10
+        while session_processes(str(session)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert session_processes(str(session)) == []
+        assert all(not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE for proc in found)
+        assert reader.poll() is None  # a reader of the session's logs is left alone
+    finally:
+        for proc in (driver, reader):
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
 
 
 def test_a_child_of_a_notebook_dies_with_it(tmp_path):

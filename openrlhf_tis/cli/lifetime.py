@@ -8,9 +8,10 @@
   PR_SET_PDEATHSIG) for SIGTERM when that parent dies.
 - The Ray session a run started goes with it. Ray fate-shares its GCS and raylet with the driver, but the
   raylet's dashboard and runtime-env agents, after a kill -9 of the driver, try to report the raylet's
-  death to the dead GCS and linger. A watchdog (`python -m openrlhf_tis.cli.lifetime SESSION_DIR`, in its
-  own session so a kill of the driver's process group spares it) waits for the driver's end (EOF on a
-  pipe only the driver holds), then stops every process still running from that session's directory.
+  death to the dead GCS and linger (about a minute, measured: docs/run_store.md). A watchdog (`python -m
+  openrlhf_tis.cli.lifetime SESSION_DIR`, in its own session so a kill of the driver's process group spares it)
+  waits for the driver's end (EOF on a pipe only the driver holds), then stops every process of that session
+  (`session_processes`).
 - A training process stopped on purpose (Ctrl-C in a notebook, the main job or a sweep) is stopped with all it
   started: `stop_process_tree` sends SIGTERM (the CLI's driver then shuts Ray down, which ends the run's actors,
   the controller that writes metrics.jsonl among them) and returns only once every process of the tree has
@@ -53,31 +54,65 @@ ARMED = b"armed\n"
 ARM_TIMEOUT_S = 60.0  # a watchdog starts a bare Python (~0.1 s); a loaded 2-core machine can take far longer
 
 
-def reap_when_gone(marker: str, timeout: float = ARM_TIMEOUT_S) -> bool:
-    """Start the watchdog that stops the processes whose command line holds `marker` once this process ends, and
-    return once it is armed (it says so on its stdout): True, or False with a warning when it did not say so within
-    `timeout` seconds (the run goes on; only the clean-up after a kill -9 is at stake)."""
-    watchdog = subprocess.Popen([sys.executable, "-m", __name__, marker], stdin=subprocess.PIPE,
+def reap_when_gone(session_dir: str, timeout: float = ARM_TIMEOUT_S) -> bool:
+    """Start the watchdog that stops the processes of the Ray session in `session_dir` (`session_processes`) once
+    this process ends, and return once it is armed (it says so on its stdout): True, or False with a warning when
+    it did not say so within `timeout` seconds (the run goes on; only the clean-up after a kill -9 is at stake)."""
+    watchdog = subprocess.Popen([sys.executable, "-m", __name__, session_dir], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
     _watchdogs.append(watchdog)
     ready, _, _ = select.select([watchdog.stdout], [], [], timeout)
     armed = bool(ready) and watchdog.stdout.readline() == ARMED
     watchdog.stdout.close()
     if not armed:
-        print(f"[openrlhf_tis] warning: the watchdog for {marker} did not start within {timeout:g} s (exit code "
+        print(f"[openrlhf_tis] warning: the watchdog for {session_dir} did not start within {timeout:g} s (exit code "
               f"{watchdog.poll()}); if this run is killed, stop what it leaves running yourself", file=sys.stderr)
     return armed
 
 
-def leftover_processes(marker: str) -> list:
-    """Live processes (psutil.Process, this one excepted) whose command line mentions `marker`."""
+def session_processes(session_dir: str) -> list:
+    """Live processes (psutil.Process, this one excepted) of the Ray session in `session_dir`: those whose command
+    line names it (GCS, raylet, dashboard, monitors) and those writing a file under it. Ray's agents and workers
+    retitle themselves (`ray::DashboardAgent`, `ray::IDLE`), so their command lines name nothing, but their output
+    goes to the session's logs, and so does that of every process they start. A reader (`tail -f` of a log) is
+    not one of them, nor is another session's process."""
     import psutil  # a dependency of Ray and DeepSpeed, which a training process has; not of a notebook kernel
 
+    under = os.path.join(os.path.realpath(session_dir), "")  # /proc names open files by their real paths
     found = []
     for proc in psutil.process_iter(["cmdline"]):
-        if proc.pid != os.getpid() and any(marker in part for part in proc.info["cmdline"] or ()):
+        if proc.pid != os.getpid() and (any(session_dir in part for part in proc.info["cmdline"] or ())
+                                        or _writes_under(proc, under)):
             found.append(proc)
     return found
+
+
+def _writes_under(proc, directory: str) -> bool:
+    import psutil
+
+    try:
+        return any(file.path.startswith(directory) and file.mode != "r" for file in proc.open_files())
+    except psutil.Error:  # ended meanwhile, or another user's
+        return False
+
+
+def stop_session(session_dir: str, grace: float = GRACE_S) -> None:
+    """SIGTERM every process of the Ray session in `session_dir`, SIGKILL those still running `grace` seconds later;
+    the session is read again until it is empty (a raylet may start a worker meanwhile), at most three times."""
+    import psutil
+
+    for _ in range(3):
+        procs = session_processes(session_dir)
+        if not procs:
+            return
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.terminate()
+        _, alive = psutil.wait_procs(procs, timeout=grace)
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(alive, timeout=grace)
 
 
 def stop_process_tree(pids: list[int], timeout: float = STOP_TIMEOUT_S) -> None:
@@ -130,27 +165,14 @@ def _running(proc) -> bool:
         return False
 
 
-def _watch(marker: str) -> None:
-    import psutil
-
+def _watch(session_dir: str) -> None:
     sys.stdout.buffer.write(ARMED)  # reap_when_gone returns on this: from now on the driver's end is seen
     sys.stdout.buffer.flush()
     sys.stdout.close()
     while sys.stdin.buffer.read(1 << 16):  # EOF: the driver ended
         pass
     time.sleep(GRACE_S)
-    procs = leftover_processes(marker)
-    for proc in procs:
-        try:
-            proc.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=GRACE_S)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
+    stop_session(session_dir)
 
 
 if __name__ == "__main__":

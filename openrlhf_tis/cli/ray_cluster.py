@@ -10,6 +10,9 @@ minutes. What a local cluster leaves after its driver is killed is stopped by cl
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import glob
 import os
 import sys
 import time
@@ -19,7 +22,7 @@ from typing import Any
 import ray
 
 from openrlhf_tis.cli.build_locks import clear_stale_build_locks
-from openrlhf_tis.cli.lifetime import reap_when_gone
+from openrlhf_tis.cli.lifetime import reap_when_gone, session_processes, stop_session
 from openrlhf_tis.cli.ray_address import ADDRESS_VAR, check_ray_address
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.run_device import DEVICE_ENV, check_run_device
@@ -127,6 +130,11 @@ class RayStartError(RuntimeError):
     """A new local Ray cluster whose node missed the registration window on every try (a busy machine)."""
 
 
+class RayletEnded(Exception):
+    """A try's raylet ended before its node registered: waiting longer cannot help (measured at a load of 8.5 on 2
+    cores: the raylet aborted 16 s after its start, its dashboard agent's ports not written within Ray's fixed 15 s)."""
+
+
 def machine_load() -> str:
     """The load averages and the cores, as a failure on a busy machine should say them."""
     one, five, fifteen = os.getloadavg()
@@ -134,17 +142,21 @@ def machine_load() -> str:
 
 
 def patient_get_node(get_node: Callable[[str, str], Any], wait_s: float, *,
+                     raylet_ended: Callable[[], bool] = lambda: False,
                      clock: Callable[[], float] = time.monotonic,
                      sleep: Callable[[float], None] = time.sleep) -> Callable[[str, str], Any]:
     """Ray's `services.get_node`, asked again for `wait_s` while the node is not yet in the GCS (RuntimeError):
     Ray's start loop checks its 30 s only after a call returns, so one patient call is the window Ray lacks a
-    setting for. Any other error, and the last RuntimeError after `wait_s`, is raised as Ray raised it."""
+    setting for. Any other error, and the last RuntimeError after `wait_s`, is raised as Ray raised it; RayletEnded
+    as soon as `raylet_ended()` says the node can no longer register."""
     def patient(gcs_address: str, node_id: str) -> Any:
         deadline = clock() + wait_s
         while True:
             try:
                 return get_node(gcs_address, node_id)
             except RuntimeError:
+                if raylet_ended():
+                    raise RayletEnded("the raylet ended before its node registered") from None
                 if clock() >= deadline:
                     raise
                 sleep(1.0)
@@ -155,41 +167,54 @@ def init_local_ray(**kwargs):
     """ray.init for a new local cluster whose raylet gets `REGISTRATION_WAIT_S` to register, tried again if missed.
 
     While ray.init starts the node, Ray's `services.get_node` is the patient one (`patient_get_node`; restored
-    after). A try whose node still missed the window raises "node timed out during startup"; the half-started
-    cluster (its GCS and raylet, children of this process that Ray no longer tracks) is killed before the next try.
-    Any other error is raised at once; the last try's timeout raises RayStartError, one line with the machine's load
+    after). A try whose node still missed the window raises "node timed out during startup", or RayletEnded at once
+    when its raylet ended (aborted) before registering; what the try started is stopped before the next one, found
+    by the try's session directory (`started_sessions`, then cli/lifetime.py `stop_session`): its GCS and raylet
+    (children of this process that Ray no longer tracks), and its agents, re-parented when the raylet gave up. Any
+    other error is raised at once; the last try's failure raises RayStartError, one line with the machine's load
     (the CLI prints it as it is).
     """
+    from ray._common.utils import get_default_ray_temp_dir
     from ray._private import services
 
     require_version("ray", "==2.55.0", patch=_THIS_FILE)
+    temp_dir = kwargs.get("_temp_dir") or get_default_ray_temp_dir()
     for attempt in range(1, STARTUP_TRIES + 1):
+        before = started_sessions(temp_dir)
+        ended = functools.partial(raylet_ended, temp_dir, before)
         try:
-            with swapped(services, "get_node", patient_get_node(services.get_node, REGISTRATION_WAIT_S),
-                         patch=_THIS_FILE):
+            with swapped(services, "get_node", patient_get_node(services.get_node, REGISTRATION_WAIT_S,
+                                                                raylet_ended=ended), patch=_THIS_FILE):
                 return ray.init(**kwargs)
         except Exception as err:  # Ray raises a bare Exception here
-            if "timed out during startup" not in str(err):
+            if not isinstance(err, RayletEnded) and "timed out during startup" not in str(err):
                 raise
             ray.shutdown()
-            _kill_ray_children()
+            for session_dir in sorted(started_sessions(temp_dir) - before):
+                stop_session(session_dir)
             if attempt == STARTUP_TRIES:
-                raise RayStartError(f"Ray's node did not register within {REGISTRATION_WAIT_S:.0f} s on "
-                                    f"{STARTUP_TRIES} tries ({machine_load()}): the machine is too busy to start "
-                                    "Ray; run again when it is quieter") from None
-            print(f"[openrlhf_tis] Ray's node did not register in time (try {attempt} of {STARTUP_TRIES}, "
-                  f"{machine_load()}); starting it again", file=sys.stderr)
+                raise RayStartError(f"Ray's node did not register on {STARTUP_TRIES} tries of up to "
+                                    f"{REGISTRATION_WAIT_S:.0f} s ({machine_load()}): the machine is too busy to "
+                                    "start Ray; run again when it is quieter") from None
+            print(f"[openrlhf_tis] Ray's node did not register ({err if isinstance(err, RayletEnded) else 'in time'}; "
+                  f"try {attempt} of {STARTUP_TRIES}, {machine_load()}); starting it again", file=sys.stderr)
 
 
-def _kill_ray_children() -> None:
+def started_sessions(temp_dir: str) -> set[str]:
+    """The session directories under Ray's `temp_dir` of the clusters this process started: Ray 2.55 names a new
+    head's session `session_<date>_<pid of the process that started it>` (ray/_private/node.py). Those that appear
+    during a try are the try's; another cluster on the machine, or the next try, is never among them."""
+    return set(glob.glob(os.path.join(glob.escape(temp_dir), f"session_*_{os.getpid()}")))
+
+
+def raylet_ended(temp_dir: str, before: set[str]) -> bool:
+    """Whether no raylet runs in the sessions this process started under `temp_dir` since `before` (a try's)."""
     import psutil
 
-    ours = []
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if "ray" in " ".join(proc.cmdline()).lower():
-                proc.kill()
-                ours.append(proc)
-        except psutil.Error:  # already gone
-            pass
-    psutil.wait_procs(ours, timeout=10)
+    def is_raylet(proc) -> bool:
+        with contextlib.suppress(psutil.Error):
+            return proc.name() == "raylet"
+        return False
+
+    return not any(is_raylet(proc) for session_dir in started_sessions(temp_dir) - before
+                   for proc in session_processes(session_dir))
