@@ -5,7 +5,8 @@ Ray 2.55 gives a node it starts 30 s to register in the GCS (ray/_private/node.p
 machine the raylet takes longer and `ray start` dies with "The current node timed out during startup" (seen in a
 fresh-clone run of the suite beside other work: a test's head failed 5 tries of 160 s each, `Deadline Exceeded`).
 The fork's own local clusters wait `REGISTRATION_WAIT_S` (cli/ray_cluster.py `init_local_ray`); a cluster started by
-hand for `ray job submit`, and the tests' heads, get the same wait through this command.
+hand for `ray job submit`, and the tests' heads, get the same wait through this command, and their agents' ports
+chosen before the raylet starts (cli/agent_ports.py).
 
 `--no-ray-client`: start no Ray Client server (`ray://`; `ray job submit` talks to the dashboard instead). A head's
 client server starts beside its raylet and waits for the node for Ray's fixed 30 s (`services.get_node_with_retry`,
@@ -20,6 +21,7 @@ import contextlib
 import sys
 from collections.abc import Sequence
 
+from openrlhf_tis.cli.agent_ports import agent_ports_given
 from openrlhf_tis.cli.ray_cluster import REGISTRATION_WAIT_S, patient_get_node
 from openrlhf_tis.upstream_guards import require_version, swapped
 
@@ -48,6 +50,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with contextlib.ExitStack() as swaps:
         swaps.enter_context(swapped(services, "get_node", patient_get_node(services.get_node, REGISTRATION_WAIT_S),
                                     patch=_THIS_FILE))
+        swaps.enter_context(agent_ports_given())
         if no_client:
             swaps.enter_context(swapped(ray_scripts, "get_ray_client_dependency_error", _ray_client_left_out,
                                         patch=_THIS_FILE))

@@ -21,6 +21,7 @@ from typing import Any
 
 import ray
 
+from openrlhf_tis.cli.agent_ports import agent_ports_given
 from openrlhf_tis.cli.build_locks import clear_stale_build_locks
 from openrlhf_tis.cli.lifetime import reap_when_gone, session_processes, stop_session
 from openrlhf_tis.cli.ray_address import ADDRESS_VAR, check_ray_address
@@ -167,9 +168,10 @@ def init_local_ray(**kwargs):
     """ray.init for a new local cluster whose raylet gets `REGISTRATION_WAIT_S` to register, tried again if missed.
 
     While ray.init starts the node, Ray's `services.get_node` is the patient one (`patient_get_node`; restored
-    after). A try whose node still missed the window raises "node timed out during startup", or RayletEnded at once
-    when its raylet ended (aborted) before registering; what the try started is stopped before the next one, found
-    by the try's session directory (`started_sessions`, then cli/lifetime.py `stop_session`): its GCS and raylet
+    after), and the node's agent ports are chosen before its raylet starts (cli/agent_ports.py). A try whose node
+    still missed the window raises "node timed out during startup", or RayletEnded at once when its raylet ended
+    (aborted) before registering; what the try started is stopped before the next one, found by the try's session
+    directory (`started_sessions`, then cli/lifetime.py `stop_session`): its GCS and raylet
     (children of this process that Ray no longer tracks), and its agents, re-parented when the raylet gave up. Any
     other error is raised at once; the last try's failure raises RayStartError, one line with the machine's load
     (the CLI prints it as it is).
@@ -184,7 +186,8 @@ def init_local_ray(**kwargs):
         ended = functools.partial(raylet_ended, temp_dir, before)
         try:
             with swapped(services, "get_node", patient_get_node(services.get_node, REGISTRATION_WAIT_S,
-                                                                raylet_ended=ended), patch=_THIS_FILE):
+                                                                raylet_ended=ended), patch=_THIS_FILE), \
+                    agent_ports_given():
                 return ray.init(**kwargs)
         except Exception as err:  # Ray raises a bare Exception here
             if not isinstance(err, RayletEnded) and "timed out during startup" not in str(err):
