@@ -131,3 +131,52 @@ def test_a_training_step_replays_and_tallies_the_routers_own_choice(actor):
     assert metrics["moe/k3_routing_differed"] == pytest.approx(k3)
     assert metrics["moe/k3_routing_same"] == pytest.approx(k3)
     assert math.isnan(routing.step_metrics(None, "cpu")["moe/routing_agreement"])  # the tally restarted
+
+
+def _differed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(tokens,) whether two routings' top-k sets differ in some layer (sorted: a top-k's order is the kernel's)."""
+    return (a.sort(-1).values != b.sort(-1).values).any(-1).any(-1)
+
+
+def test_r2_records_pi_old_routing_and_the_update_replays_it_after_the_weights_moved(actor):
+    """R2: the π_old forward records what the routers chose (each sample's own routing, as if run alone); once the
+    weights moved (the policy update), the π_θ forward replays that routing, not the new router's, and the step's
+    moe/* count the tokens whose new routing departed from π_old's."""
+    routing = ActorRouting(unwrapped_model(actor), packed=False, k3_by_cause=False)
+    samples = _samples()
+    sequences, mask = _batch(samples)
+    with torch.no_grad():
+        old_log_probs, recorded = routing.record_own(lambda: _log_probs(actor, sequences, mask), mask)
+        for tokens, own in zip(samples, recorded, strict=True):
+            assert own.dtype == torch.int16 and torch.equal(own.long(), _own_routing(actor, routing, tokens))
+        saved = {layer: router.weight.detach().clone() for layer, router in routing.routers.items()}
+        gen = torch.Generator().manual_seed(3)
+        for router in routing.routers.values():  # the update moved the routers
+            router.weight.add_(0.6 * torch.randn(router.weight.shape, generator=gen))
+    try:
+        moved = [_own_routing(actor, routing, tokens) for tokens in samples]
+        changed = torch.cat([_differed(a, b.long()) for a, b in zip(moved, recorded, strict=True)])
+        assert 0 < int(changed.sum()) < len(changed)  # some tokens route elsewhere now: the test can fail
+        action_mask = mask[:, 1:].bool()  # every next token of each sample is an action
+        experience = Experience(sequences=sequences, attention_mask=mask, action_mask=action_mask,
+                                action_log_probs=old_log_probs, rollout_log_probs=None,
+                                info={ROUTED_EXPERTS: recorded})
+        trained = []
+        with torch.no_grad():
+            replay_training_step(routing, experience, lambda batch: trained.append(_log_probs(actor, sequences, mask)))
+            for i, tokens in enumerate(samples):
+                with replaying(routing.routers, recorded[i], num_layers=LAYERS):
+                    alone = _log_probs(actor, tokens[None], torch.ones(1, len(tokens), dtype=torch.long))[0]
+                torch.testing.assert_close(trained[0][i, :len(tokens) - 1], alone, rtol=0, atol=1e-5)
+            assert (trained[0] - _log_probs(actor, sequences, mask))[action_mask].abs().max() > 1e-3
+        metrics = routing.step_metrics(None, "cpu")
+        scored = torch.cat([_differed(a, b.long())[:-1] for a, b in zip(moved, recorded, strict=True)])
+        assert metrics["moe/tokens_routing_differed"] == pytest.approx(float(scored.float().mean()))
+        pairs = torch.cat([(a.sort(-1).values == b.long().sort(-1).values).all(-1)[:, [0, 2]]
+                           for a, b in zip(moved, recorded, strict=True)])
+        assert metrics["moe/routing_agreement"] == pytest.approx(float(pairs.float().mean()))
+        assert "moe/k3_routing_differed" not in metrics and "moe/k3_routing_same" not in metrics
+    finally:
+        with torch.no_grad():
+            for layer, router in routing.routers.items():
+                router.weight.copy_(saved[layer])

@@ -28,6 +28,7 @@ from openrlhf_tis.moe.routing_batch import (
     positions_from_rows,
     router_rows,
     sample_routing,
+    sample_routings,
 )
 from openrlhf_tis.moe.routing_metrics import NO_ROUTE, RoutingTally, routing_metrics
 
@@ -149,3 +150,26 @@ def test_prompt_tokens_count_in_the_agreement_not_in_the_token_metrics():
     assert metrics["moe/tokens_routing_differed"] == 0.0  # the differing token has no log-ratio
     assert metrics["moe/k3_routing_same"] == pytest.approx(((math.exp(0.5) - 1.5) + (math.exp(0.1) - 1.1)) / 2)
     assert math.isnan(metrics["moe/k3_routing_differed"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=4), st.integers(0, 3))
+def test_sample_routings_undo_batch_routing(lengths, extra):
+    """What R2 records per batch (trainer/moe_replay.py `record_own`) rides as one routing per sample, and placed on a
+    batch again (`batch_routing`, the π_θ forward's) it lands on the same tokens: any lengths, any padding."""
+    width = max(lengths) + extra
+    mask = torch.tensor([[1] * n + [0] * (width - n) for n in lengths])
+    per_position = torch.arange(len(lengths) * width * LAYERS * K).reshape(len(lengths), width, LAYERS, K) % 97
+    routings = sample_routings(per_position, mask)
+    assert [tuple(r.shape) for r in routings] == [(n, LAYERS, K) for n in lengths]
+    assert all(r.dtype == torch.int16 for r in routings)
+    back = batch_routing(routings, mask)
+    attended = mask.bool()
+    assert torch.equal(back[attended], per_position[attended]) and (back[~attended] == U).all()
+
+
+def test_sample_routings_refuse_what_they_cannot_cut():
+    with pytest.raises(ValueError, match="right-padded"):
+        sample_routings(torch.zeros(1, 3, LAYERS, K), torch.tensor([[0, 1, 1]]))
+    with pytest.raises(ValueError, match=r"\(batch, seq, layers, k\)"):
+        sample_routings(torch.zeros(1, 2, LAYERS, K), torch.tensor([[1, 1, 0]]))

@@ -21,6 +21,7 @@ from openrlhf_tis.moe.routing_metrics import NO_ROUTE
 from openrlhf_tis.rollout.routing_capture import RoutingCapture
 
 LAYERS, MOE_LAYERS, EXPERTS = 3, (0, 2), 8  # layer 1 has no experts
+BLOCK = 4  # KV-cache block size, in tokens
 
 
 def _experts(request: int, position: int, layer: int, epoch: int) -> list[int]:
@@ -35,16 +36,28 @@ class _Router:
 
 
 class _Engine:
-    """A model runner and its MoE routers, running steps as vLLM does: lay the step out, then each layer reports."""
+    """A model runner and its MoE routers, running steps as vLLM does: lay the step out, then each layer reports.
 
-    def __init__(self):
+    With `block_tables` (engine request id -> its KV block ids) prefix caching is on and the runner's block table
+    holds each scheduled request's blocks, in the input batch's order."""
+
+    def __init__(self, block_tables: dict[str, list[int]] | None = None):
         self.runner = SimpleNamespace(input_batch=SimpleNamespace(), query_start_loc=SimpleNamespace())
+        self.block_tables = block_tables
+        if block_tables is not None:
+            self.runner.cache_config = SimpleNamespace(enable_prefix_caching=True)
+            self.runner.input_batch.block_table = [SimpleNamespace(block_size=BLOCK, block_table=SimpleNamespace())]
         self.routers = {layer: _Router() for layer in MOE_LAYERS}
         self.capture = RoutingCapture(self.runner, LAYERS, self.routers)
 
     def step(self, scheduled: list[tuple[str, int, int, int]], padding: int = 0, skip_layer: int | None = None):
         """`scheduled`: (engine request id, first position, rows, epoch) in the input batch's order."""
         rows = [n for _, _, n, _ in scheduled]
+        if self.block_tables is not None:  # rows in the batch's order, wider than needed, spare rows of stale ids
+            table = np.full((len(scheduled) + 2, 64), 9999, dtype=np.int32)
+            for i, (req_id, *_) in enumerate(scheduled):
+                table[i, :len(self.block_tables[req_id])] = self.block_tables[req_id]
+            self.runner.input_batch.block_table[0].block_table.np = table
         self.runner.input_batch.num_reqs = len(scheduled)
         self.runner.input_batch.req_ids = [r for r, *_ in scheduled] + [None] * 2  # the batch keeps spare slots
         self.runner.input_batch.num_computed_tokens_cpu = np.array([p for _, p, _, _ in scheduled] + [999, 999])
@@ -99,6 +112,87 @@ def test_each_row_lands_at_its_request_and_position_and_the_last_computation_win
             for layer in MOE_LAYERS:
                 want[p, layer] = _experts(r, p, layer, epoch)
         np.testing.assert_array_equal(taken[f"r{r}"], want)
+
+
+@st.composite
+def _shared_prefixes(draw):
+    """Requests over prompts: a request may share the full blocks of an earlier request's prefix (a prefix-cache hit:
+    its first steps start past them, on the same KV blocks), or start after cached blocks the capture never saw
+    computed; each is computed in chunks, steps interleaving requests, and may be preempted (recomputed from its
+    cached prefix, on its own blocks)."""
+    num = draw(st.integers(1, 4))
+    total = [draw(st.integers(1, 60)) for _ in range(num)]  # positions each request will compute up to
+    blocks, next_block, donors, cached = [], 0, [], []
+    for r in range(num):
+        own = list(range(next_block, next_block + 16))
+        next_block += 16
+        donor = draw(st.sampled_from([None, *range(r)])) if r else None
+        shared = draw(st.integers(0, min(total[donor], total[r]) // BLOCK)) if donor is not None else 0
+        unseen = draw(st.integers(0, 2)) if donor is None else 0  # cached before the capture: never computed here
+        own[:shared] = blocks[donor][:shared] if shared else []
+        blocks.append(own)
+        donors.append(donor)
+        cached.append(BLOCK * (shared or unseen))
+    computed, epoch, steps, started = list(cached), [0] * num, [], [False] * num
+    for r in range(num):  # in order: a request starts once its donor computed the shared blocks
+        while computed[r] < max(total[r], cached[r] + 1):
+            step = []
+            if started[r] and draw(st.integers(0, 9)) == 0 and computed[r] > cached[r]:
+                computed[r], epoch[r] = cached[r], epoch[r] + 1
+            n = draw(st.integers(1, 24))
+            step.append((r, computed[r], n, epoch[r]))
+            started[r] = True
+            computed[r] += n
+            others = [o for o in range(r) if computed[o] < total[o] + 8]
+            if others and draw(st.booleans()):  # an earlier request decodes on in the same step
+                o = draw(st.sampled_from(others))
+                step.append((o, computed[o], 1, epoch[o]))
+                computed[o] += 1
+            steps.append(step)
+    return num, blocks, donors, cached, steps
+
+
+@settings(max_examples=80, deadline=None)
+@given(_shared_prefixes())
+def test_a_prefix_cache_hit_brings_the_routing_of_the_forward_that_computed_its_blocks(case):
+    """With prefix caching on, a request's cached prefix comes back as the donor's routing at those positions, as its
+    last computation before the request's first step left it; blocks never computed under the capture: NO_ROUTE."""
+    num, blocks, donors, cached, steps = case
+    engine = _Engine({f"r{r}-abcd123{r}": blocks[r] for r in range(num)})
+    expected = {r: {} for r in range(num)}  # position -> (request whose forward computed it, epoch)
+    seen = [False] * num
+    for step in steps:
+        for r, first, _, _ in step:
+            if not seen[r]:
+                seen[r] = True
+                donor = donors[r]
+                for p in range(first):
+                    expected[r][p] = expected[donor].get(p) if donor is not None and p < cached[r] else None
+        engine.step([(f"r{r}-abcd123{r}", first, n, epoch) for r, first, n, epoch in step])
+        for r, first, n, epoch in step:
+            for p in range(first, first + n):
+                expected[r][p] = (r, epoch)
+    lengths = {f"r{r}": max(expected[r]) + 2 for r in range(num)}
+    taken = engine.capture.take(lengths)
+    for r in range(num):
+        want = np.full((lengths[f"r{r}"], LAYERS, 2), NO_ROUTE)
+        for p, origin in expected[r].items():
+            if origin is not None:
+                for layer in MOE_LAYERS:
+                    want[p, layer] = _experts(origin[0], p, layer, origin[1])
+        np.testing.assert_array_equal(taken[f"r{r}"], want)
+
+
+def test_without_prefix_caching_a_cached_prefix_stays_unrouted():
+    """The same hit with prefix caching off in the runner's config: nothing is filed by slot, nothing brought."""
+    engine = _Engine({"r0-aaaaaaaa": [0, 1], "r1-bbbbbbbb": [0, 2]})
+    engine.runner.cache_config.enable_prefix_caching = False
+    engine.capture = RoutingCapture(engine.runner, LAYERS, engine.routers)
+    engine.step([("r0-aaaaaaaa", 0, 6, 0)])
+    engine.step([("r1-bbbbbbbb", 4, 2, 0)])
+    taken = engine.capture.take({"r0": 7, "r1": 7})
+    assert (taken["r1"][:4] == NO_ROUTE).all() and (taken["r0"][:4, 0] != NO_ROUTE).all()
+    assert engine.capture.store is None
 
 
 def test_requests_are_named_by_the_callers_id_or_the_engines_and_taken_once():

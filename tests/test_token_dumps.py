@@ -322,6 +322,8 @@ class _StandInRouting:
     """ActorRouting without a model: the micro-batch's engine routing as the replay builds it, a trainer routing every
     token to {1, 0}."""
 
+    k3_by_cause = True  # R3's
+
     def __init__(self):
         self.batches = 0
 

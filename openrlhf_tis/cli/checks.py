@@ -236,7 +236,8 @@ def check_inputs(args: argparse.Namespace, spec: RunSpec) -> int | None:
 
     Returns the number of steps the run will train when the prompt files tell (`planned_steps`)."""
     check_model_path("--actor.model_name_or_path", getattr(args, "actor.model_name_or_path"), required=True)
-    check_routing_replay(args, cuda=spec.cluster.device == "cuda")
+    check_routing_replay(args, cuda=spec.cluster.device == "cuda",
+                         bypass_loss=spec.correction.loss if spec.correction.bypass else None)
     if not getattr(args, "reward.remote_url"):
         check_model_path("--reward.model_name_or_path", getattr(args, "reward.model_name_or_path"), required=True)
     check_model_path("--critic.model_name_or_path", getattr(args, "critic.model_name_or_path"))
@@ -260,19 +261,31 @@ def check_inputs(args: argparse.Namespace, spec: RunSpec) -> int | None:
     return planned_steps(args, train.records)
 
 
-def check_routing_replay(args: argparse.Namespace, *, cuda: bool) -> None:
-    """`--vllm.routing_replay r3`: refused with the reason when the rollouts cannot carry routed experts (no vLLM
-    engine, an engine that cannot return them, a multi-turn agent, async training, whose sample generator is
-    upstream's) or the trainer cannot replay them (a dense model, an architecture whose router the fork does not
-    replace, ring attention, which slices a sample's tokens across ranks)."""
-    if getattr(args, "vllm.routing_replay") == "off":
+def check_routing_replay(args: argparse.Namespace, *, cuda: bool, bypass_loss: str | None = None) -> None:
+    """`--vllm.routing_replay`: refused with the reason when the trainer cannot replay (a dense model, an architecture
+    whose router the fork does not replace, ring attention, which slices a sample's tokens across ranks) or, for r3,
+    when the rollouts cannot carry the engines' routed experts (no vLLM engine, an engine that cannot return them, a
+    multi-turn agent, async training, whose sample generator is upstream's). r2 records the trainer's own π_old
+    forward, so it needs no engine and nothing carried from the rollout, only that π_old forward, which a bypass loss
+    (`bypass_loss`, the run's resolved correction loss when it is one: π_old := μ) skips."""
+    mode = getattr(args, "vllm.routing_replay")
+    if mode == "off":
         return
-    if not getattr(args, "vllm.num_engines"):
+    if mode == "r3" and not getattr(args, "vllm.num_engines"):
         raise UsageError(REPLAY_FLAG, "r3 replays the experts the vLLM engines chose, and this run has no engine "
                          "(--vllm.num_engines): its rollouts carry no routed experts")
     model = getattr(args, "actor.model_name_or_path")
     if refusal := replay_refusal(read_model_config("--actor.model_name_or_path", model)):
         raise UsageError(REPLAY_FLAG, f"{model}: {refusal}")
+    if getattr(args, "ds.ring_attn_size", 1) > 1:
+        raise UsageError(REPLAY_FLAG, f"{mode} with --ds.ring_attn_size > 1: ring attention slices each sample's "
+                         "tokens across ranks, and the replayed routing is not sliced with them")
+    if mode == "r2":
+        if bypass_loss:
+            raise UsageError(REPLAY_FLAG, f"r2 with --algo.correction.loss {bypass_loss}: r2 records the routing of "
+                             "the pi_old forward, which a bypass loss skips (pi_old := mu); use r3, or the decoupled "
+                             "loss")
+        return
     if refusal := engine_refusal(cuda=cuda):
         raise UsageError(REPLAY_FLAG, refusal)
     unsupported = {
@@ -282,9 +295,6 @@ def check_routing_replay(args: argparse.Namespace, *, cuda: bool) -> None:
     for dest, reason in unsupported.items():
         if getattr(args, dest, None):
             raise UsageError(REPLAY_FLAG, f"r3 with --{dest}: {reason}")
-    if getattr(args, "ds.ring_attn_size", 1) > 1:
-        raise UsageError(REPLAY_FLAG, "r3 with --ds.ring_attn_size > 1: ring attention slices each sample's tokens "
-                         "across ranks, and the replayed routing is not sliced with them")
 
 
 def check_quantized_receive(args: argparse.Namespace, spec: RunSpec, accelerators: tuple[str, ...],

@@ -77,6 +77,18 @@ def batch_routing(routings: Sequence[torch.Tensor], attention_mask: torch.Tensor
     return out
 
 
+def sample_routings(per_position: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
+    """The inverse of `batch_routing`: a right-padded batch's (batch, seq, layers, k) routing as one (tokens, layers,
+    k) int16 tensor per sample, cut to the sample's tokens, as a sample carries it in `Experience.info` (R2: the
+    trainer's own π_old routing, recorded per batch, rides with each sample to its π_θ forwards)."""
+    lengths = _check_right_padded(attention_mask.cpu()).tolist()
+    per_position = per_position.cpu()
+    if per_position.dim() != 4 or per_position.shape[:2] != attention_mask.shape:
+        raise ValueError(f"routing replay: a (batch, seq, layers, k) routing for a {tuple(attention_mask.shape)} "
+                         f"batch expected, got {tuple(per_position.shape)}")
+    return [per_position[i, :length].to(torch.int16) for i, length in enumerate(lengths)]
+
+
 def router_rows(per_position: torch.Tensor, attention_mask: torch.Tensor, *, packed: bool) -> torch.Tensor:
     """A (batch, seq, ...) tensor in the order the MoE blocks see the forward's tokens: batch-major, only the attended
     tokens when the forward packs its samples."""

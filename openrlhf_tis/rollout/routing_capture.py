@@ -11,7 +11,11 @@ laid the step out (vLLM 0.32 `GPUModelRunner._prepare_inputs`, which the CPU run
     position of a row  = num_computed_tokens[i] + its offset in that range
 
 A position holds the routing of the last forward that computed it, so:
-- a prompt token served from the prefix cache was not computed by this request and stays NO_ROUTE;
+- a prompt token served from the prefix cache was computed by an earlier request's forward, into the KV block this
+  request now shares: with prefix caching on, the capture also files every row under its KV-cache slot
+  (block id × block size + offset, from the runner's block table, as vLLM's own routed-experts store keys it on CUDA),
+  and a request whose first step starts past what was routed for it takes those positions from its blocks' slots
+  (NO_ROUTE where the capture never saw the block computed, e.g. before it started);
 - a chunked prefill fills the prompt over several steps (each step's offset is where the previous one stopped);
 - a preempted request that is recomputed overwrites its positions with the recomputation, whose KV cache is the one
   the later tokens attend to;
@@ -48,7 +52,40 @@ class _Step:
     req_ids: list[str]
     row_starts: np.ndarray  # (requests + 1,) row range of each request
     first_positions: np.ndarray  # (requests,) position of each request's first row
+    blocks: np.ndarray | None  # (requests, blocks) each request's KV block ids up to its last row (prefix caching)
     layers: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def slots(self, i: int, start: int, end: int, block_size: int) -> np.ndarray:
+        """The KV-cache slots of request i's positions start..end-1."""
+        positions = np.arange(start, end)
+        return self.blocks[i, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+
+class _SlotStore:
+    """The routing of the last forward that computed each KV-cache slot, grown on demand (NO_ROUTE: never seen)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.array: np.ndarray | None = None
+
+    def read(self, slots: np.ndarray, num_layers: int, k: int) -> np.ndarray:
+        out = np.full((len(slots), num_layers, k), NO_ROUTE, dtype=ROUTED_DTYPE)
+        if self.array is not None:
+            seen = slots < len(self.array)
+            out[seen] = self.array[slots[seen]]
+        return out
+
+    def write(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        if not len(slots):
+            return
+        end = int(slots.max()) + 1
+        if self.array is None or end > len(self.array):
+            size = max(end, 2 * len(self.array)) if self.array is not None else end
+            grown = np.full((size, *rows.shape[1:]), NO_ROUTE, dtype=ROUTED_DTYPE)
+            if self.array is not None:
+                grown[:len(self.array)] = self.array
+            self.array = grown
+        self.array[slots] = rows
 
 
 class _RequestRouting:
@@ -105,6 +142,9 @@ class RoutingCapture:
             raise RuntimeError(f"routing capture: MoE layers {outside} lie outside the model's {num_layers} decoder "
                                "layers")
         self.runner = runner
+        cache_config = getattr(runner, "cache_config", None)
+        self.store = (_SlotStore(runner.input_batch.block_table[0].block_size)
+                      if getattr(cache_config, "enable_prefix_caching", False) else None)
         self.num_layers = num_layers
         self.routers = dict(routers)
         self.first_layer = min(self.routers)
@@ -129,9 +169,14 @@ class RoutingCapture:
         """The step being run, read from the runner's input batch (already prepared when the forward runs)."""
         batch = self.runner.input_batch
         num_reqs = batch.num_reqs
-        return _Step(req_ids=list(batch.req_ids[:num_reqs]),
-                     row_starts=self.runner.query_start_loc.np[:num_reqs + 1].copy(),
-                     first_positions=batch.num_computed_tokens_cpu[:num_reqs].copy())
+        row_starts = self.runner.query_start_loc.np[:num_reqs + 1].copy()
+        first_positions = batch.num_computed_tokens_cpu[:num_reqs].copy()
+        blocks = None
+        if self.store is not None and num_reqs:  # copied now: the runner reorders its rows before the step is filed
+            last = int((first_positions + np.diff(row_starts)).max())
+            blocks = batch.block_table[0].block_table.np[:num_reqs, :-(-last // self.store.block_size)].copy()
+        return _Step(req_ids=list(batch.req_ids[:num_reqs]), row_starts=row_starts, first_positions=first_positions,
+                     blocks=blocks)
 
     def _file_step(self) -> None:
         """File the last step's rows under their requests."""
@@ -145,12 +190,23 @@ class RoutingCapture:
         stacked = np.full((int(step.row_starts[-1]), self.num_layers, k), NO_ROUTE, dtype=ROUTED_DTYPE)
         for layer, ids in step.layers.items():
             stacked[:, layer] = ids
+        routings = []
         for i, req_id in enumerate(step.req_ids):
             routing = self.requests.get(req_id)
             if routing is None:
                 routing = self.requests[req_id] = _RequestRouting(self.num_layers, k)
-            routing.write(int(step.first_positions[i]), stacked[step.row_starts[i]:step.row_starts[i + 1]])
+            first = int(step.first_positions[i])
+            if self.store is not None and first > routing.length:  # served from the prefix cache up to `first`
+                block_size = self.store.block_size
+                routing.write(routing.length, self.store.read(step.slots(i, routing.length, first, block_size),
+                                                              self.num_layers, k))
+            routings.append(routing)
+        for i, routing in enumerate(routings):  # after every read: a slot holds what the step's forward computed
+            first, rows = int(step.first_positions[i]), stacked[step.row_starts[i]:step.row_starts[i + 1]]
+            routing.write(first, rows)
             routing.sweep = self.sweeps
+            if self.store is not None:
+                self.store.write(step.slots(i, first, first + len(rows), self.store.block_size), rows)
 
     def forget_stale(self) -> list[str]:
         """Forget the requests nothing was routed for since the previous call, and return their engine ids (called at

@@ -83,8 +83,11 @@ class RolloutPlan:
         layers use the experts the engine chose for each token (R3; covered: {', '.join(COVERED_MODEL_TYPES)}) in the
         pi_old and pi_theta forwards, the gating weights still the trainer's router's, and logs moe/* (engine-vs-
         trainer routing agreement). On CUDA the engines return the experts themselves (vLLM 0.29.0's
-        enable_return_routed_experts). Refused with the reason before Ray starts for a dense or uncovered model, no
-        engines, an engine that cannot return them, async training, an agent, ring attention (docs/moe.md).""",
+        enable_return_routed_experts). r2 records the trainer's own routing in its pi_old forward and replays it in
+        the pi_theta forwards (verl's R2; no engine involved), logging moe/* as pi_old-vs-pi_theta agreement. Refused
+        with the reason before Ray starts for a dense or uncovered model or ring attention; r3 also without engines,
+        for an engine that cannot return them, async training or an agent; r2 also with a bypass loss, which runs no
+        pi_old forward (docs/moe.md).""",
                                choices=REPLAY_MODES)
 
     @property

@@ -1,6 +1,6 @@
-"""Routing replay (R3, `--vllm.routing_replay r3`) in the trainer's forwards, and the routing mismatch it measures.
+"""Routing replay (`--vllm.routing_replay r3` / `r2`) in the trainer's forwards, and the routing mismatch it measures.
 
-Each sample carries the experts the engine routed its tokens to (`Experience.info[ROUTED_EXPERTS]`,
+R3: each sample carries the experts the engine routed its tokens to (`Experience.info[ROUTED_EXPERTS]`,
 moe/routing_batch.py). The actor runs two kinds of forward on it, and both replay that routing:
 
 - π_old, the experience maker's forward on the actor group (trainer/moe_experience.py hands each micro-batch's
@@ -15,6 +15,12 @@ whatever the engine chose for the current policy (its own routing is part of wha
 With replay on, what the routers would have chosen themselves is recorded in the π_θ forward (`trainer_choice`), so
 the engine-vs-trainer agreement is still measured: `moe/*` per step (moe/routing_metrics.py), its token metrics
 against log π_old − log μ of the response tokens, summed over the step's micro-batches and data-parallel ranks.
+
+R2 (verl's and ms-swift's): no engine routing. The π_old forward routes on its own and records that choice
+(`record_own`); it rides with each sample in the same `info` slot and the π_θ forwards replay it, so the policy update
+runs every token through the experts that computed its π_old, while the weights move within the step. The same
+`moe/*` then compare π_old's routing with what the π_θ routers would choose themselves; the k3 split by cause is left
+out (it splits log π_old − log μ, which R2's routing change within the step does not explain).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -32,9 +39,12 @@ from openrlhf_tis.moe.routing_batch import (
     position_log_ratio,
     positions_from_rows,
     router_rows,
+    sample_routings,
 )
-from openrlhf_tis.moe.routing_metrics import RoutingTally, layers_differed, routed
+from openrlhf_tis.moe.routing_metrics import K3_DIFFERED, K3_SAME, RoutingTally, layers_differed, routed
 from openrlhf_tis.moe.routing_replay import RoutingRecord, install_routing_replay, replaying
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -65,12 +75,25 @@ class ReplayedBatch:
 class ActorRouting:
     """The actor model's replaying routers and the step's routing-mismatch tally."""
 
-    def __init__(self, model: torch.nn.Module, *, packed: bool):
-        """`model`: the actor's transformers model (unwrapped from DeepSpeed); `packed`: `--ds.packing_samples`."""
+    def __init__(self, model: torch.nn.Module, *, packed: bool, k3_by_cause: bool = True):
+        """`model`: the actor's transformers model (unwrapped from DeepSpeed); `packed`: `--ds.packing_samples`;
+        `k3_by_cause`: whether the step's metrics split log π_old − log μ by routing (R3: the replayed routing is the
+        engine's; R2: it is π_old's own, and the split says nothing of μ)."""
         self.routers = install_routing_replay(model)
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self.packed = packed
+        self.k3_by_cause = k3_by_cause
         self.tally = RoutingTally(self.num_layers)
+
+    def record_own(self, forward: Callable[[], T], attention_mask: torch.Tensor) -> tuple[T, list[torch.Tensor]]:
+        """Run `forward` (on a right-padded batch) with the routers routing on their own; return its result and what
+        they chose, one (tokens, layers, k) int16 tensor per sample (R2's π_old routing, NO_ROUTE in the layers
+        without experts)."""
+        mask = attention_mask.cpu()
+        with replaying(self.routers, None, num_layers=self.num_layers) as record:
+            result = forward()
+        own = positions_from_rows(record.trainer_choice(), mask, packed=self.packed)
+        return result, sample_routings(own, mask)
 
     @contextmanager
     def replaying(self, routings: Sequence[torch.Tensor], attention_mask: torch.Tensor) -> Iterator[ReplayedBatch]:
@@ -93,7 +116,10 @@ class ActorRouting:
         if allreduce is not None:
             sums = allreduce(sums.to(device)).cpu()
         self.tally = RoutingTally(self.num_layers)
-        return RoutingTally.from_array(sums.numpy()).metrics()
+        metrics = RoutingTally.from_array(sums.numpy()).metrics()
+        if not self.k3_by_cause:
+            del metrics[K3_DIFFERED], metrics[K3_SAME]
+        return metrics
 
 
 def replay_training_step(routing: ActorRouting, experience, step: Callable[[ReplayedBatch], dict]) -> dict:
@@ -105,6 +131,8 @@ def replay_training_step(routing: ActorRouting, experience, step: Callable[[Repl
         status = step(batch)
     old, rollout = experience.action_log_probs, experience.rollout_log_probs
     seq_len = experience.attention_mask.shape[1]
+    if not routing.k3_by_cause:  # R2: the log-ratio only marks the response tokens, which the token metrics count
+        old = rollout = torch.zeros(experience.action_mask.shape)
     if old is None or rollout is None:
         log_ratio = torch.full(experience.attention_mask.shape, float("nan"), dtype=torch.float64)
     else:

@@ -16,9 +16,10 @@ Upstream seams used:
 - Bypass mode skips the π_old forward on the controller (trainer/bypass.py); each training step here
   sets π_old := μ again. The actor's own `forward` stays exact: the weight-sync check scores with it.
 
-Routing replay (`--vllm.routing_replay r3`, trainer/moe_replay.py): the actor's MoE routers are re-classed once the
-model is built; the π_old `forward` and each training step (forward and backward) replay the samples' routed experts,
-and `ppo_train` adds the step's `moe/*` metrics.
+Routing replay (`--vllm.routing_replay r3` / `r2`, trainer/moe_replay.py): the actor's MoE routers are re-classed once
+the model is built; each training step (forward and backward) replays the samples' routed experts, and `ppo_train` adds
+the step's `moe/*` metrics. The π_old `forward` replays them too (r3: the engines'), or records its own routing and
+returns it with the log-probs (r2), which then ride with the samples to the training steps.
 
 Per-token dumps (trainer/token_dumps.py): `set_token_dump` takes the controller's plan for a step,
 `append` keeps each replay-buffer item's sample id, and `ppo_train` collects and writes the planned rows, read off
@@ -93,8 +94,10 @@ class CorrectionActorPPOTrainer(ActorPPOTrainer):
     def _setup_routing_replay(self) -> None:
         """Re-class the actor's MoE routers for replay when the run asks for it (trainer/moe_replay.py)."""
         self.moe_routing = None
-        if run_spec(self.args).rollout.routing_replay == "r3":
-            self.moe_routing = ActorRouting(unwrapped_model(self.actor), packed=bool(self.args.ds.packing_samples))
+        mode = run_spec(self.args).rollout.routing_replay
+        if mode != "off":
+            self.moe_routing = ActorRouting(unwrapped_model(self.actor), packed=bool(self.args.ds.packing_samples),
+                                            k3_by_cause=mode == "r3")
 
     def _setup_correction(self) -> None:
         """Replace the policy loss, PPO's or GSPO's: the mismatch is measured and dumped whatever the loss.
@@ -251,14 +254,17 @@ class _CorrectionPolicyModelActor(_UpstreamPolicyModelActor):
         self.trainer._setup_routing_replay()
 
     def forward(self, sequences, action_mask=None, attention_mask=None, packed_seq_lens=None,
-                mm_train_inputs_list=None, routed_experts=None):
-        """Upstream's π_old forward; inside the samples' replayed routing when the experience maker sends it
-        (trainer/moe_replay.py). Without `routed_experts` (the weight-sync check's scoring) it routes on its own."""
+                mm_train_inputs_list=None, routed_experts=None, record_routing=False):
+        """Upstream's π_old forward; inside the samples' replayed routing when the experience maker sends it (r3), or
+        recording the routers' own choice when it asks (`record_routing`, r2: returns (log-probs, one routing per
+        sample)); trainer/moe_replay.py. Otherwise (the weight-sync check's scoring) it routes on its own."""
         def forward():
             return super(_CorrectionPolicyModelActor, self).forward(
                 sequences, action_mask, attention_mask, packed_seq_lens=packed_seq_lens,
                 mm_train_inputs_list=mm_train_inputs_list)
 
+        if record_routing:
+            return self.trainer.moe_routing.record_own(forward, attention_mask)
         if routed_experts is None:
             return forward()
         with self.trainer.moe_routing.replaying(routed_experts, attention_mask):

@@ -134,10 +134,12 @@ class ForkController:
         self.parts = self._choose_parts()
         # Bypass mode: the experience maker must not even dispatch the pi_old forward (trainer/bypass.py).
         bypass = install_bypass_experience_maker(self)
-        if self._replays_routing() and not bypass:  # the pi_old forward replays the engines' routing
-            install_routing_experience_maker(self)
+        replay = run_spec(self.args).rollout.routing_replay
+        if (self._replays_routing() or replay == "r2") and not bypass:
+            install_routing_experience_maker(self, replay)  # the pi_old forward replays (r3) or records (r2) routing
 
     def _replays_routing(self) -> bool:
+        """Whether the engines' routing is replayed (r3), which the engines must capture."""
         return run_spec(self.args).rollout.routing_replay == "r3" and bool(self.vllm_engines)
 
     def _choose_parts(self) -> list[StepPart]:

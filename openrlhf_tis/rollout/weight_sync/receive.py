@@ -90,7 +90,8 @@ class CPUWorkerExtension(WorkerWrap):
 
     def take_routed_experts(self, lengths: Mapping[str, int]) -> dict[str, np.ndarray]:
         """The routing of each named request, (lengths[id] tokens, layers, k) with NO_ROUTE where the engine routed
-        nothing (prefix-cached prompt tokens, the last sampled token), forgotten once returned."""
+        nothing (the last sampled token, prefix-cached blocks computed before the capture started), forgotten once
+        returned."""
         capture = getattr(self, "_routing_capture", None)
         if capture is None:
             raise RuntimeError("routing capture: take_routed_experts before start_routing_capture")
