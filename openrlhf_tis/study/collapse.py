@@ -35,11 +35,11 @@ import numpy as np
 from openrlhf_tis.correction.config import PRESETS
 from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.main_job import MODEL_HELP, check_model_option
-from openrlhf_tis.pipeline.sweep import SweepResult, load_grid, recorded_cells, run_command
+from openrlhf_tis.pipeline.sweep import SweepResult, recorded_cells, run_command
 from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.runs.kept_score import read_kept_heldout
 from openrlhf_tis.runs.layout import atomic_write
-from openrlhf_tis.study.dose_response import cell_count, check_profile, estimate_seconds, rebuild_report, write_outputs
+from openrlhf_tis.study.dose_response import cell_count, estimate_seconds, rebuild_report, write_grid, write_outputs
 from openrlhf_tis.study.revision import check_revision, code_revision
 from openrlhf_tis.study.staleness import staleness_grid
 from openrlhf_tis.viz.stats import (
@@ -264,10 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
         grid = collapse_grid(out, args.model, args.lrs, args.every, args.seeds, tuple(args.corrections), args.steps)
-        check_profile(out, TrainParams(**grid["base"]))
-        grid_file = out / "study_grid.json"
-        grid_file.write_text(json.dumps(grid, indent=1))
-        load_grid(grid_file)
+        grid_file = write_grid(out, grid)
         if not args.dry_run:
             cells = len(recorded_cells(out).results)
             check_endpoint(out, Endpoint.of(args.fall_below, args.runs_per_arm, args.primary), cells)

