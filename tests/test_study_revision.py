@@ -41,7 +41,7 @@ def test_a_study_sitting_on_another_revision_stops_before_any_cell(tmp_path, mon
     out = tmp_path / "s"
     out.mkdir()
     (out / revision.REVISION_FILE).write_text(json.dumps({"revision": "0" * 40}))
-    monkeypatch.setattr(study, "run_command", lambda *a, **k: pytest.fail("a cell ran"))
+    monkeypatch.setattr(revision, "run_command", lambda *a, **k: pytest.fail("a cell ran"))
     with pytest.raises(SystemExit) as done:
         study.main(["--out", str(out), "--model", "upcycled" if study is moe_demo else "tiny", *extra])
     assert done.value.code == 2

@@ -38,7 +38,6 @@ from openrlhf_tis.pipeline.sweep import (
     finish,
     load_grid,
     recorded_cells,
-    run_command,
     write_report,
 )
 from openrlhf_tis.pipeline.train_params import TrainParams
@@ -47,7 +46,7 @@ from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.runs.reader import load_metrics
 from openrlhf_tis.sigint import take_sigint
 from openrlhf_tis.study.cost import attempts, cost_markdown, cost_summary
-from openrlhf_tis.study.revision import check_sitting
+from openrlhf_tis.study.revision import run_sitting
 from openrlhf_tis.viz.compare import final_table, run_facts
 from openrlhf_tis.viz.curves import png
 from openrlhf_tis.viz.gain_plots import plot_dose_response
@@ -322,8 +321,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{_describe(cells, trainer)}", file=sys.stderr)
     if args.dry_run:
         return
-    check_sitting(parser, out)
-    write_outputs(run_command(parser.prog, grid_file, out, report_title(out), whole_folder=True), out)
+    write_outputs(run_sitting(parser, grid_file, out, report_title(out)), out)
 
 
 def report_title(out: Path) -> str:

@@ -25,12 +25,12 @@ from openrlhf_tis.model_files import read_model_config
 from openrlhf_tis.moe.coverage import replay_refusal
 from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.main_job import MODEL_HELP, check_model_option
-from openrlhf_tis.pipeline.sweep import SweepResult, finish, recorded_cells, run_command, write_report
+from openrlhf_tis.pipeline.sweep import SweepResult, finish, recorded_cells, write_report
 from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.runs.reader import load_metrics
 from openrlhf_tis.study.dose_response import COSTS, dose_params, study_grid, write_grid
-from openrlhf_tis.study.revision import check_sitting
+from openrlhf_tis.study.revision import run_sitting
 from openrlhf_tis.viz.compare import run_facts
 from openrlhf_tis.viz.gains import KEPT, run_gains
 from openrlhf_tis.viz.stats import t_interval
@@ -169,8 +169,7 @@ def main(argv: list[str] | None = None) -> None:
           f"estimated from the dense model's cells (finished cells skip); grid {grid_file}", file=sys.stderr)
     if args.dry_run:
         return
-    check_sitting(parser, out)
-    write_outputs(run_command(parser.prog, grid_file, out, report_title(out), whole_folder=True), out)
+    write_outputs(run_sitting(parser, grid_file, out, report_title(out)), out)
 
 
 if __name__ == "__main__":

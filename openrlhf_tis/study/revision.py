@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from openrlhf_tis.params import ParameterError
-from openrlhf_tis.pipeline.sweep import recorded_cells
+from openrlhf_tis.pipeline.sweep import SweepResult, recorded_cells, run_command
 from openrlhf_tis.runs.config import git_revision
 from openrlhf_tis.runs.layout import atomic_write
 
@@ -53,3 +53,9 @@ def check_sitting(parser: argparse.ArgumentParser, out: Path) -> None:
         check_revision(out, code_revision(), cells=len(recorded_cells(out).results))
     except ParameterError as err:
         parser.error(str(err))
+
+
+def run_sitting(parser: argparse.ArgumentParser, grid_file: Path, out: Path, title: str) -> SweepResult:
+    """A study command's sitting: the revision check, then every cell of `grid_file` not finished yet."""
+    check_sitting(parser, out)
+    return run_command(parser.prog, grid_file, out, title, whole_folder=True)

@@ -25,7 +25,6 @@ from pathlib import Path
 
 from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.main_job import MODEL_HELP, check_model_option
-from openrlhf_tis.pipeline.sweep import run_command
 from openrlhf_tis.study.dose_response import (
     cell_count,
     dose_params,
@@ -35,7 +34,7 @@ from openrlhf_tis.study.dose_response import (
     write_grid,
     write_outputs,
 )
-from openrlhf_tis.study.revision import check_sitting
+from openrlhf_tis.study.revision import run_sitting
 
 LR = 6e-5
 EVERY = (4, 8)
@@ -138,8 +137,7 @@ def main(argv: list[str] | None = None) -> None:
           f"skip); grid {grid_file}", file=sys.stderr)
     if args.dry_run:
         return
-    check_sitting(parser, out)
-    write_outputs(run_command(parser.prog, grid_file, out, report_title(out), whole_folder=True), out)
+    write_outputs(run_sitting(parser, grid_file, out, report_title(out)), out)
 
 
 if __name__ == "__main__":
