@@ -341,14 +341,24 @@ def _kill_ray_head(group: subprocess.Popen, temp_dir: str) -> None:
 
 
 def processes_naming(text: str | Path) -> dict[int, str]:
-    """pid → command line (cut to 160 characters) of the live processes, pytest's own and zombies aside, whose
-    command line names `text`: a run directory or a Ray temp dir, of which a kill or a shutdown must leave none."""
+    """pid → command line (cut to 160 characters) of the live processes, the test's own and zombies aside, whose command
+    line names `text` (a run directory or a Ray temp dir) or which hold a file under it open for writing: Ray's
+    agents and workers retitle themselves (`ray::DashboardAgent`) but keep writing the session's logs. A kill or a
+    shutdown must leave none of either."""
     import psutil
 
+    under = os.path.join(os.path.realpath(text), "")  # /proc names open files by their real paths
+    ours = {os.getpid(), *(parent.pid for parent in psutil.Process().parents())}  # pytest and its xdist controller
     found = {}
     for proc in psutil.process_iter(["cmdline", "status"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
-        if str(text) in cmdline and "pytest" not in cmdline and proc.info["status"] != psutil.STATUS_ZOMBIE:
+        if proc.pid in ours or proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            writing = any(f.path.startswith(under) and f.mode != "r" for f in proc.open_files())
+        except psutil.Error:  # ended meanwhile, or another user's
+            writing = False
+        if str(text) in cmdline or writing:
             found[proc.pid] = cmdline[:160]
     return found
 

@@ -157,7 +157,9 @@ def test_a_sigkilled_drivers_ray_session_ends_within_seconds(ray_tmp, tmp_path):
     log = tmp_path / "driver.log"
     driver = _start(DRIVER, ray_tmp, log)
     try:
-        _line(driver, log, START_S)  # Ray is up, the watchdog armed, a worker answered
+        worker = int(_line(driver, log, START_S))  # Ray is up, the watchdog armed, a worker answered
+        # Ray's default lowers a worker's priority by 15 below the driver's: beside other work a run then stalls.
+        assert psutil.Process(worker).nice() == psutil.Process(driver.pid).nice()
         deadline = time.monotonic() + 120
         while not _has_agents(tree := _tree(driver.pid)) and time.monotonic() < deadline:
             time.sleep(0.5)

@@ -334,3 +334,28 @@ def test_patient_ray_is_rays_command_line_with_the_nodes_wait(monkeypatch):
     assert ray_scripts.get_ray_client_dependency_error() is None  # restored (grpc is installed with Ray)
     with pytest.raises(SystemExit, match="--no-ray-client and --ray-client-server-port contradict"):
         patient_ray.main(["--no-ray-client", "start", "--head", "--ray-client-server-port=10002"])
+
+
+def test_the_leftover_check_finds_a_retitled_writer_and_a_process_naming_the_folder_but_not_a_reader(tmp_path):
+    """The e2e tests' "nothing left" check (`processes_naming`) must see a process whose command line names nothing
+    (as Ray's retitled agents) but which writes a log under the folder, and one naming the folder even where its
+    path says "pytest" (as pytest's temp dirs do); a reader of a log is not left over."""
+    from _support import processes_naming
+
+    log = tmp_path / "session" / "logs" / "agent.out"
+    log.parent.mkdir(parents=True)
+    log.write_text("")
+    hold = "import os, sys, time; f = open(os.environ['F'], sys.argv[1]); print('open', flush=True); time.sleep(60)"
+    env = {**os.environ, "F": str(log)}
+    writer = subprocess.Popen([sys.executable, "-c", hold, "a"], env=env, stdout=subprocess.PIPE, text=True)
+    reader = subprocess.Popen([sys.executable, "-c", hold, "r"], env=env, stdout=subprocess.PIPE, text=True)
+    naming = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(tmp_path / "run")])
+    try:
+        assert writer.stdout.readline() == reader.stdout.readline() == "open\n"
+        found = processes_naming(tmp_path)
+        assert "pytest" in str(tmp_path) and set(found) == {writer.pid, naming.pid}, found
+    finally:
+        for proc in (writer, reader, naming):
+            proc.kill()
+            proc.wait()
+    assert processes_naming(tmp_path) == {}

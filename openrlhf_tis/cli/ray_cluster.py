@@ -35,7 +35,11 @@ from openrlhf_tis.upstream_guards import require_version, swapped
 UPSTREAM_ENV = {"TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
 # The raylet aborts when its agents (Python processes) are not up within this time (30 s by default): on a
 # loaded 2-core machine they can take longer, and the node then never registers (see init_local_ray).
-RAY_START_ENV = {"RAY_agent_register_timeout_ms": "120000"}
+# Ray's workers lower their own priority by 15 (RAY_worker_niceness, default 15), and every actor of a run (trainer,
+# engines) is a worker: beside any program at the default priority they get ~3% of a core each (CFS weights 36 vs
+# 1024) and a run stalls. Measured with a busy loop on each of 2 cores: the e2e runs made no step in 900 s at 15; at 0
+# they share the cores like the rest (docs/measurements.md, 2026-12-06). 0 keeps them at the driver's priority.
+RAY_START_ENV = {"RAY_agent_register_timeout_ms": "120000", "RAY_worker_niceness": "0"}
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
 
 
