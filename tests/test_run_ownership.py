@@ -554,6 +554,19 @@ def test_what_a_killed_driver_started_is_stopped_by_its_watchdog(tmp_path):
             proc.stdout.close()
 
 
+def test_stopping_a_session_spares_the_process_that_asked_and_its_ancestors(tmp_path):
+    """A command whose own command line names the session (`timeout 60 python -c "stop_session(...)" SESSION`) must
+    not be stopped by the stop it started: seen by hand, `timeout` got the SIGTERM and took the stopper with it."""
+    session = tmp_path / "session_y"
+    (session / "logs").mkdir(parents=True)
+    stopper = "import sys; from openrlhf_tis.cli.lifetime import stop_session; stop_session(sys.argv[1], grace=1)"
+    parent = ("import subprocess, sys; done = subprocess.run([sys.executable, '-c', sys.argv[1], sys.argv[2]]); "
+              "print('parent alive', done.returncode, flush=True)")
+    done = subprocess.run([sys.executable, "-c", parent, stopper, str(session)], capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stdout) == (0, "parent alive 0\n"), done.stderr[-2000:]
+
+
 def test_a_child_of_a_notebook_dies_with_it(tmp_path):
     from openrlhf_tis.cli.lifetime import PARENT_ENV
 

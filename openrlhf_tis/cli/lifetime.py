@@ -71,18 +71,20 @@ def reap_when_gone(session_dir: str, timeout: float = ARM_TIMEOUT_S) -> bool:
 
 
 def session_processes(session_dir: str) -> list:
-    """Live processes (psutil.Process, this one excepted) of the Ray session in `session_dir`: those whose command
-    line names it (GCS, raylet, dashboard, monitors) and those writing a file under it. Ray's agents and workers
-    retitle themselves (`ray::DashboardAgent`, `ray::IDLE`), so their command lines name nothing, but their output
-    goes to the session's logs, and so does that of every process they start. A reader (`tail -f` of a log) is
-    not one of them, nor is another session's process."""
+    """Live processes (psutil.Process; this one and its ancestors excepted) of the Ray session in `session_dir`:
+    those whose command line names it (GCS, raylet, dashboard, monitors) and those writing a file under it. Ray's
+    agents and workers retitle themselves (`ray::DashboardAgent`, `ray::IDLE`), so their command lines name nothing,
+    but their output goes to the session's logs, and so does that of every process they start. A reader (`tail -f`
+    of a log) is not one of them, nor is another session's process."""
     import psutil  # a dependency of Ray and DeepSpeed, which a training process has; not of a notebook kernel
 
     under = os.path.join(os.path.realpath(session_dir), "")  # /proc names open files by their real paths
+    # Neither this process nor what started it: `timeout 60 python -c "stop_session(...)" SESSION` names the session.
+    ours = {os.getpid(), *(parent.pid for parent in psutil.Process().parents())}
     found = []
     for proc in psutil.process_iter(["cmdline"]):
-        if proc.pid != os.getpid() and (any(session_dir in part for part in proc.info["cmdline"] or ())
-                                        or _writes_under(proc, under)):
+        if proc.pid not in ours and (any(session_dir in part for part in proc.info["cmdline"] or ())
+                                     or _writes_under(proc, under)):
             found.append(proc)
     return found
 
