@@ -94,25 +94,63 @@ def read_steps(run: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+HELD_REWARD = """\"\"\"{reward}'s reward, held (at most {hold_s} s, within --reward.timeout_s) at each call made after
+two steps were logged while the file `hold` beside this one exists: the test kills the run there.\"\"\"
+import importlib.util, time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+_spec = importlib.util.spec_from_file_location("held_reward", {reward!r})
+_reward = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_reward)
+
+
+def reward_func(*args, **kwargs):
+    metrics, deadline = HERE / "run" / "metrics.jsonl", time.monotonic() + {hold_s}
+    while ((HERE / "hold").exists() and metrics.exists() and len(metrics.read_text().splitlines()) >= 2
+           and time.monotonic() < deadline):
+        time.sleep(0.2)
+    return _reward.reward_func(*args, **kwargs)
+"""
+
+
+def held_at_step_two(argv: list[str], work: Path) -> list[str]:
+    """`argv` with its reward script replaced by one that holds the run after two logged steps while `work`/hold
+    exists (HELD_REWARD): a 6-step run of the tiny model logs a step every ~0.2 s, so a test that kills "after two
+    steps" by polling killed it after all six on a busy machine. The same script serves the resume (the run's
+    config must not change); it no longer holds once `hold` is gone. `argv` already held is returned as it is."""
+    at = argv.index("--reward.remote_url") + 1
+    held = work / "held_reward.py"
+    if argv[at] == str(held):
+        return argv
+    held.write_text(HELD_REWARD.format(reward=str(Path(argv[at]).resolve()), hold_s=45))
+    return [*argv[:at], str(held), *argv[at + 1:]]
+
+
 def kill_and_resume(argv: list[str], work: Path, total_steps: int, env: dict[str, str] | None = None,
                     on_start: Callable[[subprocess.Popen], None] = lambda proc: None,
                     after_kill: Callable[[], None] = lambda: None) -> tuple[str, list[dict]]:
-    """Run `argv` in `work`, SIGKILL its process group after two logged steps, run it again to the end;
-    returns the resumed run's log and every metrics line (both runs' logs are kept beside the run).
+    """Run `argv` in `work`, SIGKILL its process group after two logged steps (held there, `held_at_step_two`), run
+    it again to the end; returns the resumed run's log and every metrics line (both runs' logs are kept beside the
+    run).
 
     `env` is added to this process's environment for both runs (a None value removes the variable);
     `on_start(proc)` is called once the first run is started (its console goes to `work`/killed.log), `after_kill()`
     once its process group is killed, before the resume starts."""
     env = {key: value for key, value in {**os.environ, "RAY_DEDUP_LOGS": "0", **(env or {})}.items()
            if value is not None}
+    argv = held_at_step_two(argv, work)
+    (work / "hold").touch()
     with open(work / "killed.log", "w") as log:
         proc = subprocess.Popen(argv, cwd=work, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             on_start(proc)
             wait_for(lambda: len(read_steps(work / "run")) >= 2, proc)
         finally:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    (work / "hold").unlink()
     killed_at = len(read_steps(work / "run"))
     assert 2 <= killed_at < total_steps, (killed_at, (work / "killed.log").read_text()[-4000:])
     after_kill()

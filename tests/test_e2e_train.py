@@ -24,7 +24,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _support import error_line, free_port, kill_and_resume, processes_naming, read_steps, train_argv, wait_for
+from _support import (
+    error_line,
+    free_port,
+    held_at_step_two,
+    kill_and_resume,
+    processes_naming,
+    read_steps,
+    train_argv,
+    wait_for,
+)
 from safetensors.torch import load_file
 
 from openrlhf_tis.demo.task import write_prompts
@@ -62,7 +71,7 @@ def finished_run(tiny_model_dir, tmp_path_factory, stale_ray_tmpdir):
     run's Ray is up, a second start into its directory is tried; once it is killed, what is left of its Ray is read."""
     work = tmp_path_factory.mktemp("e2e")
     write_prompts(work / "prompts.jsonl", 4 * TOTAL_STEPS)
-    argv = train_argv(tiny_model_dir, work, TOTAL_STEPS, DUMP_EVERY)
+    argv = held_at_step_two(train_argv(tiny_model_dir, work, TOTAL_STEPS, DUMP_EVERY), work)  # the second start's too
     env = {"RAY_TMPDIR": str(stale_ray_tmpdir), "RAY_ADDRESS": None}
     seen = {}
 
