@@ -15,7 +15,9 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -39,9 +41,11 @@ def listening(port: int) -> bool:
 
 
 def jupyter_env(directory: Path) -> dict[str, str]:
-    """This environment with Jupyter's config, data and runtime dirs inside `directory` (nothing from ~)."""
+    """This environment with Jupyter's config, data and runtime dirs inside `directory` (nothing from ~), and
+    Python's fault handler on, so that a kernel sent SIGABRT prints every thread's stack into the server's log."""
     return {**os.environ, "JUPYTER_CONFIG_DIR": str(directory / "config"), "JUPYTER_DATA_DIR": str(directory / "data"),
-            "JUPYTER_RUNTIME_DIR": str(directory / "runtime"), "JUPYTER_PLATFORM_DIRS": "1"}
+            "JUPYTER_RUNTIME_DIR": str(directory / "runtime"), "JUPYTER_PLATFORM_DIRS": "1",
+            "PYTHONFAULTHANDLER": "1"}
 
 
 @contextlib.contextmanager
@@ -63,6 +67,52 @@ def served(argv: Sequence[str], port: int, log: Path, env: dict[str, str], cwd: 
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait(timeout=15)
+
+
+def descendants(pid: int) -> list[int]:
+    """The PIDs of `pid`'s children, their children and so on (Linux /proc), parents first."""
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop(0)
+        try:
+            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+        except OSError:
+            continue
+        found += [int(child) for child in children]
+        queue += [int(child) for child in children]
+    return found
+
+
+def page_text(url: str, server: subprocess.Popen, log: Path) -> str:
+    """The page at `url` read whole within PAGE_LOAD_S. A Voilà page sends nothing while its kernel starts and then
+    streams as the kernel executes the notebook, with heartbeats in between, so a stuck kernel never times the socket
+    out: past the bound the test fails with the server's processes under `ps` and each one's Python stacks (sent
+    SIGABRT, printed by the fault handler that jupyter_env turns on) from the server's log."""
+    reply: list = []
+
+    def read() -> None:
+        try:
+            with urllib.request.urlopen(url, timeout=PAGE_LOAD_S) as response:
+                reply.append(response.read().decode())
+        except Exception as error:  # raised in the caller's thread below
+            reply.append(error)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(PAGE_LOAD_S)
+    if reply:
+        if isinstance(reply[0], Exception):
+            raise reply[0]
+        return reply[0]
+    below = descendants(server.pid)
+    table = subprocess.run(["ps", "-o", "pid,ppid,stat,etime,time,rss,args", "-p", ",".join(map(str, below))],
+                           capture_output=True, text=True).stdout if below else "(no process under the server)\n"
+    for pid in below:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGABRT)
+    time.sleep(3)
+    pytest.fail(f"{url} not read whole in {PAGE_LOAD_S} s; the server's processes:\n{table}server log, the kernels' "
+                f"stacks last:\n{log.read_text()[-8000:]}")
 
 
 @contextlib.contextmanager

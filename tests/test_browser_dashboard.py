@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from _browser import WAIT_S, chromium, external_assets, free_port, jupyter_env, requested_urls, served
+from _browser import WAIT_S, chromium, external_assets, free_port, jupyter_env, page_text, requested_urls, served
 from selenium.common.exceptions import TimeoutException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
@@ -25,11 +25,11 @@ from openrlhf_tis.runs import RunWriter
 
 @pytest.fixture()
 def server(tmp_path):
-    """(url, runs root, log) of the dashboard over a root that does not exist yet."""
+    """(url, runs root, log, server process) of the dashboard over a root that does not exist yet."""
     port, root, log = free_port(), tmp_path / "runs", tmp_path / "dashboard.log"
     argv = [sys.executable, "-m", "openrlhf_tis.dashboard.cli", str(root), "--port", str(port)]
-    with served(argv, port, log, jupyter_env(tmp_path / "jupyter"), tmp_path):
-        yield f"http://127.0.0.1:{port}/", root, log
+    with served(argv, port, log, jupyter_env(tmp_path / "jupyter"), tmp_path) as process:
+        yield f"http://127.0.0.1:{port}/", root, log, process
 
 
 @pytest.fixture()
@@ -112,9 +112,8 @@ def _reload(browser) -> None:
 @pytest.mark.browser
 @pytest.mark.timeout(300)
 def test_dashboard_in_headless_chromium(server, driver):
-    url, root, log = server
-    with urllib.request.urlopen(url, timeout=WAIT_S) as reply:
-        page = reply.read().decode()
+    url, root, log, process = server
+    page = page_text(url, process, log)
     assert "jupyter-widgets" in page and external_assets(page, int(url.rsplit(":", 1)[1].strip("/"))) == []
 
     driver.get(url)
@@ -158,7 +157,7 @@ def test_dashboard_in_headless_chromium(server, driver):
 def test_the_first_screen_is_the_runs_table(server, driver):
     """Regression: the page opened on a tab bar with no tab selected over an empty box, and once the runs tab was
     clicked the table's headers sat right-aligned over left-aligned cells."""
-    url, root, log = server
+    url, root, log, _ = server
     for step in (1, 2):
         write_step(root / "live", step)
     RunWriter(root / "nodumps").append_metrics(1, {"reward": 0.25})
@@ -192,7 +191,7 @@ def _alive(url: str, kernel: str) -> bool:
 def test_reloads_leave_one_kernel(server, driver):
     """Each load or reload used to start a kernel and free none (its shutdown POST was refused for
     a missing `_xsrf`), a few hundred MiB each."""
-    url, _, log = server
+    url, _, log, _ = server
     kernels = []
     for _ in range(11):  # the first load and ten reloads
         driver.refresh() if kernels else driver.get(url)

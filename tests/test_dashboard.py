@@ -5,12 +5,15 @@ the command refusing a port in use. Then the command's server as a process: it a
 
 from __future__ import annotations
 
+import contextlib
 import http.client
+import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import uuid
@@ -19,11 +22,11 @@ import nbformat
 import numpy as np
 import pandas as pd
 import pytest
-from _browser import PAGE_LOAD_S, WAIT_S, free_port, jupyter_env, served
+from _browser import PAGE_LOAD_S, WAIT_S, descendants, free_port, jupyter_env, page_text, served
 from papermill import execute_notebook
 
 from openrlhf_tis.dashboard import cli as dashboard
-from openrlhf_tis.dashboard import voila_server
+from openrlhf_tis.dashboard import voila_app, voila_server
 from openrlhf_tis.pipeline.dashboard_app import Dashboard
 from openrlhf_tis.pipeline.execute import KERNEL, KERNEL_START_S, notebook_path
 from openrlhf_tis.runs import RunWriter, TokenDumpWriter
@@ -271,3 +274,54 @@ def test_a_page_frees_its_kernel_with_its_own_cookie_only(tmp_path):
         assert _request(port, "GET", f"/api/kernels/{kernel}")[0] == 404
     culling = f"Culling kernels with idle durations > {voila_server.CULL_IDLE_S} seconds"
     assert culling in (tmp_path / "log").read_text()
+
+
+def _page_with_kernel_paused(tmp_path, pause_s: float, start_bound_s: int | None = None) -> str:
+    """The dashboard's page, fetched while its kernel is SIGSTOPped for `pause_s` from its start (a kernel starved
+    on a busy machine), from a server whose kernel-start bound is `start_bound_s` (None: the product's)."""
+    port, log = free_port(), tmp_path / "log"
+    argv = _dashboard_argv(tmp_path / "none", port)
+    if start_bound_s is not None:  # the bound is read when voila_server is imported: set it before that
+        argv[1:3] = ["-c", f"import openrlhf_tis.pipeline.execute as e; e.KERNEL_START_S = {start_bound_s}; "
+                           "from openrlhf_tis.dashboard.cli import main; main()"]
+    with served(argv, port, log, jupyter_env(tmp_path / "jupyter"), tmp_path) as server:
+        page: list = []
+
+        def read() -> None:
+            try:
+                page.append(page_text(f"http://127.0.0.1:{port}/", server, log))
+            except BaseException as error:  # pytest's Failed included: raised in the test's thread below
+                page.append(error)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        deadline = time.monotonic() + WAIT_S
+        while not descendants(server.pid):
+            assert time.monotonic() < deadline, f"no kernel started in {WAIT_S} s:\n{log.read_text()[-2000:]}"
+            time.sleep(0.05)
+        kernel = descendants(server.pid)[0]
+        os.kill(kernel, signal.SIGSTOP)
+        time.sleep(pause_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(kernel, signal.SIGCONT)
+        reader.join()
+    if isinstance(page[0], BaseException):
+        raise page[0]
+    return page[0]
+
+
+@pytest.mark.timeout(400)
+def test_a_page_whose_kernel_starts_late_still_loads(tmp_path):
+    """Regression: Voilà gives a page's kernel 60 s to answer; a kernel starved longer on a busy machine (the
+    suite's browser test in CI) left its page loading forever. The bound is now KERNEL_START_S."""
+    page = _page_with_kernel_paused(tmp_path, pause_s=70)
+    # the notebook ran: its last cell's dashboard, over the root it was given
+    assert f"Runs under {tmp_path / 'none'}" in page and voila_app.RENDER_FAILED not in page
+
+
+@pytest.mark.timeout(300)
+def test_a_page_whose_kernel_never_answers_ends_with_the_error(tmp_path):
+    """Past the bound the page used to stay open forever, a heartbeat every 10 s (Voilà renders it in a task whose
+    failure nobody awaits); it now ends, saying why."""
+    page = _page_with_kernel_paused(tmp_path, pause_s=25, start_bound_s=10)
+    assert voila_app.RENDER_FAILED in page and "respond in 10 seconds" in page and page.rstrip().endswith("</html>")

@@ -20,6 +20,11 @@ cookie with the page, keeping the XSRF check whole: another site's page can neit
 A kernel whose page went without that POST (a crashed tab, a bare HTTP GET) is culled once idle and unconnected
 for CULL_IDLE_S. Pages are rendered at most RENDERS at a time (one kernel executes the notebook per render): twenty
 clients at once had each kernel fight nineteen others for the cores, so every page took a minute and a half.
+
+A page's kernel gets KERNEL_START_S to answer, as a notebook's does under papermill (pipeline/execute.py): Voilà's
+60 s is passed on a busy 2-core machine, and Voilà renders the page in a task whose failure nobody awaits, so a
+kernel that answered late left the page loading forever, a heartbeat every 10 s (measured: the kernel SIGSTOPped
+for 65 s; the suite's browser test hung so in CI). voila_app.py ends such a page with the error instead.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import os
 import socket
 from collections.abc import Mapping
 from pathlib import Path
+
+from openrlhf_tis.pipeline.execute import KERNEL_START_S
 
 HOST = "127.0.0.1"
 JUPYTER_DIR = Path(__file__).resolve().parent / "jupyter"
@@ -63,4 +70,5 @@ def voila_args(notebook: str | os.PathLike, port: int) -> list[str]:
     return [os.fspath(notebook), "--no-browser", f"--Voila.ip={HOST}", f"--port={port}", "--Voila.port_retries=0",
             f"--template={TEMPLATE}", "--VoilaConfiguration.show_tracebacks=True",
             f"--MappingKernelManager.cull_idle_timeout={CULL_IDLE_S}",
-            f"--MappingKernelManager.cull_interval={CULL_INTERVAL_S}"]
+            f"--MappingKernelManager.cull_interval={CULL_INTERVAL_S}",
+            f"--VoilaExecutor.startup_timeout={KERNEL_START_S}"]
