@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.parse
 import uuid
+from pathlib import Path
 
 import nbformat
 import numpy as np
@@ -276,6 +277,14 @@ def test_a_page_frees_its_kernel_with_its_own_cookie_only(tmp_path):
     assert culling in (tmp_path / "log").read_text()
 
 
+def _is_kernel(pid: int) -> bool:
+    """Whether process `pid` is an ipykernel (not another child the server starts and ends on its way)."""
+    try:
+        return b"ipykernel_launcher" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def _page_with_kernel_paused(tmp_path, pause_s: float, start_bound_s: int | None = None) -> str:
     """The dashboard's page, fetched while its kernel is SIGSTOPped for `pause_s` from its start (a kernel starved
     on a busy machine), from a server whose kernel-start bound is `start_bound_s` (None: the product's)."""
@@ -296,10 +305,10 @@ def _page_with_kernel_paused(tmp_path, pause_s: float, start_bound_s: int | None
         reader = threading.Thread(target=read)
         reader.start()
         deadline = time.monotonic() + WAIT_S
-        while not descendants(server.pid):
+        while not (kernels := [pid for pid in descendants(server.pid) if _is_kernel(pid)]):
             assert time.monotonic() < deadline, f"no kernel started in {WAIT_S} s:\n{log.read_text()[-2000:]}"
             time.sleep(0.05)
-        kernel = descendants(server.pid)[0]
+        [kernel] = kernels
         os.kill(kernel, signal.SIGSTOP)
         time.sleep(pause_s)
         with contextlib.suppress(ProcessLookupError):

@@ -24,7 +24,8 @@ clients at once had each kernel fight nineteen others for the cores, so every pa
 A page's kernel gets KERNEL_START_S to answer, as a notebook's does under papermill (pipeline/execute.py): Voilà's
 60 s is passed on a busy 2-core machine, and Voilà renders the page in a task whose failure nobody awaits, so a
 kernel that answered late left the page loading forever, a heartbeat every 10 s (measured: the kernel SIGSTOPped
-for 65 s; the suite's browser test hung so in CI). voila_app.py ends such a page with the error instead.
+for 65 s; the suite's browser test hung so in CI). voila_app.py ends such a page with the error instead. A cell's
+outputs may trail its reply by IOPUB_S, not nbclient's 4 s, past which they were dropped without a word.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ TEMPLATE = "openrlhf_tis"
 LOCAL_ONLY: dict[str, object] = {"allow_remote_access": False, "local_hostnames": ["localhost"]}
 CULL_IDLE_S = 300  # a kernel idle this long with no page connected is shut down; checked every CULL_INTERVAL_S
 CULL_INTERVAL_S = 60
+# How long a cell's outputs may trail its reply: nbclient's 4 s drops them silently on a busy machine (a page with
+# no dashboard, no error), as its own help warns for CI systems.
+IOPUB_S = 60
 RENDERS = max(1, len(os.sched_getaffinity(0)))  # pages rendered at once: a render keeps about one core busy
 
 
@@ -71,4 +75,4 @@ def voila_args(notebook: str | os.PathLike, port: int) -> list[str]:
             f"--template={TEMPLATE}", "--VoilaConfiguration.show_tracebacks=True",
             f"--MappingKernelManager.cull_idle_timeout={CULL_IDLE_S}",
             f"--MappingKernelManager.cull_interval={CULL_INTERVAL_S}",
-            f"--VoilaExecutor.startup_timeout={KERNEL_START_S}"]
+            f"--VoilaExecutor.startup_timeout={KERNEL_START_S}", f"--VoilaExecutor.iopub_timeout={IOPUB_S}"]
