@@ -78,7 +78,7 @@ def test_the_load_is_said_as_three_averages_and_the_cores():
     assert all(float(v) >= 0 for v in match.groups()[:3]) and int(match.group(4)) >= 1
 
 
-def test_a_notebook_kernel_gets_the_long_start_up_bound(tmp_path, monkeypatch):
+def test_a_notebook_kernel_gets_the_long_start_up_and_output_bounds(tmp_path, monkeypatch):
     import papermill
 
     from openrlhf_tis.pipeline import execute
@@ -87,6 +87,7 @@ def test_a_notebook_kernel_gets_the_long_start_up_bound(tmp_path, monkeypatch):
     monkeypatch.setattr(papermill, "execute_notebook", lambda *args, **kwargs: seen.update(kwargs))
     execute.execute("train", tmp_path / "out.ipynb", {})
     assert seen["start_timeout"] == execute.KERNEL_START_S >= 300  # papermill's own default: 60 s
+    assert seen["iopub_timeout"] == execute.IOPUB_S >= 30  # nbclient's: 4 s, past which outputs are dropped
 
 
 HOG = Path(__file__).resolve().parents[1] / "scripts" / "cpu_hog.sh"

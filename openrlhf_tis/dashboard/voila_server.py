@@ -35,7 +35,7 @@ import socket
 from collections.abc import Mapping
 from pathlib import Path
 
-from openrlhf_tis.pipeline.execute import KERNEL_START_S
+from openrlhf_tis.pipeline.execute import IOPUB_S, KERNEL_START_S
 
 HOST = "127.0.0.1"
 JUPYTER_DIR = Path(__file__).resolve().parent / "jupyter"
@@ -45,9 +45,6 @@ TEMPLATE = "openrlhf_tis"
 LOCAL_ONLY: dict[str, object] = {"allow_remote_access": False, "local_hostnames": ["localhost"]}
 CULL_IDLE_S = 300  # a kernel idle this long with no page connected is shut down; checked every CULL_INTERVAL_S
 CULL_INTERVAL_S = 60
-# How long a cell's outputs may trail its reply: nbclient's 4 s drops them silently on a busy machine (a page with
-# no dashboard, no error), as its own help warns for CI systems.
-IOPUB_S = 60
 RENDERS = max(1, len(os.sched_getaffinity(0)))  # pages rendered at once: a render keeps about one core busy
 
 

@@ -25,6 +25,9 @@ KERNEL_ARGS = ["--IPKernelApp.log_level=ERROR"]
 # before it answers. Like the longer agent window Ray gets (cli/ray_cluster.RAY_START_ENV), a generous bound, not
 # a hang: a kernel that never starts still fails, naming the notebook.
 KERNEL_START_S = 300
+# How long a cell's outputs may trail its reply: nbclient's 4 s drops them without a word on a busy machine (a
+# dashboard page rendered empty so under load), as its own help warns for CI systems.
+IOPUB_S = 60
 
 
 def notebook_path(name: str) -> Path:
@@ -47,7 +50,8 @@ def execute(name: str, output: str | os.PathLike, parameters: Mapping[str, Any],
     output.parent.mkdir(parents=True, exist_ok=True)
     papermill.execute_notebook(os.fspath(notebook_path(name)), os.fspath(output), parameters=dict(parameters),
                                kernel_name=KERNEL, cwd=os.fspath(cwd or output.parent), progress_bar=progress,
-                               log_output=False, extra_arguments=KERNEL_ARGS, start_timeout=KERNEL_START_S)
+                               log_output=False, extra_arguments=KERNEL_ARGS, start_timeout=KERNEL_START_S,
+                               iopub_timeout=IOPUB_S)
     return output
 
 
