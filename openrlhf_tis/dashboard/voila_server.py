@@ -25,7 +25,7 @@ A page's kernel gets KERNEL_START_S to answer, as a notebook's does under paperm
 60 s is passed on a busy 2-core machine, and Voilà renders the page in a task whose failure nobody awaits, so a
 kernel that answered late left the page loading forever, a heartbeat every 10 s (measured: the kernel SIGSTOPped
 for 65 s; the suite's browser test hung so in CI). voila_app.py ends such a page with the error instead. A cell's
-outputs may trail its reply by IOPUB_S, not nbclient's 4 s, past which they were dropped without a word.
+outputs may trail its reply by IOPUB_S, not nbclient's 4 s, past which nbclient stops waiting for them.
 """
 
 from __future__ import annotations

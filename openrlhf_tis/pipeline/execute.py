@@ -25,8 +25,9 @@ KERNEL_ARGS = ["--IPKernelApp.log_level=ERROR"]
 # before it answers. Like the longer agent window Ray gets (cli/ray_cluster.RAY_START_ENV), a generous bound, not
 # a hang: a kernel that never starts still fails, naming the notebook.
 KERNEL_START_S = 300
-# How long a cell's outputs may trail its reply: nbclient's 4 s drops them without a word on a busy machine (a
-# dashboard page rendered empty so under load), as its own help warns for CI systems.
+# How long a cell's outputs may trail its reply: past nbclient's 4 s it stops waiting for them and goes on without a
+# word, which its own help warns is too short on slow CI systems (a suspect, not a proven cause, for a dashboard page
+# once rendered without its output under load: docs/measurements.md, 2026-12-06, third sitting).
 IOPUB_S = 60
 
 
