@@ -22,14 +22,16 @@ def use_fork_engine_actor(*, routed_experts: bool = False) -> None:
     `routed_experts` (routing replay), the one that starts a CUDA engine returning its routed experts.
 
     create_vllm_engines builds its actors from this module global; with a plain model directory
-    (no plan) the fork's actor starts the engine exactly as upstream's does.
+    (no plan) the fork's actor starts the engine exactly as upstream's does. Its concurrency is raised from Ray's
+    1,000 for async actors: the batch gate holds a dispatch's calls until the last arrives (rollout/batch_gate.py).
     """
     import openrlhf.trainer.ray.vllm_engine as upstream_engine
 
+    from openrlhf_tis.rollout.batch_gate import CALLS_AT_ONCE
     from openrlhf_tis.rollout.engine_actor import PrecisionRolloutRayActor, RoutedExpertsRolloutRayActor
 
     actor = RoutedExpertsRolloutRayActor if routed_experts else PrecisionRolloutRayActor
-    replace(upstream_engine, "RolloutRayActor", ray.remote(actor), patch=NAME)
+    replace(upstream_engine, "RolloutRayActor", ray.remote(max_concurrency=CALLS_AT_ONCE)(actor), patch=NAME)
 
 
 def apply(rollout_model_dir: str, *, routed_experts: bool = False) -> bool:

@@ -31,6 +31,7 @@ from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 from openrlhf_tis.moe.coverage import ENGINE_OPTION, moe_layers
 from openrlhf_tis.moe.routing_batch import ROUTED_EXPERTS
 from openrlhf_tis.ray_classes import ray_actor_class
+from openrlhf_tis.rollout.batch_gate import GATE_KWARG, BatchGate, Slot
 from openrlhf_tis.rollout.checkpoint import read_plan
 from openrlhf_tis.rollout.cuda_routing import take_routing
 from openrlhf_tis.rollout.precision import engine_kwargs
@@ -95,6 +96,7 @@ def is_quantized_plan(model_dir: str) -> bool:
 
 
 _SAMPLE_ROUTINGS: ContextVar[list | None] = ContextVar("openrlhf_tis_sample_routings", default=None)
+_GATE_SLOT: ContextVar[Slot | None] = ContextVar("openrlhf_tis_gate_slot", default=None)
 """The routings taken by the requests of the sample being generated (set per sample by `_generate_sample`)."""
 
 
@@ -126,6 +128,19 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         make_rewards_loud(self.executor)
         self._policy_version = 0  # optimizer steps in the weights this engine holds (trainer/staleness.py)
         self._last_sync_stats: list[dict] = []  # what each worker's receive returned at the last sync's end
+        self._gate = self._new_gate()
+
+    def _new_gate(self) -> BatchGate:
+        return BatchGate(self._pause_keeping_cache, self.resume_generation, self.get_num_unfinished_requests)
+
+    async def _pause_keeping_cache(self) -> None:
+        """Stop scheduling, keep every request and cache as they are (upstream's pause clears the caches, which in
+        vLLM resets the running requests too)."""
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+
+    async def seal_dispatch(self, dispatch: str, calls: int) -> None:
+        """The controller sent this engine `calls` calls of a gated dispatch (rollout/batch_gate.py)."""
+        self._gate.seal(dispatch, calls)
 
     async def start_routing_capture(self) -> list[int]:
         """Capture each request's routed experts from now on (`--vllm.routing_replay r3`); return the decoder layers
@@ -148,7 +163,11 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
         """Upstream's token-level generation; with the routing capture on, the request's routed experts are taken as
-        it ends (always, so that the engine keeps none) and handed to the sample being generated, if any."""
+        it ends (always, so that the engine keeps none) and handed to the sample being generated, if any. A sample of
+        a gated dispatch first waits for its turn (rollout/batch_gate.py)."""
+        slot = _GATE_SLOT.get()
+        if slot is not None:
+            await self._gate.arrive(slot)
         output = await super().generate(prompt_token_ids, sampling_params, multi_modal_data)
         if self._routing_layers is None or output is None:
             return output
@@ -164,18 +183,24 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         taken = await self.llm.collective_rpc("take_routed_experts", args=({output.request_id: tokens},))
         return taken[0][output.request_id]
 
-    async def _generate_sample(self, call):
-        """Await one upstream `generate_responses` call of a single sample; with the routing capture on, its response
-        carries the routing of the request that generated it. A sample made by several requests (a multi-turn
-        agent) is refused: its later turns' prompts were routed by other requests (docs/moe.md)."""
-        if self._routing_layers is None:
-            return await call
+    async def _generate_sample(self, call, slot: Slot | None = None):
+        """Await one upstream `generate_responses` call of a single sample, its requests gated by `slot` if given;
+        with the routing capture on, its response carries the routing of the request that generated it. A sample
+        made by several requests (a multi-turn agent) is refused: its later turns' prompts were routed by other
+        requests (docs/moe.md)."""
         routings: list = []
-        token = _SAMPLE_ROUTINGS.set(routings)  # the executor's tasks, created from here on, copy it
+        # the executor's tasks, created from here on, copy both
+        gated = _GATE_SLOT.set(slot)
+        routed = _SAMPLE_ROUTINGS.set(routings if self._routing_layers is not None else None)
         try:
             outputs = await call
         finally:
-            _SAMPLE_ROUTINGS.reset(token)
+            _SAMPLE_ROUTINGS.reset(routed)
+            _GATE_SLOT.reset(gated)
+            if slot is not None:
+                self._gate.leave(slot)
+        if self._routing_layers is None:
+            return outputs
         if len(outputs) != 1 or len(routings) != 1:
             raise RuntimeError(f"--vllm.routing_replay r3: a sample took {len(routings)} engine requests for "
                                f"{len(outputs)} response(s); replay carries one request's routing per sample")
@@ -200,8 +225,10 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         The stamps travel as `extra_logs`, which upstream's samples generator turns into `Experience.info` entries;
         the controller orders the samples by the key and turns the versions into lags (trainer/staleness.py). A
         request whose sampling parameters already carry a seed keeps it, and one not made by name (not upstream's
-        call) goes as it is.
+        call) goes as it is. A call of a gated dispatch (its id under GATE_KWARG) admits its samples with the
+        dispatch's others (rollout/batch_gate.py).
         """
+        dispatch = kwargs.pop(GATE_KWARG, None)
         first = self._policy_version
         upstream = super().generate_responses
         params = kwargs.get("sampling_params")
@@ -210,11 +237,15 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         self._asked[key] = occurrence + 1
         if not args and params is not None and params.seed is None:  # upstream's call: every argument by name
             seeds = sample_seeds(self._engine_seed, first, key, occurrence, kwargs.get("num_samples", 1))
+            slots = (self._gate.open_call(dispatch, [(key, occurrence, i) for i in range(len(seeds))])
+                     if dispatch is not None else [None] * len(seeds))
             requests = [self._generate_sample(upstream(**{**kwargs, "sampling_params": _seeded(params, seed),
-                                                          "num_samples": 1}))
-                        for seed in seeds]  # one request a sample, each with its own seed, gathered in order
+                                                          "num_samples": 1}), slot)
+                        for seed, slot in zip(seeds, slots, strict=True)]  # a request a sample, each its own seed
             outputs = [output for outputs in await asyncio.gather(*requests) for output in outputs]
         else:
+            if dispatch is not None:
+                self._gate.open_call(dispatch, [])  # counted, not gated: its seed or samples are not the fork's
             outputs = await self._generate_sample(upstream(*args, **kwargs))
         last = self._policy_version
         stamps = {VERSION_FIRST: first, VERSION_LAST: last, PROMPT_KEY: key, OCCURRENCE: occurrence,

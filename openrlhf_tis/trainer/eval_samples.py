@@ -5,6 +5,9 @@ prompts at a time and waits for each chunk before sending the next. vLLM batches
 given, so a chunk of 4 prompts costs almost as much wall time as one of 64 where decoding is
 overhead-bound (vLLM-CPU: docs/measurements.md); the chunks only serialize the work. Here the whole
 held-out set is dispatched at once, spread over every engine by upstream's own dispatch.
+
+The same generator serves the controller's rollouts, and every dispatch of it, rollout or evaluation, is admitted by
+each engine as one batch in a fixed order (trainer/gated_dispatch.py: what makes a step's batches repeat).
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ from collections.abc import Callable
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
 from openrlhf_tis.moe.routing_batch import carry_routing
+from openrlhf_tis.trainer.gated_dispatch import GatedDispatch
 from openrlhf_tis.upstream_guards import require_version
 
 
-class WholeSetEvalSamplesGenerator(SamplesGenerator):
-    """Upstream's sample generator whose evaluation sends every held-out prompt in one dispatch, which calls
+class WholeSetEvalSamplesGenerator(GatedDispatch, SamplesGenerator):
+    """Upstream's sample generator whose dispatches are gated, whose evaluation sends every held-out prompt in one
+    dispatch, which calls
     `on_response` at each finished response (the rollout's progress, trainer/stage_board.py), and which keeps a
     response's routed experts with its sample (routing replay: moe/routing_batch.py; upstream drops the key)."""
 
