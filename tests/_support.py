@@ -401,6 +401,20 @@ def processes_naming(text: str | Path) -> dict[int, str]:
     return found
 
 
+def engine_actor_over(monkeypatch, llm, generate, generate_responses, engine_seed: int = 0):
+    """The fork's engine actor, not started, over a fake upstream (`generate` and `generate_responses` stand in for
+    openrlhf's, as methods) and a fake vLLM engine `llm`."""
+    from openrlhf_tis.rollout import engine_actor
+
+    monkeypatch.setattr(engine_actor._UpstreamRolloutRayActor, "generate", generate)
+    monkeypatch.setattr(engine_actor._UpstreamRolloutRayActor, "generate_responses", generate_responses)
+    actor = engine_actor.PrecisionRolloutRayActor.__new__(engine_actor.PrecisionRolloutRayActor)
+    actor._engine_seed, actor._policy_version, actor._asked = engine_seed, 0, {}
+    actor.llm = llm
+    actor._gate = actor._new_gate()
+    return actor
+
+
 class FakeRewardEngine:
     """What upstream's SingleTurnAgentExecutor needs of the engine: generate() -> an output of 3 fixed tokens."""
 

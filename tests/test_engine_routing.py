@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from _support import engine_actor_over
 
 from openrlhf_tis.moe.routing_batch import ROUTED_EXPERTS
 from openrlhf_tis.rollout import engine_actor
@@ -50,12 +51,7 @@ def actor(monkeypatch):
             return {"request": outputs[-1].request_id, "extra_logs": {}}
         return await asyncio.gather(*[execute() for _ in range(num_samples)])
 
-    monkeypatch.setattr(engine_actor._UpstreamRolloutRayActor, "generate", upstream_generate)
-    monkeypatch.setattr(engine_actor._UpstreamRolloutRayActor, "generate_responses", upstream_generate_responses)
-    actor = engine_actor.PrecisionRolloutRayActor.__new__(engine_actor.PrecisionRolloutRayActor)
-    actor._engine_seed, actor._policy_version, actor._asked = 0, 0, {}
-    actor.llm = _FakeEngine()
-    return actor
+    return engine_actor_over(monkeypatch, _FakeEngine(), upstream_generate, upstream_generate_responses)
 
 
 def _params():

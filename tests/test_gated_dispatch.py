@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import ray
+from _support import engine_actor_over
 
-from openrlhf_tis.rollout import engine_actor
 from openrlhf_tis.rollout.batch_gate import GATE_KWARG
 from openrlhf_tis.rollout.sampling_seeds import prompt_key, sample_seeds
 from openrlhf_tis.trainer.eval_samples import WholeSetEvalSamplesGenerator
@@ -46,13 +46,7 @@ def actor(monkeypatch):
             return {"seed": output.seed, "extra_logs": {}}
         return await asyncio.gather(*[execute() for _ in range(num_samples)])
 
-    monkeypatch.setattr(engine_actor._UpstreamRolloutRayActor, "generate", upstream_generate)
-    monkeypatch.setattr(engine_actor._UpstreamRolloutRayActor, "generate_responses", upstream_generate_responses)
-    actor = engine_actor.PrecisionRolloutRayActor.__new__(engine_actor.PrecisionRolloutRayActor)
-    actor._engine_seed, actor._policy_version, actor._asked = 5, 0, {}
-    actor.llm = _FakeLLM()
-    actor._gate = actor._new_gate()
-    return actor
+    return engine_actor_over(monkeypatch, _FakeLLM(), upstream_generate, upstream_generate_responses, engine_seed=5)
 
 
 def _params():
