@@ -86,8 +86,8 @@ def descendants(pid: int) -> list[int]:
 def page_text(url: str, server: subprocess.Popen, log: Path) -> str:
     """The page at `url` read whole within PAGE_LOAD_S. A Voilà page sends nothing while its kernel starts and then
     streams as the kernel executes the notebook, with heartbeats in between, so a stuck kernel never times the socket
-    out: past the bound the test fails with the server's processes under `ps` and each one's Python stacks (sent
-    SIGABRT, printed by the fault handler that jupyter_env turns on) from the server's log."""
+    out: past the bound the test fails with the server's processes under `ps` and each one's Python stacks, the
+    server's own last (sent SIGABRT, printed by the fault handler that jupyter_env turns on) from the server's log."""
     reply: list = []
 
     def read() -> None:
@@ -107,12 +107,12 @@ def page_text(url: str, server: subprocess.Popen, log: Path) -> str:
     below = descendants(server.pid)
     table = subprocess.run(["ps", "-o", "pid,ppid,stat,etime,time,rss,args", "-p", ",".join(map(str, below))],
                            capture_output=True, text=True).stdout if below else "(no process under the server)\n"
-    for pid in below:
+    for pid in [*below, server.pid]:  # the kernels' stacks, then the server's own: where it waits
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGABRT)
-    time.sleep(3)
+        time.sleep(1.5)
     pytest.fail(f"{url} not read whole in {PAGE_LOAD_S} s; the server's processes:\n{table}server log, the kernels' "
-                f"stacks last:\n{log.read_text()[-8000:]}")
+                f"and then the server's stacks last:\n{log.read_text()[-16000:]}")
 
 
 @contextlib.contextmanager
