@@ -96,8 +96,9 @@ def is_quantized_plan(model_dir: str) -> bool:
 
 
 _SAMPLE_ROUTINGS: ContextVar[list | None] = ContextVar("openrlhf_tis_sample_routings", default=None)
-_GATE_SLOT: ContextVar[Slot | None] = ContextVar("openrlhf_tis_gate_slot", default=None)
 """The routings taken by the requests of the sample being generated (set per sample by `_generate_sample`)."""
+_GATE_SLOT: ContextVar[Slot | None] = ContextVar("openrlhf_tis_gate_slot", default=None)
+"""The gate slot of the sample being generated, if its dispatch is gated (set per sample by `_generate_sample`)."""
 
 
 def _seeded(params, seed: int):
