@@ -86,8 +86,7 @@ def descendants(pid: int) -> list[int]:
 def page_text(url: str, server: subprocess.Popen, log: Path) -> str:
     """The page at `url` read whole within PAGE_LOAD_S. A Voilà page sends nothing while its kernel starts and then
     streams as the kernel executes the notebook, with heartbeats in between, so a stuck kernel never times the socket
-    out: past the bound the test fails with the server's processes under `ps` and each one's Python stacks, the
-    server's own last (sent SIGABRT, printed by the fault handler that jupyter_env turns on) from the server's log."""
+    out: past the bound the test fails with `server_state`."""
     reply: list = []
 
     def read() -> None:
@@ -104,15 +103,22 @@ def page_text(url: str, server: subprocess.Popen, log: Path) -> str:
         if isinstance(reply[0], Exception):
             raise reply[0]
         return reply[0]
+    pytest.fail(f"{url} not read whole in {PAGE_LOAD_S} s; {server_state(server, log)}")
+
+
+def server_state(server: subprocess.Popen, log: Path) -> str:
+    """What a test that waited in vain on the server says: the server's processes under `ps`, its asyncio tasks
+    each with what it awaits (SIGUSR1, dashboard/waits.py), then the kernels' Python stacks and the server's threads
+    (sent SIGABRT, printed by the fault handler that jupyter_env turns on), all from the server's log."""
     below = descendants(server.pid)
     table = subprocess.run(["ps", "-o", "pid,ppid,stat,etime,time,rss,args", "-p", ",".join(map(str, below))],
                            capture_output=True, text=True).stdout if below else "(no process under the server)\n"
-    for pid in [*below, server.pid]:  # the kernels' stacks, then the server's own: where it waits
+    for pid, sig in [(server.pid, signal.SIGUSR1), *((pid, signal.SIGABRT) for pid in [*below, server.pid])]:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGABRT)
+            os.kill(pid, sig)
         time.sleep(1.5)
-    pytest.fail(f"{url} not read whole in {PAGE_LOAD_S} s; the server's processes:\n{table}server log, the kernels' "
-                f"and then the server's stacks last:\n{log.read_text()[-16000:]}")
+    return (f"the server's processes:\n{table}server log: its tasks, the kernels' stacks and then the server's threads "
+            f"last:\n{log.read_text()[-24000:]}")
 
 
 @contextlib.contextmanager

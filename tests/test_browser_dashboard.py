@@ -14,7 +14,17 @@ import urllib.error
 import urllib.request
 
 import pytest
-from _browser import WAIT_S, chromium, external_assets, free_port, jupyter_env, page_text, requested_urls, served
+from _browser import (
+    WAIT_S,
+    chromium,
+    external_assets,
+    free_port,
+    jupyter_env,
+    page_text,
+    requested_urls,
+    served,
+    server_state,
+)
 from selenium.common.exceptions import TimeoutException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
@@ -45,6 +55,15 @@ def _wait(browser, what: str, condition, log) -> None:
         page = browser.execute_script("return document.body ? document.body.innerText : ''")
         pytest.fail(f"{what}: not seen after {WAIT_S} s; page text:\n{page[-2000:]}\nserver log:\n"
                     f"{log.read_text()[-2000:]}")
+
+
+def _load(browser, server, reload: bool = False) -> None:
+    """Open (or reload) the dashboard's page; a load past the browser's bound fails with where the server waits."""
+    url, _, log, process = server
+    try:
+        browser.refresh() if reload else browser.get(url)
+    except TimeoutException:
+        pytest.fail(f"the page did not load within the browser's bound; {server_state(process, log)}")
 
 
 def _run_rows(browser) -> list[list[str]]:
@@ -116,7 +135,7 @@ def test_dashboard_in_headless_chromium(server, driver):
     page = page_text(url, process, log)
     assert "jupyter-widgets" in page and external_assets(page, int(url.rsplit(":", 1)[1].strip("/"))) == []
 
-    driver.get(url)
+    _load(driver, server)
     _wait(driver, "the missing-root notice", lambda b: "does not exist" in b.find_element(By.CLASS_NAME, "mm-notice")
           .text, log)
 
@@ -161,7 +180,7 @@ def test_the_first_screen_is_the_runs_table(server, driver):
     for step in (1, 2):
         write_step(root / "live", step)
     RunWriter(root / "nodumps").append_metrics(1, {"reward": 0.25})
-    driver.get(url)  # and no click from here on
+    _load(driver, server)  # and no click from here on
     _wait(driver, "the runs table on the first screen", lambda b: (_first_screen(b) or {}).get("shown"), log)
     screen = _first_screen(driver)
     assert screen["tab"] == "runs" and [r[0] for r in _run_rows(driver)] == ["live", "nodumps"]
@@ -194,7 +213,7 @@ def test_reloads_leave_one_kernel(server, driver):
     url, _, log, _ = server
     kernels = []
     for _ in range(11):  # the first load and ten reloads
-        driver.refresh() if kernels else driver.get(url)
+        _load(driver, server, reload=bool(kernels))
         # the notice is a widget: the page's widget manager, which frees the kernel on unload, is up
         _wait(driver, "the missing-root notice", lambda b: "does not exist" in b.find_element(
             By.CLASS_NAME, "mm-notice").text, log)

@@ -12,6 +12,7 @@ import html
 import os
 from collections.abc import AsyncIterator
 
+import tornado.ioloop
 import tornado.web
 import voila.handler
 from voila.app import Voila
@@ -19,6 +20,7 @@ from voila.notebook_renderer import NotebookRenderer
 from voila.tornado.handler import TornadoVoilaHandler
 
 from openrlhf_tis.dashboard.voila_server import LOCAL_ONLY, RENDERS, voila_args
+from openrlhf_tis.dashboard.waits import print_waits_on_sigusr1
 from openrlhf_tis.upstream_guards import replace, require_version
 
 PATCH = "dashboard/voila_app.py:serve_local"
@@ -71,11 +73,13 @@ def serve_local(notebook: str | os.PathLike, port: int) -> None:
 
     Voilà's own `launch_instance`, with LOCAL_ONLY added to its `tornado_settings` once every configuration source
     has been read, so that no Jupyter config file can turn the Host check off by setting other tornado settings (a
-    dict on the command line is deprecated in traitlets and types its values as strings).
+    dict on the command line is deprecated in traitlets and types its values as strings). SIGUSR1 prints where each
+    of its asyncio tasks waits (waits.py), for a page that never finishes loading.
     """
     require_version("voila", ">=0.5,<0.6", patch=PATCH)
     replace(voila.handler, "NotebookRenderer", LoudRenderer, patch=PATCH)  # the page handler builds it by that name
     app = LocalVoila.instance()
     app.initialize(voila_args(notebook, port))
     app.tornado_settings = {**app.tornado_settings, **LOCAL_ONLY}
+    tornado.ioloop.IOLoop.current().add_callback(lambda: print_waits_on_sigusr1(asyncio.get_running_loop()))
     app.start()
