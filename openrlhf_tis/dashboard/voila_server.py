@@ -25,7 +25,10 @@ A page's kernel gets KERNEL_START_S to answer, as a notebook's does under paperm
 60 s is passed on a busy 2-core machine, and Voilà renders the page in a task whose failure nobody awaits, so a
 kernel that answered late left the page loading forever, a heartbeat every 10 s (measured: the kernel SIGSTOPped
 for 65 s; the suite's browser test hung so in CI). voila_app.py ends such a page with the error instead. A cell's
-outputs may trail its reply by IOPUB_S, not nbclient's 4 s, past which nbclient stops waiting for them.
+outputs may trail its reply by IOPUB_S, not nbclient's 4 s, past which nbclient stops waiting for them. The page's
+executor waits for each reply through pipeline/kernel_client.py's repolling client: with jupyter_client's own, a
+reply whose socket wake-up was consumed left a page loading forever beside an idle kernel (the suite's reload test
+hung so in CI).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from openrlhf_tis.pipeline.execute import IOPUB_S, KERNEL_START_S
+from openrlhf_tis.pipeline.kernel_client import CLIENT_CLASS
 
 HOST = "127.0.0.1"
 JUPYTER_DIR = Path(__file__).resolve().parent / "jupyter"
@@ -72,4 +76,5 @@ def voila_args(notebook: str | os.PathLike, port: int) -> list[str]:
             f"--template={TEMPLATE}", "--VoilaConfiguration.show_tracebacks=True",
             f"--MappingKernelManager.cull_idle_timeout={CULL_IDLE_S}",
             f"--MappingKernelManager.cull_interval={CULL_INTERVAL_S}",
-            f"--VoilaExecutor.startup_timeout={KERNEL_START_S}", f"--VoilaExecutor.iopub_timeout={IOPUB_S}"]
+            f"--VoilaExecutor.startup_timeout={KERNEL_START_S}", f"--VoilaExecutor.iopub_timeout={IOPUB_S}",
+            f"--AsyncKernelManager.client_class={CLIENT_CLASS}"]

@@ -43,16 +43,19 @@ def execute(name: str, output: str | os.PathLike, parameters: Mapping[str, Any],
             progress: bool = False) -> Path:
     """Run notebook `name` with `parameters` into `output` (the executed copy, outputs kept even on failure).
 
-    Raises papermill's PapermillExecutionError (cell index, exception name and value) when a cell fails.
+    Raises papermill's PapermillExecutionError (cell index, exception name and value) when a cell fails. Replies
+    are awaited through the repolling client (pipeline/kernel_client.py), which no consumed wake-up can hang.
     """
     import papermill
+
+    from openrlhf_tis.pipeline.kernel_client import RepollingKernelManager
 
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     papermill.execute_notebook(os.fspath(notebook_path(name)), os.fspath(output), parameters=dict(parameters),
                                kernel_name=KERNEL, cwd=os.fspath(cwd or output.parent), progress_bar=progress,
                                log_output=False, extra_arguments=KERNEL_ARGS, start_timeout=KERNEL_START_S,
-                               iopub_timeout=IOPUB_S)
+                               iopub_timeout=IOPUB_S, kernel_manager_class=RepollingKernelManager)
     return output
 
 
