@@ -47,6 +47,11 @@ def test_ray_puts_a_cluster_under_ray_tmpdir():
     """The guard's premise, on the real Ray: a cluster started with RAY_TMPDIR set keeps its session there."""
     with tempfile.TemporaryDirectory(prefix="rt", dir="/tmp") as root:
         code = "import ray; ray.init(num_cpus=1, include_dashboard=False); ray.shutdown()"
-        subprocess.run([sys.executable, "-c", code], env={**os.environ, "RAY_TMPDIR": root}, check=True,
-                       timeout=300, capture_output=True)
+        for _ in range(3):  # a local start can fail on a loaded machine (issue 55; docs/measurements.md): try again
+            start = subprocess.run([sys.executable, "-c", code], env={**os.environ, "RAY_TMPDIR": root},
+                                   timeout=300, capture_output=True, text=True)
+            if start.returncode == 0:
+                break
+        assert start.returncode == 0, (f"ray.init failed 3 times (load {os.getloadavg()}):\n"
+                                       f"{start.stderr[-3000:]}")
         assert any(n.startswith("session_2") for n in os.listdir(os.path.join(root, "ray")))
