@@ -7,8 +7,8 @@ each dumped token the layers whose routing differed; the run's sync check passes
 replays too: its routers are re-classed after the checkpoint load and its engines capture again (a sample without
 the engines' routing would stop the run).
 
-R2 (`r2`), 1 step of two policy updates: the π_old forward's own routing comes back through Ray with the log-probs and
-the updates replay it; the step logs π_old-vs-π_θ agreement, without the k3 split by cause."""
+R2 (`r2`), 1 step of two policy updates, synchronous and async: the π_old forward's own routing comes back through Ray
+with the log-probs and the updates replay it; the step logs π_old-vs-π_θ agreement, without the k3 split by cause."""
 
 from __future__ import annotations
 
@@ -79,12 +79,16 @@ def test_a_replay_run_logs_its_routing_mismatch_and_resumes_with_replay(tiny_moe
     _check_dumps_match_steps(tmp_path / "run", steps)
 
 
-def test_an_r2_run_replays_pi_old_routing_in_its_updates(tiny_moe_dir, tmp_path):
+@pytest.mark.parametrize("controller", [[], ["--train.async_enable", "--train.async_queue_size", "1"]],
+                         ids=["sync", "async"])
+def test_an_r2_run_replays_pi_old_routing_in_its_updates(tiny_moe_dir, tmp_path, controller):
+    """Both controllers: async training's samples come from upstream's generator, but R2's π_old forward runs on the
+    training side in either, so the same run holds."""
     write_prompts(tmp_path / "prompts.jsonl", 4)
     argv = train_argv(tiny_moe_dir, tmp_path, 1, dump_every=1, save_steps=-1, load=False)
     for flag in ("--train.batch_size", "--train.micro_batch_size"):  # 8 samples, two updates: π_θ moves off π_old
         argv[argv.index(flag) + 1] = "4"
-    argv += ["--vllm.routing_replay", "r2", "--logger.token_dump_samples", "-1"]
+    argv += ["--vllm.routing_replay", "r2", "--logger.token_dump_samples", "-1", *controller]
     _run(argv, tmp_path)
     steps = read_steps(tmp_path / "run")
     assert len(steps) == 1
