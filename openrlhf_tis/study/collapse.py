@@ -1,4 +1,4 @@
-"""`python -m openrlhf_tis.study.collapse`: the collapse-regime study (scripts/collapse_study.sh; docs/study.md).
+"""`python -m openrlhf_tis.study.collapse`: the collapse-regime study (scripts/collapse_pilot.sh; docs/study.md).
 
 Where must correction pay? Not at the staleness study's learning rate, where no run fails, so no endpoint about
 failure has anything to count. This study trains where stale, uncorrected runs can fall: the staleness study's
