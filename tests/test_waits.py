@@ -8,7 +8,9 @@ import io
 import os
 import signal
 
-from openrlhf_tis.dashboard.waits import await_chain, print_waits_on_sigusr1
+import zmq
+
+from openrlhf_tis.dashboard.waits import await_chain, print_waits_on_sigusr1, zmq_socket_states
 
 
 async def _innermost(gate: asyncio.Future) -> None:
@@ -66,3 +68,21 @@ def test_sigusr1_prints_each_pending_task():
     # the test's own main() is pending too, in any order: read the page's block alone
     block = text.split("task the-page:\n", 1)[1].split("\ntask ", 1)[0]
     assert block.index("in _page") < block.index("in _innermost") < block.index("<Future pending")
+
+
+def test_each_zmq_socket_says_whether_a_message_waits_in_it():
+    context = zmq.Context()
+    sender, receiver = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+    try:
+        receiver.bind("inproc://waits-test")
+        sender.connect("inproc://waits-test")
+        line = next(line for line in zmq_socket_states() if " PULL inproc://waits-test" in line)
+        assert line.endswith("POLLIN=False")
+        sender.send(b"reply")
+        assert receiver.poll(5000)
+        line = next(line for line in zmq_socket_states() if " PULL inproc://waits-test" in line)
+        assert line.endswith("POLLIN=True")
+    finally:
+        sender.close(0)
+        receiver.close(0)
+        context.term()

@@ -8,6 +8,10 @@ bottom. Python 3.11's `Task.get_stack` stops at the task's own frame and an `asy
 iterates, so the chain is followed through `cr_await` / `gi_yieldfrom` / `ag_await` and, where an `asend` object or a
 future's iterator stands between (neither has an attribute naming what it wraps), through the garbage collector's
 referents.
+
+After the tasks it lists every open zmq socket with its POLLIN state read from the socket itself (`zmq.EVENTS`): a
+task that waits in a poll while its socket says POLLIN=True is a message that arrived after the poll's wake-up was
+consumed (the case `pipeline/kernel_client.py` repolls for), not a kernel that never answered.
 """
 
 from __future__ import annotations
@@ -59,7 +63,26 @@ def print_waits(loop: asyncio.AbstractEventLoop, out: TextIO) -> None:
         print(f"task {task.get_name()}:", file=out)
         for line in await_chain(task.get_coro()):
             print(f"    {line}", file=out)
+    for line in zmq_socket_states():
+        print(line, file=out)
     print("--- end of tasks ---", file=out, flush=True)
+
+
+def zmq_socket_states() -> Iterator[str]:
+    """One line per open zmq socket in this process: its type, endpoint and whether a message waits in it."""
+    import zmq
+
+    for sock in [obj for obj in gc.get_objects() if isinstance(obj, zmq.Socket)]:
+        if sock.closed:
+            continue
+        try:
+            events = sock.get(zmq.EVENTS)
+            endpoint = sock.get(zmq.LAST_ENDPOINT).decode(errors="replace")
+        except zmq.ZMQError as error:  # closed under us, or its context terminated
+            yield f"zmq socket {type(sock).__name__}: {error}"
+            continue
+        kind, waiting = zmq.SocketType(sock.socket_type).name, bool(events & zmq.POLLIN)
+        yield f"zmq socket {type(sock).__name__} {kind} {endpoint or '(no endpoint)'}: POLLIN={waiting}"
 
 
 def print_waits_on_sigusr1(loop: asyncio.AbstractEventLoop, out: TextIO = sys.stderr) -> None:
