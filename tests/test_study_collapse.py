@@ -66,8 +66,34 @@ def test_the_paired_comparison_reads_only_the_seeds_both_arms_ran():
     p = ttest_1samp(diff, 0.0).pvalue
     # falls: seeds 1, 2 uncorrected only, seed 3 TIS only: McNemar's exact p = P(binomial(3, 1/2) this far) = 1
     assert lines[2] == (f"| lr 0.0001, K = 8, off vs tis | 3 | {diff.mean():+.3f} [{diff.mean() - half:+.3f}, "
-                        f"{diff.mean() + half:+.3f}] | {p:.3f} | {sd:.3f} | 0 / 2 / 1 / 0 | 1.000 | "
-                        f"{collapse.seeds_for_paired_power(sd)} |")
+                        f"{diff.mean() + half:+.3f}] | {p:.3f} | {p:.3f} | {sd:.3f} | 0 / 2 / 1 / 0 | 1.000 | "
+                        f"{collapse.seeds_for_paired_power(sd)} |")  # one comparison: Holm's p is its own
+
+
+def _column(line: str, index: int) -> float:
+    return float(line.split("|")[index + 1])
+
+
+def test_several_corrections_are_one_family_adjusted_by_holm():
+    off = {1: 0.0, 2: 0.1, 3: 0.05, 4: -0.05}
+    tis, mask = [0.3, 0.25, 0.35, 0.28], [0.1, -0.05, 0.2, 0.02]  # each seed's gain over uncorrected
+    arms = {(1e-4, 8, "off"): off,
+            (1e-4, 8, "tis"): {s: off[s] + d for s, d in zip(off, tis, strict=True)},
+            (1e-4, 8, "token_mis"): {s: off[s] + d for s, d in zip(off, mask, strict=True)}}
+    lines = collapse.paired_lines(arms, collapse.Endpoint(0.1, 6))
+    p_tis, p_mask = ttest_1samp(tis, 0.0).pvalue, ttest_1samp(mask, 0.0).pvalue
+    assert p_tis < p_mask
+    by_name = {line.split("|")[1].strip(): line for line in lines[2:]}
+    # Holm by hand: the smaller p times 2, the larger times 1 but never below the one before it
+    assert _column(by_name["lr 0.0001, K = 8, off vs tis"], 4) == pytest.approx(min(1, 2 * p_tis), abs=5e-4)
+    assert _column(by_name["lr 0.0001, K = 8, off vs token_mis"], 4) == pytest.approx(
+        min(1, max(2 * p_tis, p_mask)), abs=5e-4)
+    # falls (< 0.1): uncorrected 3 of 4 (0.1 is not below), TIS 0 of 4, the mask 2 of 4 (0.05, -0.03)
+    fisher = collapse.collapse_markdown(arms, collapse.Endpoint(0.1, 6)).split("| comparison |")[1].splitlines()[2:4]
+    by_name = {line.split("|")[1].strip(): line for line in fisher}
+    p_tis, p_mask = fisher_exact([[3, 1], [0, 4]]).pvalue, fisher_exact([[3, 1], [2, 2]]).pvalue
+    assert _column(by_name["lr 0.0001, K = 8, off vs tis"], 3) == pytest.approx(2 * p_tis, abs=5e-4)
+    assert _column(by_name["lr 0.0001, K = 8, off vs token_mis"], 3) == pytest.approx(max(2 * p_tis, p_mask), abs=5e-4)
 
 
 def test_seeds_for_paired_power_is_the_first_that_detects_the_effect():

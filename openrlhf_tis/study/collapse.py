@@ -19,7 +19,9 @@ the mean gain with its t interval; the primary comparisons with Fisher's p; and 
 needs at the rates seen (an arm with fewer runs than the plan asks for is flagged). Then the same comparisons paired
 by seed, which repeatable runs make worth reading (a seed's arms share data order and first samples): the gain
 difference with its t interval, the falls as pairs with McNemar's exact p, and the seeds a paired design needs;
-`--primary paired` makes that t-test the primary one of a new study.
+`--primary paired` makes that t-test the primary one of a new study. Each table's p-values also come Holm-adjusted
+over its comparisons: a study of several corrections against one uncorrected arm is one family, so a difference
+read as shown must survive that.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from openrlhf_tis.study.staleness import staleness_grid
 from openrlhf_tis.viz.stats import (
     detectable_effect,
     fisher_p,
+    holm,
     rate_interval,
     runs_for_power,
     t_interval,
@@ -156,7 +159,9 @@ def collapse_markdown(by_seed: dict[Arm, dict[int, float]], endpoint: Endpoint) 
         spread = f"[{gain.low:+.3f}, {gain.high:+.3f}]" if gain.defined else "(one run: no interval)"
         lines.append(f"| {_name(arm)} | {len(gains)}{short} | {falls} | {rate.estimate:.2f} "
                      f"[{rate.low:.2f}, {rate.high:.2f}] | {gain.estimate:+.3f} {spread} |")
-    lines += ["", "| comparison | falls | Fisher p | runs per arm for 80% power at these rates |", "|---|---|---|---|"]
+    lines += ["", "| comparison | falls | Fisher p | Holm p | runs per arm for 80% power at these rates |",
+              "|---|---|---|---|---|"]
+    rows, p_values = [], []
     for (lr, every, correction), gains in sorted(arms.items()):
         if correction == "off":
             continue
@@ -165,8 +170,10 @@ def collapse_markdown(by_seed: dict[Arm, dict[int, float]], endpoint: Endpoint) 
             continue
         a, b = (int((np.asarray(g) < endpoint.fall_below).sum()) for g in (base, gains))
         needed = runs_for_power(a / len(base), b / len(gains))
-        lines.append(f"| {_name((lr, every, 'off'))} vs {correction} | {a}/{len(base)} vs {b}/{len(gains)} | "
-                     f"{fisher_p(a, len(base), b, len(gains)):.3f} | {needed if needed else 'not within 200'} |")
+        p_values.append(fisher_p(a, len(base), b, len(gains)))
+        rows.append((f"| {_name((lr, every, 'off'))} vs {correction} | {a}/{len(base)} vs {b}/{len(gains)} | "
+                     f"{p_values[-1]:.3f} |", f" {needed if needed else 'not within 200'} |"))
+    lines += _with_holm(rows, p_values)
     lines += ["", *paired_lines(by_seed, endpoint)]
     columns = sorted(by_seed, key=_order)
     lines += ["", "| seed | " + " | ".join(_name(arm) for arm in columns) + " |", "|---|" + "---|" * len(columns)]
@@ -174,6 +181,12 @@ def collapse_markdown(by_seed: dict[Arm, dict[int, float]], endpoint: Endpoint) 
         cells = [f"{by_seed[arm][seed]:+.3f}" if seed in by_seed[arm] else "" for arm in columns]
         lines.append(f"| {seed} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _with_holm(rows: list[tuple[str, str]], p_values: list[float]) -> list[str]:
+    """Each row's two halves joined by its Holm-adjusted p: the family is every comparison of the table (each
+    correction against K uncorrected), so a difference read as shown survives testing several corrections."""
+    return [f"{head} {adjusted:.3f} |{tail}" for (head, tail), adjusted in zip(rows, holm(p_values), strict=True)]
 
 
 def seeds_for_paired_power(sd: float, effect: float = PAIRED_EFFECT, most: int = 200) -> int | None:
@@ -194,9 +207,10 @@ def paired_lines(by_seed: dict[Arm, dict[int, float]], endpoint: Endpoint) -> li
     ones, and the seeds a paired design needs (80% power for a PAIRED_EFFECT difference at the spread seen)."""
     from scipy.stats import binomtest
 
-    lines = ["| paired over seeds | seeds | gain difference [95% t] | p | SD of differences | falls: both / off only / "
-             f"correction only / neither | McNemar p | seeds for 80% power at ±{PAIRED_EFFECT:g} |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| paired over seeds | seeds | gain difference [95% t] | p | Holm p | SD of differences | falls: both / "
+             f"off only / correction only / neither | McNemar p | seeds for 80% power at ±{PAIRED_EFFECT:g} |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    rows, p_values = [], []
     for (lr, every, correction), gains in sorted(by_seed.items()):
         base = by_seed.get((lr, every, "off"))
         if correction == "off" or base is None:
@@ -213,11 +227,12 @@ def paired_lines(by_seed: dict[Arm, dict[int, float]], endpoint: Endpoint) -> li
         gap, sd = t_interval(diff), float(diff.std(ddof=1)) if len(diff) > 1 else float("nan")
         spread = f"[{gap.low:+.3f}, {gap.high:+.3f}]" if gap.defined else "(one seed: no interval)"
         needed = seeds_for_paired_power(sd)
-        lines.append(f"| {_name((lr, every, 'off'))} vs {correction} | {len(seeds)} | {gap.estimate:+.3f} {spread} | "
-                     f"{t_test_p(diff):.3f} | {sd:.3f} | {int((fell_off & fell_cor).sum())} / {off_only} / "
+        p_values.append(t_test_p(diff))
+        rows.append((f"| {_name((lr, every, 'off'))} vs {correction} | {len(seeds)} | {gap.estimate:+.3f} {spread} | "
+                     f"{p_values[-1]:.3f} |", f" {sd:.3f} | {int((fell_off & fell_cor).sum())} / {off_only} / "
                      f"{cor_only} / {int((~fell_off & ~fell_cor).sum())} | {mcnemar:.3f} | "
-                     f"{needed if needed else 'not within 200'} |")
-    return lines
+                     f"{needed if needed else 'not within 200'} |"))
+    return lines + _with_holm(rows, p_values)
 
 
 def write_collapse_report(out: Path) -> str:
