@@ -7,6 +7,14 @@ modules that only name these probes stay importable without torch.
 
 from __future__ import annotations
 
+import os
+import platform
+from typing import Any
+
+# The instruction-set extensions that choose a different kernel (so other roundings) for the same torch capability
+# level: "AVX512" covers Ice Lake (bf16 emulated), Cooper Lake (AVX-512 BF16) and Sapphire Rapids (AMX) alike.
+KERNEL_FLAGS = ("avx512_bf16", "amx_bf16", "amx_int8", "avx512_vnni", "avx_vnni", "avx512_fp16")
+
 
 def _capabilities() -> dict:
     import torch
@@ -53,3 +61,20 @@ def amx_tiles() -> bool:
     import torch
 
     return bool(torch.cpu._is_amx_tile_supported())
+
+
+def machine() -> dict[str, Any]:
+    """What the kernels and reductions depend on besides the code: the ISA level torch dispatches to, the extensions
+    that pick other kernels within it (`KERNEL_FLAGS`) and the thread count. Two CPUs with equal records compute the
+    same numbers; a record is a cache key (trainer/untrained_scores.py) and each run's provenance (runs/config.py)."""
+    import torch
+
+    caps = _capabilities()
+    return {"machine": platform.machine(), "capability": torch.backends.cpu.get_cpu_capability(),
+            "kernels": [flag for flag in KERNEL_FLAGS if caps.get(flag)],
+            "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
+
+
+def cpu_name() -> str:
+    """The CPU's model as torch reads it (e.g. 'Intel Xeon 2.80GHz'): for people; `machine()` is what compares."""
+    return str(_capabilities().get("cpu_name", platform.processor()))

@@ -121,3 +121,28 @@ def test_bad_arguments_are_refused_naming_the_flag(tmp_path, capsys):
         with pytest.raises(SystemExit):
             collapse.main(["--out", str(Path(tmp_path) / "c"), "--model", "tiny", "--dry_run", *extra])
         assert fault in capsys.readouterr().err
+
+
+def _run(path: Path, *machines: dict | None) -> Path:
+    """A run folder whose config.json says it started on machines[0] and resumed on each of the rest."""
+    path.mkdir(parents=True)
+    first, *resumes = machines
+    record = {"config": {}, "resumes": [{"machine": m} if m else {} for m in resumes], **({"machine": first} if first
+                                                                                          else {})}
+    (path / "config.json").write_text(json.dumps(record))
+    return path
+
+
+def test_a_seed_whose_runs_trained_on_two_machines_is_named(tmp_path):
+    amx = {"capability": "AVX512", "kernels": ["amx_bf16", "avx512_vnni"], "cpus": 2}
+    ice = {"capability": "AVX512", "kernels": ["avx512_vnni"], "cpus": 2}
+    runs = [(1, _run(tmp_path / "a", amx)), (1, _run(tmp_path / "b", amx)),
+            (2, _run(tmp_path / "c", amx)), (2, _run(tmp_path / "d", amx, ice)),  # resumed on the other machine
+            (3, _run(tmp_path / "e", None))]
+    lines = collapse.machine_lines(runs)
+    assert "Machine AVX512+amx_bf16+avx512_vnni x 2: seeds 1, 2." in lines
+    assert "Machine AVX512+avx512_vnni x 2: seed 2." in lines
+    assert any("before machines were" in line and line.endswith("seed 3.") for line in lines)
+    split = [line for line in lines if "different machines" in line]
+    assert len(split) == 1 and split[0].startswith("**Seed 2's")
+    assert not any("different machines" in line for line in collapse.machine_lines(runs[:3]))

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from openrlhf_tis import cpu_features
 from openrlhf_tis.cli import train_ppo_ray
 from openrlhf_tis.cli.checks import check_outputs
 from openrlhf_tis.errors import UsageError
@@ -32,7 +33,8 @@ from openrlhf_tis.trainer.untrained_scores import (
     write_scores,
 )
 
-REVISION, VERSIONS, HOST = {"revision": "abc", "dirty": False}, {"vllm": "0.32"}, {"capability": "AVX512", "cpus": 2}
+REVISION, VERSIONS = {"revision": "abc", "dirty": False}, {"vllm": "0.32"}
+HOST = {"capability": "AVX512", "kernels": [], "cpus": 2}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,7 @@ def test_what_the_untrained_scores_depend_on_changes_the_key(parser, files, valu
 
 
 @pytest.mark.parametrize("change", ["model weights", "model config", "eval file", "reward file", "revision",
-                                    "dirty", "versions", "cpu"])
+                                    "dirty", "versions", "cpu", "cpu kernels"])
 def test_the_files_content_the_code_and_the_machine_change_the_key(parser, files, change):
     before = _key(parser, files)
     context = {}
@@ -95,7 +97,8 @@ def test_the_files_content_the_code_and_the_machine_change_the_key(parser, files
     else:
         context = {"revision": {"revision": {**REVISION, "revision": "abd"}},
                    "dirty": {"revision": {**REVISION, "dirty": True}},
-                   "versions": {"versions": {"vllm": "0.33"}}, "cpu": {"host": {**HOST, "capability": "AVX2"}}}[change]
+                   "versions": {"versions": {"vllm": "0.33"}}, "cpu": {"host": {**HOST, "capability": "AVX2"}},
+                   "cpu kernels": {"host": {**HOST, "kernels": ["amx_bf16"]}}}[change]
     assert _key(parser, files, **context) != before
 
 
@@ -197,3 +200,23 @@ def test_a_sweep_shares_one_folder_and_a_grid_may_not_set_it(tmp_path, monkeypat
     for result in results:  # the recorded parameters are the grid's: cells recorded before the cache stay done
         status = json.loads((result.run_dir.parent / "status.json").read_text())
         assert "untrained_cache" not in status["params"] and "run_dir" not in status["params"]
+
+
+def test_the_machine_record_names_the_kernels_within_one_capability_level(monkeypatch):
+    """torch's capability says AVX512 on Ice Lake (bf16 emulated) and Sapphire Rapids (AMX) alike: a score computed
+    with AMX's kernels must not be reused where bf16 is emulated, so the record names the extensions."""
+    caps = {"avx512_vnni": True, "amx_bf16": True, "avx512_bf16": False, "cpu_name": "test CPU"}
+    monkeypatch.setattr(cpu_features, "_capabilities", lambda: caps)
+    with_amx = cpu_features.machine()
+    assert with_amx["kernels"] == ["amx_bf16", "avx512_vnni"]
+    caps["amx_bf16"] = False
+    without = cpu_features.machine()
+    assert without["kernels"] == ["avx512_vnni"] and without["capability"] == with_amx["capability"]
+    assert cpu_features.cpu_name() == "test CPU"
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="reads Linux's /proc/cpuinfo")
+def test_this_machines_kernels_agree_with_the_kernels_cpu_flags():
+    flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags")).split(":", 1)[1].split())
+    assert cpu_features.machine()["kernels"] == [f for f in cpu_features.KERNEL_FLAGS if f in flags]

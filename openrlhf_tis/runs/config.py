@@ -28,6 +28,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from openrlhf_tis.cpu_features import cpu_name, machine
 from openrlhf_tis.runs.layout import CONFIG_FILE, atomic_write
 
 OVERRIDE_FLAG = "--logger.run_dir_override"
@@ -200,11 +201,13 @@ def git_revision(path: str | os.PathLike | None = None, check_dirty: bool = True
 
 
 def provenance() -> dict[str, Any]:
-    """What produced the run besides its config: versions, git revision, host, command line, time."""
+    """What produced the run besides its config: versions, git revision, host and its CPU's kernels (runs of one seed
+    repeat only on equal `machine` records, so a study pairing runs by seed can check it), command line, time."""
     return {
         "versions": package_versions(),
         "git": git_revision(),
         "host": platform.node(),
+        "machine": {**machine(), "cpu_name": cpu_name()},
         "argv": list(sys.argv),
         "time": utc_now(),
     }

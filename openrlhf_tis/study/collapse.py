@@ -39,6 +39,7 @@ from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.main_job import MODEL_HELP, check_model_option
 from openrlhf_tis.pipeline.sweep import SweepResult, recorded_cells, run_command
 from openrlhf_tis.pipeline.train_params import TrainParams
+from openrlhf_tis.runs.config import read_run_config
 from openrlhf_tis.runs.kept_score import read_kept_heldout
 from openrlhf_tis.runs.layout import atomic_write
 from openrlhf_tis.study.dose_response import cell_count, estimate_seconds, rebuild_report, write_grid, write_outputs
@@ -235,10 +236,47 @@ def paired_lines(by_seed: dict[Arm, dict[int, float]], endpoint: Endpoint) -> li
     return lines + _with_holm(rows, p_values)
 
 
+def run_machines(run_dir: Path) -> set[str]:
+    """The machines a run trained on (its start and every resume; runs/config.py provenance) as short labels such as
+    'AVX512+amx_bf16 x 2'; empty for a run recorded before the machine was."""
+    record = read_run_config(run_dir) or {}
+    return {f"{m['capability']}{''.join('+' + k for k in m['kernels'])} x {m['cpus']}"
+            for m in (record.get("machine"), *(r.get("machine") for r in record.get("resumes", []))) if m}
+
+
+def machine_lines(runs: list[tuple[int, Path]]) -> list[str]:
+    """Which machines the (seed, run folder) pairs trained on, and the seeds whose runs did not share one: a seed's
+    runs repeat bit for bit, so pair, only on one machine (another CPU's kernels round otherwise)."""
+    seeds: dict[str, set[int]] = {}
+    by_seed: dict[int, set[str]] = {}
+    unrecorded: set[int] = set()
+    for seed, run_dir in runs:
+        labels = run_machines(run_dir)
+        if not labels:
+            unrecorded.add(seed)
+        for label in labels:
+            seeds.setdefault(label, set()).add(seed)
+        by_seed.setdefault(seed, set()).update(labels)
+    lines = [f"Machine {label}: {_seeds(found)}." for label, found in sorted(seeds.items())]
+    if unrecorded:
+        lines.append(f"Runs recorded before machines were (revisions before the record): {_seeds(unrecorded)}.")
+    split = {seed: labels for seed, labels in sorted(by_seed.items()) if len(labels) > 1}
+    lines += [f"**Seed {seed}'s runs trained on different machines ({', '.join(sorted(labels))}): its pairs mix "
+              "two CPUs' roundings.**" for seed, labels in split.items()]
+    return lines
+
+
+def _seeds(seeds: set[int]) -> str:
+    return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(str(seed) for seed in sorted(seeds))
+
+
 def write_collapse_report(out: Path) -> str:
-    """collapse.md from every cell recorded under `out`, by the endpoint written there; returned too."""
+    """collapse.md from every cell recorded under `out`, by the endpoint written there, with the machines its runs
+    trained on; returned too."""
     endpoint = Endpoint(**json.loads((out / ENDPOINT_FILE).read_text()))
-    text = collapse_markdown(arm_outcomes(recorded_cells(out)), endpoint)
+    result = recorded_cells(out)
+    runs = [(TrainParams(**cell.cell.params).seed, cell.run_dir) for cell in result.results if cell.status != "failed"]
+    text = collapse_markdown(arm_outcomes(result), endpoint) + "\n\n" + "\n".join(machine_lines(runs))
     atomic_write(out / REPORT_FILE, (text + "\n").encode())
     return text
 

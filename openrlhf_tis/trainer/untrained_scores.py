@@ -10,7 +10,8 @@ line instead of evaluating; `eval_start/seconds` is then what the lookup took.
 The key (`untrained_key`) is a hash of everything the evaluation depends on, built by exclusion so that a forgotten
 input costs a miss, never a wrong reuse: the run's whole resolved configuration but the keys `UNTRAINED_IGNORED` names
 (outputs, and what only acts once training starts), every path in it replaced by its content (a file's sha256, a
-folder's files'), the code revision, the package versions and the CPU's kernel capability and thread count.
+folder's files'), the code revision, the package versions and the CPU's kernel capability, the extensions that pick
+other kernels within it (AMX, AVX-512 BF16, VNNI) and the thread count (cpu_features.machine).
 
 One more condition, checked at run time (`may_reuse`): no held-out question may also be a training prompt. An engine
 seeds a sample by the prompt's occurrence at the policy version (rollout/sampling_seeds.py), so a held-out question
@@ -24,13 +25,13 @@ import fnmatch
 import hashlib
 import json
 import os
-import platform
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from openrlhf_tis.cpu_features import machine
 from openrlhf_tis.runs.config import RESUME_IGNORED, SPEC_KEY, git_revision, package_versions, resolve_config
 from openrlhf_tis.runs.layout import atomic_write
 
@@ -67,14 +68,6 @@ def _content(value: Any) -> Any:
     if path.is_dir():
         return {"folder": sorted((str(f.relative_to(path)), _digest(f)) for f in path.rglob("*") if f.is_file())}
     return value
-
-
-def machine() -> dict[str, Any]:
-    """What the engine's kernels and reductions depend on besides the code: ISA path and thread count."""
-    import torch
-
-    return {"machine": platform.machine(), "capability": torch.backends.cpu.get_cpu_capability(),
-            "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
 
 
 def untrained_key(config: Any, revision: Mapping[str, Any] | None = None, versions: Mapping[str, str] | None = None,
