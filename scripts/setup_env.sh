@@ -77,13 +77,9 @@ uv pip install --no-deps openrlhf==0.11.2
 uv pip uninstall torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
 # DeepSpeed JIT-builds its CPU Adam and shm-comm ops on first use (~90 s): build them once now, into
-# the venv (the CLI points every process there), so two checkouts never rebuild over each other.
+# the venv (the CLI points every process there), so two checkouts never rebuild over each other; a build lock left
+# by a set-up killed mid-compile is cleared first (openrlhf_tis/cli/prebuild_ops.py).
 # With the venv's ninja, as every run uses (cli/ray_cluster.py path_with_venv_first): another ninja rebuilds them.
-PATH="$VENV/bin:$PATH" TORCH_EXTENSIONS_DIR="$VENV/torch_extensions" "$VENV/bin/python" - <<'PY'
-from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
-from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
-for b in (CPUAdamBuilder(), FusedAdamBuilder(), ShareMemCommBuilder()):
-    b.load(verbose=False)
-PY
+PATH="$VENV/bin:$PATH" TORCH_EXTENSIONS_DIR="$VENV/torch_extensions" "$VENV/bin/python" -m openrlhf_tis.cli.prebuild_ops
 "$VENV/bin/python" -c "import vllm, openrlhf, deepspeed, ray, scipy; print('[setup] ok: vllm', vllm.__version__)" >&2
 echo "$inputs_hash" > "$STAMP"

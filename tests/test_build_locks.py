@@ -9,10 +9,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 from torch.utils.file_baton import FileBaton
 
 from openrlhf_tis.cli.build_locks import STALE_AFTER_S, build_lock_files, clear_stale_build_locks
+from openrlhf_tis.cli.prebuild_ops import prebuild
 from openrlhf_tis.cli.ray_cluster import worker_env
 
 
@@ -65,3 +68,36 @@ def test_every_run_builds_with_the_venvs_ninja(monkeypatch):
     path = worker_env("cpu")["PATH"]
     assert path.split(os.pathsep) == [venv_bin, "/usr/bin", "/bin"]  # first, once, the rest in order
     assert shutil.which("ninja", path=path) == str(Path(venv_bin) / "ninja")  # the one the set-up built with
+
+
+def test_set_up_clears_a_killed_set_ups_lock_before_building_and_keeps_a_live_builds(tmp_path):
+    """scripts/setup_env.sh's prebuild: a lock left by a set-up killed a moment ago is waited out once and cleared
+    before any op loads; a lock in a directory where ninja works is kept."""
+    young = _lock(tmp_path, "deepspeed_shm_comm", 1)
+    compiling = _lock(tmp_path, "fused_adam", 10 * STALE_AFTER_S)
+    waited, seen = [], []
+
+    def sleep(seconds):  # time passes for the young lock
+        waited.append(seconds)
+        os.utime(young, (time.time() - seconds - 1,) * 2)
+
+    class Builder:
+        def load(self, verbose):
+            seen.append((young.exists(), compiling.exists()))
+
+    ninja = subprocess.Popen(["sleep", "60"], cwd=compiling.parent)
+    try:
+        prebuild({"TORCH_EXTENSIONS_DIR": str(tmp_path)}, builders=lambda: [Builder(), Builder()], sleep=sleep)
+    finally:
+        ninja.kill()
+        ninja.wait()
+    assert waited and waited[0] > STALE_AFTER_S
+    assert seen == [(False, True)] * 2
+
+
+def test_set_up_without_locks_builds_at_once(tmp_path):
+    loaded = []
+    builder = SimpleNamespace(load=lambda verbose: loaded.append(verbose))
+    prebuild({"TORCH_EXTENSIONS_DIR": str(tmp_path)}, builders=lambda: [builder],
+             sleep=lambda s: pytest.fail("waited with no lock"))
+    assert loaded == [False]
