@@ -8,8 +8,9 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$ROOT/scripts/setup_env.sh"
 PY="$ROOT/.venv/bin/python"
+source "$ROOT/scripts/study_folder.sh"
 SEEDS=(${OPENRLHF_TIS_ADAPTIVE_SEEDS:-1 2 3 4 5 6})
-"$PY" -m openrlhf_tis.study.dose_response --out "${OPENRLHF_TIS_ADAPTIVE_W5A8:-$ROOT/results/study/adaptive-w5a8-avx512}" \
+"$PY" -m openrlhf_tis.study.dose_response --out "${OPENRLHF_TIS_ADAPTIVE_W5A8:-$(study_folder adaptive-w5a8)}" \
     --doses w5a8 --corrections off tis adaptive --seeds "${SEEDS[@]}" "$@"
-exec "$PY" -m openrlhf_tis.study.staleness --out "${OPENRLHF_TIS_ADAPTIVE_K4:-$ROOT/results/study/adaptive-k4-avx512}" \
+exec "$PY" -m openrlhf_tis.study.staleness --out "${OPENRLHF_TIS_ADAPTIVE_K4:-$(study_folder adaptive-k4)}" \
     --every 4 --no_int8 --corrections off tis adaptive --seeds "${SEEDS[@]}" "$@"

@@ -4,12 +4,13 @@
 # only (--vllm.sync_every 8: lags 0..7, each measured by mismatch_by_lag/k3_lag_<k>), uncorrected and with TIS, at
 # each learning rate in OPENRLHF_TIS_PILOT_LRS (default: the recipe's 2e-5). A learning rate other than the recipe's
 # also gets its own reference (synced every step, uncorrected), since the rate moves the reference too.
-# Cells land under results/study/staleness-pilot-avx512 (resumable: a re-run skips finished cells;
-# `touch results/study/staleness-pilot-avx512/STOP` ends the sitting after the cell in flight).
+# Cells land under results/study/staleness-pilot-<profile> (resumable: a re-run skips finished cells;
+# `touch results/study/staleness-pilot-<profile>/STOP` ends the sitting after the cell in flight).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$ROOT/scripts/setup_env.sh"
-OUT=${OPENRLHF_TIS_PILOT:-$ROOT/results/study/staleness-pilot-avx512}
+source "$ROOT/scripts/study_folder.sh"
+OUT=${OPENRLHF_TIS_PILOT:-$(study_folder staleness-pilot)}
 GRID=$(mktemp --suffix=.json)
 trap 'rm -f "$GRID"' EXIT
 "$ROOT/.venv/bin/python" - "$OUT" "$GRID" "${OPENRLHF_TIS_PILOT_LRS:-2e-5}" <<'PY'

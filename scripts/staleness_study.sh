@@ -11,12 +11,13 @@
 #   the harshest lag with INT8 rollouts x {off, tis} (precision and staleness together).
 # openrlhf_tis/study/staleness.py builds the grid (cadences via OPENRLHF_TIS_STALENESS_EVERY, seeds via
 # OPENRLHF_TIS_STALENESS_SEEDS; extra arguments, e.g. --dry_run, pass through) and refuses what it cannot honour.
-# Cells land under results/study/staleness-avx512 (resumable: a re-run skips finished cells;
-# `touch results/study/staleness-avx512/STOP` ends the sitting after the cell in flight). Run it from a clone that
+# Cells land under results/study/staleness-<profile> (resumable: a re-run skips finished cells;
+# `touch results/study/staleness-<profile>/STOP` ends the sitting after the cell in flight). Run it from a clone that
 # is not being edited: a cell imports the working tree's code.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$ROOT/scripts/setup_env.sh"
-OUT=${OPENRLHF_TIS_STALENESS:-$ROOT/results/study/staleness-avx512}
+source "$ROOT/scripts/study_folder.sh"
+OUT=${OPENRLHF_TIS_STALENESS:-$(study_folder staleness)}
 exec "$ROOT/.venv/bin/python" -m openrlhf_tis.study.staleness --out "$OUT" \
     --every ${OPENRLHF_TIS_STALENESS_EVERY:-4 8} --seeds ${OPENRLHF_TIS_STALENESS_SEEDS:-1 2 3} "$@"
