@@ -254,7 +254,8 @@ def save_as_source(model, like_dir, dst):
 
 def take_training_step(model, scale: float = 0.05, seed: int = 1) -> list[tuple[str, torch.Tensor]]:
     """Move every weight far more than bf16/int8 rounding, keep the model on bf16-representable values,
-    and return what the trainer would send: every parameter in bf16, in checkpoint naming."""
+    and return what the trainer holds: every parameter in bf16, in its own naming (the checkpoint's but for a
+    transformers 5 Mixtral: rollout/weight_sync/checkpoint_layout.py)."""
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():

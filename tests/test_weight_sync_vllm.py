@@ -239,3 +239,27 @@ def test_a_moe_engine_follows_a_sync_with_its_experts_packed_again(tiny_moe_dir)
     synced_gap = (synced - target).abs().mean().item()
     assert synced_gap < 0.02, synced_gap  # bf16 engine vs the fp32 model, as for the dense model above
     assert (before - target).abs().mean().item() > 10 * synced_gap
+
+
+def test_a_mixtral_engine_follows_a_sync_sent_in_its_checkpoints_layout(tmp_path):
+    """transformers 5 holds Mixtral's experts fused (`mlp.experts.gate_up_proj`), vLLM 0.32's Mixtral loads only its
+    checkpoint's per-expert tensors: the sync sends the trainer's parameters converted back
+    (rollout/weight_sync/checkpoint_layout.py), and the engine follows the trained model; the trainer's own names it
+    cannot place."""
+    from openrlhf_tis.demo.tiny_model import build_tiny_moe
+    from openrlhf_tis.rollout.weight_sync.checkpoint_layout import checkpoint_tensors
+
+    model_dir = build_tiny_moe(tmp_path / "mixtral", architecture="mixtral")
+    engine = start_engine(model_dir)
+    model = trainer_model(model_dir)
+    before = engine_prompt_logprobs(engine)
+    named = take_training_step(model)
+    target = reference_logprobs(model)
+    engine.collective_rpc(_reload, args=(checkpoint_tensors(model, named),))
+    synced = engine_prompt_logprobs(engine)
+    synced_gap = (synced - target).abs().mean().item()
+    assert synced_gap < 0.02, synced_gap  # bf16 engine vs the fp32 model, as for the models above
+    assert (before - target).abs().mean().item() > 10 * synced_gap
+    with pytest.raises(Exception, match=r"layers\.0\.mlp"):
+        engine.collective_rpc(_reload, args=(named,))
+    del engine

@@ -82,25 +82,33 @@ def build_tiny_model(out_dir: str | Path, hidden: int = 128, layers: int = 2, he
     return out
 
 
-def build_tiny_moe(out: str | Path, router_std: float = 0.5) -> Path:
-    """A tiny Qwen3-MoE with a tokenizer: 3 layers, layer 1 dense (`mlp_only_layers`, so its routing slot stays
-    empty), 6 experts, top-2, head size 32 for vLLM's CPU attention. fp32 safetensors holding bf16-representable
-    values, so a bf16 engine and an fp32 trainer start from the same weights. The routers are spread (std
-    `router_std`) so that near-ties are rare, as in a trained model. The routing tests' model and the GPU check's
-    (benchmarks/gpu_check.py, moe)."""
+def build_tiny_moe(out: str | Path, router_std: float = 0.5, architecture: str = "qwen3_moe") -> Path:
+    """A tiny MoE with a tokenizer, head size 32 for vLLM's CPU attention, top-2. `qwen3_moe`: 3 layers, layer 1
+    dense (`mlp_only_layers`, so its routing slot stays empty), 6 experts. `mixtral`: 2 layers of 4 experts, whose
+    transformers 5 parameters are not its checkpoint's (rollout/weight_sync/checkpoint_layout.py). fp32 safetensors
+    holding bf16-representable values, so a bf16 engine and an fp32 trainer start from the same weights. The routers
+    are spread (std `router_std`) so that near-ties are rare, as in a trained model. The routing tests' model and the
+    GPU check's (benchmarks/gpu_check.py, moe)."""
     import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     tok = build_tokenizer()
     tok.save_pretrained(out)
-    config = Qwen3MoeConfig(vocab_size=512, hidden_size=128, intermediate_size=128, moe_intermediate_size=64,
-                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                            num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
-                            max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=tok.eos_token_id,
-                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    config.architectures = ["Qwen3MoeForCausalLM"]
+    shapes = dict(vocab_size=512, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=False,
+                  bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if architecture == "qwen3_moe":
+        config, model_class = Qwen3MoeConfig(**shapes, intermediate_size=128, moe_intermediate_size=64,
+                                             num_hidden_layers=3, num_experts=6, norm_topk_prob=True,
+                                             mlp_only_layers=[1]), Qwen3MoeForCausalLM
+    elif architecture == "mixtral":
+        config, model_class = MixtralConfig(**shapes, intermediate_size=64, num_hidden_layers=2,
+                                            num_local_experts=4), MixtralForCausalLM
+    else:
+        raise ValueError(f"architecture {architecture!r}: qwen3_moe or mixtral")
+    config.architectures = [model_class.__name__]
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config)
+    model = model_class(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("mlp.gate.weight"):

@@ -4,6 +4,8 @@ One sync, in the order it runs (a CPU run; on CUDA upstream's NCCL path sends an
 
     send.py       trainer rank 0: parameters grouped into a few flat buckets of one dtype, broadcast over
                   the sync group (patches/cpu_weight_sync.py makes upstream's `broadcast_to_vllm` call it)
+    checkpoint_layout.py  each parameter as its checkpoint holds it (a transformers 5 Mixtral's fused experts
+                  back to the per-expert tensors the engine loaded at its start)
     group.py      the sync group both ends join: a private gloo group with the `broadcast` upstream calls
     receive.py    each engine worker (a vLLM worker extension): buffers the buckets until the sync's last
     requantize.py what the engine must load: the trainer's float weights as they are, or quantized onto the

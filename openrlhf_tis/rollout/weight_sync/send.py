@@ -4,7 +4,9 @@ Upstream's `ActorPPOTrainer.broadcast_to_vllm` makes one Ray call and one broadc
 sync, each a round trip). Here rank 0 groups the synced parameters into buckets of one dtype and at most
 `BUCKET_BYTES`, and each engine receives a bucket with one call (receive.py `update_weights_bucket`). The contract
 is upstream's: rank 0 sends every synced parameter (ZeRO-3 parameters gathered first), prefix caches are reset,
-all ranks meet at a barrier. patches/cpu_weight_sync.py puts this in place of upstream's method on a CPU run.
+all ranks meet at a barrier. Each parameter goes in its checkpoint's layout (checkpoint_layout.py: a transformers 5
+Mixtral's fused experts as the per-expert tensors the engine loaded). patches/cpu_weight_sync.py puts this in place
+of upstream's method on a CPU run.
 """
 
 from __future__ import annotations
@@ -35,13 +37,17 @@ def broadcast_in_buckets(trainer) -> None:
     import deepspeed
     import ray
 
+    from openrlhf_tis.rollout.weight_sync.checkpoint_layout import check_convertible, checkpoint_tensors
+
     args = trainer.strategy.args
     rank0 = torch.distributed.get_rank() == 0
     resets = [e.reset_prefix_cache.remote() for e in trainer.vllm_engines] if rank0 and getattr(
         args.vllm, "enable_prefix_caching", False) else []
     zero3 = args.ds.zero_stage == 3
     is_vlm = getattr(trainer.actor, "is_vlm", False)
-    params = [(n, p) for n, p in trainer.actor.model.module.named_parameters() if p.requires_grad or not is_vlm]
+    model = trainer.actor.model.module
+    check_convertible(model)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad or not is_vlm]
     meta = [(n, p.dtype, p.ds_numel if zero3 else p.numel()) for n, p in params]
     buckets = sync_buckets(meta, BUCKET_BYTES)
     for b, indices in enumerate(buckets):
@@ -49,8 +55,9 @@ def broadcast_in_buckets(trainer) -> None:
         with deepspeed.zero.GatheredParameters([p for _, p in bucket], enabled=zero3):
             if not rank0:
                 continue
-            names_shapes = [(n, tuple(p.ds_shape if zero3 else p.shape)) for n, p in bucket]
-            flat = torch.cat([p.data.reshape(-1) for _, p in bucket])
+            sent = checkpoint_tensors(model, [(n, p.data) for n, p in bucket])
+            names_shapes = [(n, tuple(t.shape)) for n, t in sent]
+            flat = torch.cat([t.reshape(-1) for _, t in sent])
             refs = [e.update_weights_bucket.remote(names_shapes, flat.dtype, b == len(buckets) - 1)
                     for e in trainer.vllm_engines]
             trainer._model_update_group.broadcast(flat, src=0)
