@@ -310,3 +310,33 @@ def test_the_main_job_refuses_a_device_its_cluster_cannot_run_in_one_line(tmp_pa
         main_job.main(["--out", str(tmp_path), "--model", "tiny", "--cluster.device", "cuda"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("main_job: error: --cluster.device: cuda, but")
+
+
+def _config_only_model(tmp_path, model_type: str) -> str:
+    """The tiny model's directory with another model_type in its config.json: what the checks before Ray read."""
+    import json
+
+    from openrlhf_tis.demo.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path / model_type)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    return str(path)
+
+
+@pytest.mark.parametrize("cluster", ["gpu", "cpu"])
+def test_a_mixtral_on_cuda_is_refused_before_ray_naming_the_model(valid_argv, tmp_path, cluster_of, capsys, cluster):
+    """vLLM 0.29's Mixtral loads only its checkpoint's per-expert names and upstream's CUDA sync sends transformers 5's
+    fused ones (cli/checks.py CUDA_UNSYNCABLE): refused at once, where the run would stop at its first sync."""
+    model = _config_only_model(tmp_path, "mixtral")
+    i = valid_argv.index("--actor.model_name_or_path")
+    argv = [*valid_argv[:i + 1], model, *valid_argv[i + 2:], "--vllm.num_engines", "1"]
+    if cluster == "cpu":  # the fork converts on CPU: the check lets it pass to the next (which Ray would be)
+        from openrlhf_tis.cli.checks import check_cuda_sync_layout
+
+        check_cuda_sync_layout(train_ppo_ray.parse(argv, cluster=CPU_CLUSTER), cuda=False)
+        return
+    cluster_of(GPU_CLUSTER)
+    line = error_line(refused(argv + ["--train.colocate_all"], capsys))  # the cluster's 16 GPUs hold it colocated
+    assert line.startswith(f"--actor.model_name_or_path: {model} is a mixtral on CUDA: ")
+    assert "first weight sync" in line and "block_sparse_moe" in line

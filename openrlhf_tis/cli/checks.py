@@ -238,6 +238,7 @@ def check_inputs(args: argparse.Namespace, spec: RunSpec) -> int | None:
     check_model_path("--actor.model_name_or_path", getattr(args, "actor.model_name_or_path"), required=True)
     check_routing_replay(args, cuda=spec.cluster.device == "cuda",
                          bypass_loss=spec.correction.loss if spec.correction.bypass else None)
+    check_cuda_sync_layout(args, cuda=spec.cluster.device == "cuda")
     if not getattr(args, "reward.remote_url"):
         check_model_path("--reward.model_name_or_path", getattr(args, "reward.model_name_or_path"), required=True)
     check_model_path("--critic.model_name_or_path", getattr(args, "critic.model_name_or_path"))
@@ -295,6 +296,25 @@ def check_routing_replay(args: argparse.Namespace, *, cuda: bool, bypass_loss: s
     for dest, reason in unsupported.items():
         if getattr(args, dest, None):
             raise UsageError(REPLAY_FLAG, f"r3 with --{dest}: {reason}")
+
+
+CUDA_UNSYNCABLE = {"mixtral": "transformers 5 holds its experts fused (mlp.experts.gate_up_proj) and vLLM 0.29's "
+                   "Mixtral loads only its checkpoint's per-expert tensors (block_sparse_moe.experts.N.w1/w2/w3, read "
+                   "in its source); upstream's CUDA sync sends the trainer's names, so the run would stop at its "
+                   "first weight sync. The fork converts them on CPU only (rollout/weight_sync/checkpoint_layout.py)"}
+"""Model types whose trainer parameters the CUDA weight sync cannot hand to vLLM 0.29, with the reason."""
+
+
+def check_cuda_sync_layout(args: argparse.Namespace, *, cuda: bool) -> None:
+    """On CUDA, refuse a model the weight sync cannot deliver (`CUDA_UNSYNCABLE`) before Ray and the engines start,
+    naming the model flag."""
+    if not cuda or getattr(args, "vllm.num_engines", 0) == 0:
+        return
+    model = getattr(args, "actor.model_name_or_path")
+    model_type = read_model_config("--actor.model_name_or_path", model).get("model_type")
+    if model_type in CUDA_UNSYNCABLE:
+        raise UsageError("--actor.model_name_or_path", f"{model} is a {model_type} on CUDA: "
+                         f"{CUDA_UNSYNCABLE[model_type]}")
 
 
 def check_quantized_receive(args: argparse.Namespace, spec: RunSpec, accelerators: tuple[str, ...],
