@@ -22,8 +22,9 @@ def test_the_grid_is_seed_major_with_its_own_reference_and_the_combined_cells(tm
     per_seed = 1 + 2 * len(staleness.CORRECTIONS) + len(staleness.COMBINED)
     assert len(cells) == 2 * per_seed
     first = [(c.params["sync_every"], c.params["rollout_precision"], c.params["correction"]) for c in cells[:per_seed]]
-    assert first == [(1, "bf16", "off"), *((3, "bf16", c) for c in staleness.CORRECTIONS),
-                     *((6, "bf16", c) for c in staleness.CORRECTIONS), *((6, "int8", c) for c in staleness.COMBINED)]
+    engine = default_train_dtype("cpu")  # the `none` dose: the engine in the trainer's dtype, the CPU profile's
+    assert first == [(1, engine, "off"), *((3, engine, c) for c in staleness.CORRECTIONS),
+                     *((6, engine, c) for c in staleness.CORRECTIONS), *((6, "int8", c) for c in staleness.COMBINED)]
     assert {c.params["seed"] for c in cells[:per_seed]} == {5} and {c.params["seed"] for c in cells[per_seed:]} == {7}
     assert {(c.params["lr"], c.params["steps"]) for c in cells} == {(staleness.LR, staleness.STEPS)}
 
