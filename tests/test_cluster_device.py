@@ -312,31 +312,29 @@ def test_the_main_job_refuses_a_device_its_cluster_cannot_run_in_one_line(tmp_pa
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("main_job: error: --cluster.device: cuda, but")
 
 
-def _config_only_model(tmp_path, model_type: str) -> str:
-    """The tiny model's directory with another model_type in its config.json: what the checks before Ray read."""
-    import json
-
-    from openrlhf_tis.demo.tiny_model import build_tiny_model
-
-    path = build_tiny_model(tmp_path / model_type)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
-    return str(path)
-
-
 @pytest.mark.parametrize("cluster", ["gpu", "cpu"])
-def test_a_mixtral_on_cuda_is_refused_before_ray_naming_the_model(valid_argv, tmp_path, cluster_of, capsys, cluster):
-    """vLLM 0.29's Mixtral loads only its checkpoint's per-expert names and upstream's CUDA sync sends transformers 5's
-    fused ones (cli/checks.py CUDA_UNSYNCABLE): refused at once, where the run would stop at its first sync."""
-    model = _config_only_model(tmp_path, "mixtral")
+def test_a_model_the_sync_cannot_convert_is_refused_before_ray_and_a_mixtral_is_not(valid_argv, tmp_path, cluster_of,
+                                                                                   capsys, monkeypatch, cluster):
+    """A transformers 5 Mixtral's fused experts convert to its checkpoint's tensors one parameter at a time (the CPU
+    send, the CUDA receive): it passes the check on either device. A conversion that splits one checkpoint tensor
+    into several parameters cannot be sent so: refused from the model's config before Ray, naming the model flag."""
+    from openrlhf_tis.cli.checks import check_sync_layout
+    from openrlhf_tis.demo.tiny_model import build_tiny_moe
+    from openrlhf_tis.rollout.weight_sync import checkpoint_layout
+
+    model = str(build_tiny_moe(tmp_path / "mixtral", architecture="mixtral"))
     i = valid_argv.index("--actor.model_name_or_path")
     argv = [*valid_argv[:i + 1], model, *valid_argv[i + 2:], "--vllm.num_engines", "1"]
-    if cluster == "cpu":  # the fork converts on CPU: the check lets it pass to the next (which Ray would be)
-        from openrlhf_tis.cli.checks import check_cuda_sync_layout
-
-        check_cuda_sync_layout(train_ppo_ray.parse(argv, cluster=CPU_CLUSTER), cuda=False)
-        return
-    cluster_of(GPU_CLUSTER)
-    line = error_line(refused(argv + ["--train.colocate_all"], capsys))  # the cluster's 16 GPUs hold it colocated
-    assert line.startswith(f"--actor.model_name_or_path: {model} is a mixtral on CUDA: ")
-    assert "first weight sync" in line and "block_sparse_moe" in line
+    if cluster == "gpu":
+        argv.append("--train.colocate_all")  # the cluster's 16 GPUs hold it colocated
+    args = train_ppo_ray.parse(argv, cluster=GPU_CLUSTER if cluster == "gpu" else CPU_CLUSTER)
+    check_sync_layout(args)
+    split = type("Chunk", (), {"target_patterns": [".q_proj", ".k_proj", ".v_proj"]})()
+    monkeypatch.setattr(checkpoint_layout, "conversions", lambda _model: [split])
+    setattr(args, "vllm.num_engines", 0)  # no engines, no sync
+    check_sync_layout(args)
+    if cluster == "gpu":
+        cluster_of(GPU_CLUSTER)
+    line = error_line(refused(argv, capsys))
+    assert line.startswith(f"--actor.model_name_or_path: {model}: weight sync: MixtralForCausalLM was loaded through")
+    assert "one parameter at a time" in line

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from _support import free_port
+from transformers import Qwen2Config
 
 from openrlhf_tis.rollout import engine_actor
 from openrlhf_tis.rollout.engine_actor import (
@@ -25,11 +26,14 @@ from openrlhf_tis.rollout.engine_actor import (
     worker_extension_override,
 )
 from openrlhf_tis.rollout.engine_actor import (
+    CUDA_LAYOUT_EXTENSION as CUDA_LAYOUT,
+)
+from openrlhf_tis.rollout.engine_actor import (
     CUDA_QUANTIZED_EXTENSION as CUDA_QUANTIZED,
 )
 from openrlhf_tis.rollout.weight_sync.group import GlooBroadcastGroup
 from openrlhf_tis.rollout.weight_sync.receive import CPUWorkerExtension
-from openrlhf_tis.rollout.weight_sync.receive_cuda import QuantizedCUDAWorkerExtension
+from openrlhf_tis.rollout.weight_sync.receive_cuda import CUDAWorkerExtension, QuantizedCUDAWorkerExtension
 
 
 def test_the_extension_resolves_as_vllm_does_and_extends_upstreams_worker_wrap():
@@ -113,6 +117,16 @@ def test_a_cuda_engine_of_a_float_model_gets_upstreams_kwargs_unchanged(monkeypa
     monkeypatch.setenv("OPENRLHF_TIS_RUN_DEVICE", "cuda")
     upstream_kwargs, engine_kwargs = _engine_kwargs(monkeypatch, tiny_model_dir)
     assert engine_kwargs == upstream_kwargs
+
+
+def test_a_cuda_engine_of_a_mixtral_gets_the_converting_receive(monkeypatch, tmp_path):
+    """A transformers 5 Mixtral's trainer parameters are not its checkpoint's: on CUDA the fork's converting receive
+    replaces upstream's, and nothing else changes."""
+    from openrlhf_tis.demo.tiny_model import build_tiny_moe
+
+    monkeypatch.setenv("OPENRLHF_TIS_RUN_DEVICE", "cuda")
+    upstream_kwargs, engine_kwargs = _engine_kwargs(monkeypatch, build_tiny_moe(tmp_path / "m", architecture="mixtral"))
+    assert engine_kwargs == {**upstream_kwargs, "worker_extension_cls": CUDA_LAYOUT}
 
 
 class _FilledGroup:
@@ -242,7 +256,13 @@ def test_override_names_the_quantized_receive_on_cuda_only_for_quantized_engines
         "worker_extension_cls": "openrlhf_tis.rollout.weight_sync.receive_cuda.QuantizedCUDAWorkerExtension"}
     assert worker_extension_override(None, cuda=True, quantized=True) == {"worker_extension_cls": CUDA_QUANTIZED}
     assert worker_extension_override(None, cuda=True, quantized=False) == {}
+    assert worker_extension_override(None, cuda=True, converts=True) == {"worker_extension_cls": CUDA_LAYOUT}
+    assert worker_extension_override(None, cuda=True, quantized=True, converts=True) == {  # it converts too
+        "worker_extension_cls": CUDA_QUANTIZED}
+    assert worker_extension_override(None, cuda=False, converts=True) == {"worker_extension_cls": CPU_WORKER_EXTENSION}
     assert resolve_obj_by_qualname(CUDA_QUANTIZED) is QuantizedCUDAWorkerExtension
+    assert resolve_obj_by_qualname(CUDA_LAYOUT) is CUDAWorkerExtension
+    assert issubclass(QuantizedCUDAWorkerExtension, CUDAWorkerExtension)
     with pytest.raises(RuntimeError, match="worker_extension_cls='other.Ext'"):
         worker_extension_override("other.Ext", cuda=True, quantized=True)
 
@@ -363,7 +383,9 @@ def _fp8_worker(tmp_path, sent, monkeypatch):
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
     model = _Model()
     model.config = SimpleNamespace(tie_word_embeddings=False)
-    model_config = SimpleNamespace(model=str(tmp_path), dtype=torch.bfloat16, quantization="fp8")
+    hf_config = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                            num_attention_heads=1, num_key_value_heads=1, tie_word_embeddings=False)
+    model_config = SimpleNamespace(model=str(tmp_path), dtype=torch.bfloat16, quantization="fp8", hf_config=hf_config)
     runner = SimpleNamespace(model=model, model_config=model_config,
                              vllm_config=SimpleNamespace(model_config=model_config))
     expected: dict[str, set[str]] = {}
@@ -442,3 +464,59 @@ def test_a_failed_receive_ends_the_sync_and_restores_the_models_load_weights(tmp
     fake.reloading = False  # the failed sync's engine is left mid-reload (the run stops on its sync check)
     worker._model_update_group = _Group([t for _, t in sent])
     assert _sync(worker, sent)[-1]["sync"] == 1  # a new sync begins a new reload
+
+
+class _Recorded(torch.nn.Module):
+    """A vLLM model's `load_weights` as upstream's receive calls it: keeps (name, copy) of every tensor it loads."""
+
+    def __init__(self):
+        super().__init__()
+        self.loaded: list[tuple[str, torch.Tensor]] = []
+
+    def load_weights(self, weights) -> set[str]:
+        named = [(name, tensor.clone()) for name, tensor in weights]
+        self.loaded += named
+        return {name for name, _ in named}
+
+
+@pytest.mark.parametrize("architecture", ["mixtral", "qwen3_moe"])
+def test_a_cuda_receive_loads_each_tensor_in_the_checkpoints_layout(tmp_path, monkeypatch, architecture):
+    """Upstream's CUDA send (the trainer's names, one parameter at a time) through upstream's own NCCL receive: the
+    engine's model loads exactly the tensors `save_pretrained` wrote, names and values, and a trained change in one
+    expert reaches that expert's tensor only."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from openrlhf_tis.demo.tiny_model import build_tiny_moe
+
+    model_dir = build_tiny_moe(tmp_path / architecture, architecture=architecture)
+    saved = load_file(next(model_dir.glob("*.safetensors")))
+    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    sent = [(name, p.data) for name, p in trainer.named_parameters()]
+    assert not {name for name, _ in sent} <= set(saved)  # the trainer's names alone would not load
+
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: empty(*a, **k))  # "cuda" -> the CPU
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
+    model = _Recorded()
+    model_config = SimpleNamespace(dtype=torch.float32, hf_config=AutoConfig.from_pretrained(model_dir))
+    worker = CUDAWorkerExtension()
+    worker.model_config, worker.model_runner = model_config, SimpleNamespace(model=model, model_config=model_config)
+    worker._model_update_with_ray, worker._model_update_group = False, _Group([t for _, t in sent])
+    assert _sync(worker, sent) == [None] * len(sent)
+    assert sorted(name for name, _ in model.loaded) == sorted(saved)
+    for name, tensor in model.loaded:
+        assert torch.equal(tensor, saved[name]), name
+    assert "load_weights" not in vars(model)  # the receive's swap is gone
+
+    changed = [(name, t.clone()) for name, t in sent]
+    expert = next(i for i, (name, _) in enumerate(changed) if name.endswith("layers.0.mlp.experts.gate_up_proj"))
+    changed[expert][1][1] += 1.0  # expert 1's gate and up projections of layer 0
+    model.loaded.clear()
+    worker._model_update_group = _Group([t for _, t in changed])
+    _sync(worker, changed)
+    differ = {name for name, tensor in model.loaded if not torch.equal(tensor, saved[name])}
+    prefix = "block_sparse_moe.experts.1" if architecture == "mixtral" else "mlp.experts.1"
+    gate_up = ("w1", "w3") if architecture == "mixtral" else ("gate_proj", "up_proj")
+    assert differ == {f"model.layers.0.{prefix}.{w}.weight" for w in gate_up}

@@ -238,7 +238,7 @@ def check_inputs(args: argparse.Namespace, spec: RunSpec) -> int | None:
     check_model_path("--actor.model_name_or_path", getattr(args, "actor.model_name_or_path"), required=True)
     check_routing_replay(args, cuda=spec.cluster.device == "cuda",
                          bypass_loss=spec.correction.loss if spec.correction.bypass else None)
-    check_cuda_sync_layout(args, cuda=spec.cluster.device == "cuda")
+    check_sync_layout(args)
     if not getattr(args, "reward.remote_url"):
         check_model_path("--reward.model_name_or_path", getattr(args, "reward.model_name_or_path"), required=True)
     check_model_path("--critic.model_name_or_path", getattr(args, "critic.model_name_or_path"))
@@ -298,23 +298,26 @@ def check_routing_replay(args: argparse.Namespace, *, cuda: bool, bypass_loss: s
             raise UsageError(REPLAY_FLAG, f"r3 with --{dest}: {reason}")
 
 
-CUDA_UNSYNCABLE = {"mixtral": "transformers 5 holds its experts fused (mlp.experts.gate_up_proj) and vLLM 0.29's "
-                   "Mixtral loads only its checkpoint's per-expert tensors (block_sparse_moe.experts.N.w1/w2/w3, read "
-                   "in its source); upstream's CUDA sync sends the trainer's names, so the run would stop at its "
-                   "first weight sync. The fork converts them on CPU only (rollout/weight_sync/checkpoint_layout.py)"}
-"""Model types whose trainer parameters the CUDA weight sync cannot hand to vLLM 0.29, with the reason."""
-
-
-def check_cuda_sync_layout(args: argparse.Namespace, *, cuda: bool) -> None:
-    """On CUDA, refuse a model the weight sync cannot deliver (`CUDA_UNSYNCABLE`) before Ray and the engines start,
-    naming the model flag."""
-    if not cuda or getattr(args, "vllm.num_engines", 0) == 0:
+def check_sync_layout(args: argparse.Namespace) -> None:
+    """Refuse, before Ray and the engines start and naming the model flag, a model whose trainer parameters the
+    weight sync cannot send in its checkpoint's layout one parameter at a time (checkpoint_layout.py): read from its
+    config alone, on the meta device."""
+    if getattr(args, "vllm.num_engines", 0) == 0:
         return
+    from transformers import AutoConfig
+
+    from openrlhf_tis.rollout.weight_sync.checkpoint_layout import EngineLayout
+
     model = getattr(args, "actor.model_name_or_path")
-    model_type = read_model_config("--actor.model_name_or_path", model).get("model_type")
-    if model_type in CUDA_UNSYNCABLE:
-        raise UsageError("--actor.model_name_or_path", f"{model} is a {model_type} on CUDA: "
-                         f"{CUDA_UNSYNCABLE[model_type]}")
+    config = read_model_config("--actor.model_name_or_path", model)
+    try:
+        config = AutoConfig.for_model(**config)
+    except ValueError:  # a model_type transformers does not know (remote code): nothing to tell from here
+        return
+    try:
+        EngineLayout(config)
+    except RuntimeError as err:
+        raise UsageError("--actor.model_name_or_path", f"{model}: {err}") from None
 
 
 def check_quantized_receive(args: argparse.Namespace, spec: RunSpec, accelerators: tuple[str, ...],

@@ -6,7 +6,9 @@ plan file names the precision; this subclass of upstream's actor turns that plan
 dtype / quantization arguments just before the engine is built, in the engine's own process.
 On CPU it names the fork's vLLM worker extension (rollout/weight_sync/receive.py: the engine's end of
 the weight sync) in place of upstream's CUDA `WorkerWrap`, exposes that extension's bucketed receive,
-which upstream's actor has no method for, and keeps the last sync's statistics for the controller. It also
+which upstream's actor has no method for, and keeps the last sync's statistics for the controller; on CUDA it names
+the fork's receive (receive_cuda.py) where upstream's would load wrong weights: into a quantized engine, or a model
+whose trainer parameters are not its checkpoint's (a transformers 5 Mixtral). It also
 makes a failing, late or malformed reward fail the rollout (rollout/reward_executor.py), and stamps every sample
 with the policy version it was generated with.
 
@@ -39,7 +41,7 @@ from openrlhf_tis.rollout.reward_executor import limit_reward_calls, make_reward
 from openrlhf_tis.rollout.sampling_seeds import ENGINE_SEED, OCCURRENCE, PROMPT_KEY, prompt_key, sample_seeds
 from openrlhf_tis.rollout.versions import VERSION_FIRST, VERSION_LAST
 from openrlhf_tis.rollout.weight_sync.receive import CPUWorkerExtension
-from openrlhf_tis.rollout.weight_sync.receive_cuda import QuantizedCUDAWorkerExtension
+from openrlhf_tis.rollout.weight_sync.receive_cuda import CUDAWorkerExtension, QuantizedCUDAWorkerExtension
 from openrlhf_tis.run_device import is_cuda_run
 
 _UpstreamRolloutRayActor = ray_actor_class(_UpstreamActorClass)
@@ -53,6 +55,7 @@ def qualified_name(cls: type) -> str:
 UPSTREAM_WORKER_EXTENSION = qualified_name(WorkerWrap)
 CPU_WORKER_EXTENSION = qualified_name(CPUWorkerExtension)
 CUDA_QUANTIZED_EXTENSION = qualified_name(QuantizedCUDAWorkerExtension)
+CUDA_LAYOUT_EXTENSION = qualified_name(CUDAWorkerExtension)
 DEEP_GEMM_E8M0 = "VLLM_USE_DEEP_GEMM_E8M0"
 """vLLM's switch for DeepGEMM's power-of-two block scales: on by default on Hopper, where it re-rounds the scales the
 fork computed; off, the engine computes with exactly the weights the fork wrote (docs/gpu.md, FP8 on CUDA)."""
@@ -71,22 +74,34 @@ def plan_engine_overrides(model_dir: str, cuda: bool) -> dict:
     return kwargs
 
 
-def worker_extension_override(requested: str | None, cuda: bool, quantized: bool = False) -> dict[str, str]:
-    """`worker_extension_cls` for the engine: the fork's CPU extension off CUDA; on CUDA the fork's buffered,
-    re-quantizing receive for a quantized engine, else {} (upstream's stays).
+def worker_extension_override(requested: str | None, cuda: bool, quantized: bool = False,
+                              converts: bool = False) -> dict[str, str]:
+    """`worker_extension_cls` for the engine: the fork's CPU extension off CUDA; on CUDA the fork's re-quantizing
+    receive for a quantized engine, its converting receive for a model whose trainer parameters are not its
+    checkpoint's (`converts`), else {} (upstream's stays).
 
     The fork's classes extend upstream's WorkerWrap; an upstream that names another class would lose its
     methods, so that is refused rather than silently replaced.
     """
-    if cuda and not quantized:
+    if cuda and not (quantized or converts):
         return {}
-    ours = CUDA_QUANTIZED_EXTENSION if cuda else CPU_WORKER_EXTENSION
+    ours = (CUDA_QUANTIZED_EXTENSION if quantized else CUDA_LAYOUT_EXTENSION) if cuda else CPU_WORKER_EXTENSION
     if requested not in (None, UPSTREAM_WORKER_EXTENSION):
         raise RuntimeError(
             f"upstream now starts vLLM with worker_extension_cls={requested!r}; the fork's {ours} "
             f"extends {UPSTREAM_WORKER_EXTENSION}: review openrlhf_tis/rollout/weight_sync/"
         )
     return {"worker_extension_cls": ours}
+
+
+def converts_to_checkpoint(model_dir: str) -> bool:
+    """Whether the trainer's parameters of the model in `model_dir` are not its checkpoint's tensors (transformers 5
+    converts them on loading), so that a sync sent under the trainer's names must be converted back to load."""
+    from transformers import AutoConfig
+
+    from openrlhf_tis.rollout.weight_sync.checkpoint_layout import EngineLayout
+
+    return EngineLayout(AutoConfig.from_pretrained(model_dir)).converts
 
 
 def is_quantized_plan(model_dir: str) -> bool:
@@ -118,7 +133,8 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         if overrides:
             print(f"[openrlhf_tis] rollout engine {kwargs['model']}: {overrides}")
         quantized = is_quantized_plan(kwargs["model"])
-        overrides |= worker_extension_override(kwargs.get("worker_extension_cls"), cuda, quantized)
+        converts = cuda and converts_to_checkpoint(kwargs["model"])
+        overrides |= worker_extension_override(kwargs.get("worker_extension_cls"), cuda, quantized, converts)
         if cuda and quantized:  # read by vLLM in this process and the engine core it starts
             os.environ.setdefault(DEEP_GEMM_E8M0, "0")
         if not cuda:  # seeded requests (rollout/sampling_seeds.py): a CPU generator cannot rewind a split prompt's draw
