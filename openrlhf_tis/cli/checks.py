@@ -17,7 +17,7 @@ from typing import Any
 from openrlhf_tis.cli.fork_flags import FORK_FLAGS
 from openrlhf_tis.errors import UsageError
 from openrlhf_tis.model_files import check_model_path, read_model_config
-from openrlhf_tis.moe.coverage import REPLAY_FLAG, engine_refusal, replay_refusal
+from openrlhf_tis.moe.coverage import ENGINE_ROUTING_MODES, REPLAY_FLAG, engine_refusal, replay_refusal
 from openrlhf_tis.prompt_files import PromptFileError, item_sources, prompt_problem, read_records, token_counts
 from openrlhf_tis.rollout.reward_calls import TIMEOUT_FLAG, check_timeout
 from openrlhf_tis.run_spec import RunSpec
@@ -264,16 +264,16 @@ def check_inputs(args: argparse.Namespace, spec: RunSpec) -> int | None:
 
 def check_routing_replay(args: argparse.Namespace, *, cuda: bool, bypass_loss: str | None = None) -> None:
     """`--vllm.routing_replay`: refused with the reason when the trainer cannot replay (a dense model, an architecture
-    whose router the fork does not replace, ring attention, which slices a sample's tokens across ranks) or, for r3,
-    when the rollouts cannot carry the engines' routed experts (no vLLM engine, an engine that cannot return them, a
-    multi-turn agent, async training, whose sample generator is upstream's). r2 records the trainer's own π_old
+    whose router the fork does not replace, ring attention, which slices a sample's tokens across ranks) or, for r3 and
+    measure, when the rollouts cannot carry the engines' routed experts (no vLLM engine, an engine that cannot return
+    them, a multi-turn agent, async training, whose sample generator is upstream's). r2 records the trainer's own π_old
     forward, so it needs no engine and nothing carried from the rollout, only that π_old forward, which a bypass loss
     (`bypass_loss`, the run's resolved correction loss when it is one: π_old := μ) skips."""
     mode = getattr(args, "vllm.routing_replay")
     if mode == "off":
         return
-    if mode == "r3" and not getattr(args, "vllm.num_engines"):
-        raise UsageError(REPLAY_FLAG, "r3 replays the experts the vLLM engines chose, and this run has no engine "
+    if mode in ENGINE_ROUTING_MODES and not getattr(args, "vllm.num_engines"):
+        raise UsageError(REPLAY_FLAG, f"{mode} reads the experts the vLLM engines chose, and this run has no engine "
                          "(--vllm.num_engines): its rollouts carry no routed experts")
     model = getattr(args, "actor.model_name_or_path")
     if refusal := replay_refusal(read_model_config("--actor.model_name_or_path", model)):
@@ -295,7 +295,7 @@ def check_routing_replay(args: argparse.Namespace, *, cuda: bool, bypass_loss: s
     }
     for dest, reason in unsupported.items():
         if getattr(args, dest, None):
-            raise UsageError(REPLAY_FLAG, f"r3 with --{dest}: {reason}")
+            raise UsageError(REPLAY_FLAG, f"{mode} with --{dest}: {reason}")
 
 
 def check_sync_layout(args: argparse.Namespace) -> None:

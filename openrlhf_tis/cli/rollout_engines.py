@@ -6,6 +6,7 @@ the rollout layer below only writes the directory (`rollout.checkpoint.write_rol
 
 from __future__ import annotations
 
+from openrlhf_tis.moe.coverage import ENGINE_ROUTING_MODES
 from openrlhf_tis.run_spec import RolloutPlan
 from openrlhf_tis.runs.layout import ROLLOUT_MODEL_DIR
 
@@ -22,7 +23,7 @@ def prepare_rollout_engines(args, plan: RolloutPlan) -> str | None:
 
     from openrlhf_tis.patches import rollout_engine
 
-    routed_experts = plan.routing_replay == "r3"
+    routed_experts = plan.routing_replay in ENGINE_ROUTING_MODES
     if not plan.writes_model:  # upstream's engines as they are
         if routed_experts:
             rollout_engine.use_fork_engine_actor(routed_experts=True)

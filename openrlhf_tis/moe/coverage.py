@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import Any
 
 REPLAY_FLAG = "--vllm.routing_replay"
-REPLAY_MODES = ("off", "r2", "r3")
-"""off: no replay (upstream); r2: the trainer's own routing in its π_old forward replayed in its π_θ forwards (no
-engine involved); r3: the engines' expert choices replayed in the trainer's π_old and π_θ forwards."""
+REPLAY_MODES = ("off", "measure", "r2", "r3")
+"""off: no replay (upstream); measure: no replay, the engines' expert choices compared with the trainer's own (the
+routing mismatch as it is); r2: the trainer's own routing in its π_old forward replayed in its π_θ forwards (no engine
+involved); r3: the engines' expert choices replayed in the trainer's π_old and π_θ forwards."""
+ENGINE_ROUTING_MODES = ("measure", "r3")
+"""The modes whose engines return each sampled token's routed experts."""
 
 COVERED_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe")
 """model_type values whose transformers 5.19 top-k router routing_replay.py replaces (tests/test_routing_replay.py

@@ -117,7 +117,8 @@ class TrainParams(ParamObject):
         "(a fixed staleness dose; 1: every step)", check=positive)
     routing_replay: str = FLAGS[REPLAY_FLAG].param(
         "mixture-of-experts routing replay: r3 replays the experts the engines chose in the trainer's forwards (an "
-        "MoE model only, e.g. 'upcycled'); off: the trainer routes every token itself")
+        "MoE model only, e.g. 'upcycled'); measure: the trainer routes itself and moe/* compares its routing with the "
+        "engines'; off: the trainer routes every token itself, unmeasured")
     token_dump_every: int = FLAGS["--logger.token_dump_steps"].param("dump per-token records every N steps (0: never)",
                                                                      default=1, check=_not_negative)
     run_dir: str = param("runs/notebook", "the run directory (created; a finished one is refused by the CLI)", (str,),

@@ -12,13 +12,14 @@ whose trainer parameters are not its checkpoint's (a transformers 5 Mixtral). It
 makes a failing, late or malformed reward fail the rollout (rollout/reward_executor.py), and stamps every sample
 with the policy version it was generated with.
 
-Routing replay (`--vllm.routing_replay r3`, docs/moe.md): once the controller calls `start_routing_capture`, every
-request's routed experts are taken as the request ends, and each sample carries its request's routing in its response
-dict (`ROUTED_EXPERTS`, moe/routing_batch.py). On CPU they come from the fork's capture in the engine
-(rollout/routing_capture.py); on CUDA from the request's output, which vLLM 0.29.0 fills itself when the engine was
-started with `enable_return_routed_experts` (`RoutedExpertsRolloutRayActor`, rollout/cuda_routing.py). A sample is
-one request: the executor's `generate` calls reach this actor's `generate`, which hands the routing to the sample
-being generated through a context variable set per sample (each sample runs in its own task, which copies it).
+Routing replay (`--vllm.routing_replay r3` or `measure`, docs/moe.md): once the controller calls
+`start_routing_capture`, every request's routed experts are taken as the request ends, and each sample carries its
+request's routing in its response dict (`ROUTED_EXPERTS`, moe/routing_batch.py). On CPU they come from the fork's
+capture in the engine (rollout/routing_capture.py); on CUDA from the request's output, which vLLM 0.29.0 fills itself
+when the engine was started with `enable_return_routed_experts` (`RoutedExpertsRolloutRayActor`,
+rollout/cuda_routing.py). A sample is one request: the executor's `generate` calls reach this actor's `generate`, which
+hands the routing to the sample being generated through a context variable set per sample (each sample runs in its own
+task, which copies it).
 """
 
 from __future__ import annotations
@@ -161,8 +162,9 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         self._gate.seal(dispatch, calls)
 
     async def start_routing_capture(self) -> list[int]:
-        """Capture each request's routed experts from now on (`--vllm.routing_replay r3`); return the decoder layers
-        with experts. Called by the controller before the first rollout (trainer/step_part.py RoutingCapturePart)."""
+        """Capture each request's routed experts from now on (`--vllm.routing_replay r3` or `measure`); return the
+        decoder layers with experts. Called by the controller before the first rollout (trainer/step_part.py
+        RoutingCapturePart)."""
         layers = await self.llm.collective_rpc("start_routing_capture")
         self._routing_layers = list(layers[0])
         return self._routing_layers
@@ -220,7 +222,7 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         if self._routing_layers is None:
             return outputs
         if len(outputs) != 1 or len(routings) != 1:
-            raise RuntimeError(f"--vllm.routing_replay r3: a sample took {len(routings)} engine requests for "
+            raise RuntimeError(f"--vllm.routing_replay: a sample took {len(routings)} engine requests for "
                                f"{len(outputs)} response(s); replay carries one request's routing per sample")
         outputs[0][ROUTED_EXPERTS] = routings[0]
         return outputs
@@ -295,7 +297,8 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
 
 
 class RoutedExpertsRolloutRayActor(PrecisionRolloutRayActor):
-    """A routing-replay run's engine actor (`--vllm.routing_replay r3`; the driver picks it, patches/rollout_engine.py).
+    """A routing-replay run's engine actor (`--vllm.routing_replay r3` or `measure`; the driver picks it,
+    patches/rollout_engine.py).
 
     On CUDA it starts the engine with vLLM's own routed-experts return (`enable_return_routed_experts`, a
     `ModelConfig` field of vLLM 0.29.0, checked before Ray starts: moe/coverage.py `engine_refusal`) and reads each

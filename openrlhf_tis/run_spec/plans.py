@@ -84,8 +84,10 @@ class RolloutPlan:
         pi_old and pi_theta forwards, the gating weights still the trainer's router's, and logs moe/* (engine-vs-
         trainer routing agreement). On CUDA the engines return the experts themselves (vLLM 0.29.0's
         enable_return_routed_experts). r2 records the trainer's own routing in its pi_old forward and replays it in
-        the pi_theta forwards (verl's R2; no engine involved), logging moe/* as pi_old-vs-pi_theta agreement. Refused
-        with the reason before Ray starts for a dense or uncovered model or ring attention; r3 also without engines,
+        the pi_theta forwards (verl's R2; no engine involved), logging moe/* as pi_old-vs-pi_theta agreement. measure
+        replays nothing: the engines return their routing as for r3 and moe/* compares it with the trainer's own, the
+        routing mismatch of a run without replay (and the k3 of the tokens routed differently). Refused with the
+        reason before Ray starts for a dense or uncovered model or ring attention; r3 and measure also without engines,
         for an engine that cannot return them, async training or an agent; r2 also with a bypass loss, which runs no
         pi_old forward (docs/moe.md).""",
                                choices=REPLAY_MODES)

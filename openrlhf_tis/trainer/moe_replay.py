@@ -16,6 +16,11 @@ With replay on, what the routers would have chosen themselves is recorded in the
 the engine-vs-trainer agreement is still measured: `moe/*` per step (moe/routing_metrics.py), its token metrics
 against log π_old − log μ of the response tokens, summed over the step's micro-batches and data-parallel ranks.
 
+Measure (`measure`): the samples carry the engines' routing as for R3, and nothing is replayed: the π_old forward is
+upstream's, and each π_θ forward routes on its own while its routers record that choice, so `moe/*` is the routing
+mismatch of a run without replay, and its k3 split by cause says how much of log π_old − log μ the tokens routed
+differently carry (their π_old was computed through other experts than μ's).
+
 R2 (verl's and ms-swift's): no engine routing. The π_old forward routes on its own and records that choice
 (`record_own`); it rides with each sample in the same `info` slot and the π_θ forwards replay it, so the policy update
 runs every token through the experts that computed its π_old, while the weights move within the step. The same
@@ -75,14 +80,16 @@ class ReplayedBatch:
 class ActorRouting:
     """The actor model's replaying routers and the step's routing-mismatch tally."""
 
-    def __init__(self, model: torch.nn.Module, *, packed: bool, k3_by_cause: bool = True):
+    def __init__(self, model: torch.nn.Module, *, packed: bool, k3_by_cause: bool = True, replays: bool = True):
         """`model`: the actor's transformers model (unwrapped from DeepSpeed); `packed`: `--ds.packing_samples`;
-        `k3_by_cause`: whether the step's metrics split log π_old − log μ by routing (R3: the replayed routing is the
-        engine's; R2: it is π_old's own, and the split says nothing of μ)."""
+        `k3_by_cause`: whether the step's metrics split log π_old − log μ by routing (R3, measure: the samples'
+        routing is the engine's; R2: it is π_old's own, and the split says nothing of μ); `replays`: whether the
+        forwards use the samples' routing (False: measure, the routers choose and the choice is compared)."""
         self.routers = install_routing_replay(model)
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self.packed = packed
         self.k3_by_cause = k3_by_cause
+        self.replays = replays
         self.tally = RoutingTally(self.num_layers)
 
     def record_own(self, forward: Callable[[], T], attention_mask: torch.Tensor) -> tuple[T, list[torch.Tensor]]:
@@ -97,12 +104,12 @@ class ActorRouting:
 
     @contextmanager
     def replaying(self, routings: Sequence[torch.Tensor], attention_mask: torch.Tensor) -> Iterator[ReplayedBatch]:
-        """Inside the block the actor's forwards on this batch use the samples' routings; yields the batch's engine
-        routing and the routers' record."""
+        """Inside the block the actor's forwards on this batch use the samples' routings (unless it only measures);
+        yields the batch's engine routing and the routers' record."""
         mask = attention_mask.cpu()
         engine = batch_routing(routings, mask)
-        with replaying(self.routers, router_rows(engine, mask, packed=self.packed),
-                       num_layers=self.num_layers) as record:
+        replayed = router_rows(engine, mask, packed=self.packed) if self.replays else None
+        with replaying(self.routers, replayed, num_layers=self.num_layers) as record:
             yield ReplayedBatch(engine, record, mask, self.packed)
 
     def observe(self, batch: ReplayedBatch, log_ratio: torch.Tensor) -> None:

@@ -18,8 +18,9 @@ Upstream seams used:
 
 Routing replay (`--vllm.routing_replay r3` / `r2`, trainer/moe_replay.py): the actor's MoE routers are re-classed once
 the model is built; each training step (forward and backward) replays the samples' routed experts, and `ppo_train` adds
-the step's `moe/*` metrics. The π_old `forward` replays them too (r3: the engines'), or records its own routing and
-returns it with the log-probs (r2), which then ride with the samples to the training steps.
+the step's `moe/*` metrics (with `measure` nothing is replayed: the routers' own choice is compared with the
+engines'). The π_old `forward` replays them too (r3: the engines'), or records its own routing and returns it with
+the log-probs (r2), which then ride with the samples to the training steps.
 
 Per-token dumps (trainer/token_dumps.py): `set_token_dump` takes the controller's plan for a step,
 `append` keeps each replay-buffer item's sample id, and `ppo_train` collects and writes the planned rows, read off
@@ -97,7 +98,7 @@ class CorrectionActorPPOTrainer(ActorPPOTrainer):
         mode = run_spec(self.args).rollout.routing_replay
         if mode != "off":
             self.moe_routing = ActorRouting(unwrapped_model(self.actor), packed=bool(self.args.ds.packing_samples),
-                                            k3_by_cause=mode == "r3")
+                                            k3_by_cause=mode != "r2", replays=mode != "measure")
 
     def _setup_correction(self) -> None:
         """Replace the policy loss, PPO's or GSPO's: the mismatch is measured and dumped whatever the loss.

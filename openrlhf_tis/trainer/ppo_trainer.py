@@ -48,6 +48,7 @@ from openrlhf.trainer.ppo_trainer_async import PPOTrainerAsync as _UpstreamAsync
 from openrlhf.trainer.ppo_trainer_async import TrainingActor as _UpstreamTrainingClass
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
+from openrlhf_tis.moe.coverage import ENGINE_ROUTING_MODES
 from openrlhf_tis.ray_classes import ray_actor_class
 from openrlhf_tis.rollout.precision import CUDA_QUANTIZED
 from openrlhf_tis.rollout.sampling_seeds import seed_data_order
@@ -135,12 +136,12 @@ class ForkController:
         # Bypass mode: the experience maker must not even dispatch the pi_old forward (trainer/bypass.py).
         bypass = install_bypass_experience_maker(self)
         replay = run_spec(self.args).rollout.routing_replay
-        if (self._replays_routing() or replay == "r2") and not bypass:
+        if ((replay == "r3" and self._captures_routing()) or replay == "r2") and not bypass:
             install_routing_experience_maker(self, replay)  # the pi_old forward replays (r3) or records (r2) routing
 
-    def _replays_routing(self) -> bool:
-        """Whether the engines' routing is replayed (r3), which the engines must capture."""
-        return run_spec(self.args).rollout.routing_replay == "r3" and bool(self.vllm_engines)
+    def _captures_routing(self) -> bool:
+        """Whether the engines' routing rides with the samples (r3 replays it, measure compares it)."""
+        return run_spec(self.args).rollout.routing_replay in ENGINE_ROUTING_MODES and bool(self.vllm_engines)
 
     def _choose_parts(self) -> list[StepPart]:
         """This run's parts, in the order their hooks are called (trainer/step_part.py).
@@ -161,7 +162,7 @@ class ForkController:
         parts = [
             RolloutOrderPart(),
             RewardLimitPart(self.vllm_engines, reward_limit) if self.vllm_engines and reward_limit else None,
-            RoutingCapturePart(self.vllm_engines) if self._replays_routing() else None,
+            RoutingCapturePart(self.vllm_engines) if self._captures_routing() else None,
             PolicyVersionPart(self.vllm_engines) if self.vllm_engines else None,
             QueueWaitPart() if self.waits_on_rollout_queue else None,
             RewardScreenPart(rules),

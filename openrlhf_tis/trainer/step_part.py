@@ -122,8 +122,8 @@ class RewardLimitPart(StepPart):
 
 
 class RoutingCapturePart(StepPart):
-    """`--vllm.routing_replay r3`: every engine captures its requests' routed experts from the first rollout on
-    (rollout/engine_actor.py `start_routing_capture`), for the samples to carry to the trainer
+    """`--vllm.routing_replay r3` or `measure`: every engine captures its requests' routed experts from the first
+    rollout on (rollout/engine_actor.py `start_routing_capture`), for the samples to carry to the trainer
     (trainer/moe_replay.py); at each sync it drops the routing of requests aborted before their take."""
 
     def __init__(self, engines: Sequence):
