@@ -520,3 +520,19 @@ def test_a_cuda_receive_loads_each_tensor_in_the_checkpoints_layout(tmp_path, mo
     prefix = "block_sparse_moe.experts.1" if architecture == "mixtral" else "mlp.experts.1"
     gate_up = ("w1", "w3") if architecture == "mixtral" else ("gate_proj", "up_proj")
     assert differ == {f"model.layers.0.{prefix}.{w}.weight" for w in gate_up}
+
+
+def test_a_config_transformers_cannot_read_keeps_upstreams_receive(tmp_path, tiny_model_dir):
+    """A model whose config needs its own code (or names a type transformers does not know): no skeleton to convert
+    through, so the engine keeps upstream's receive rather than failing to start."""
+    import shutil
+
+    from openrlhf_tis.rollout.engine_actor import converts_to_checkpoint
+
+    model = tmp_path / "remote"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "not_in_transformers",
+                                                   "auto_map": {"AutoConfig": "configuration_x.XConfig"}}))
+    assert converts_to_checkpoint(str(model)) is False
+    assert converts_to_checkpoint(str(tiny_model_dir)) is False  # dense: trainer names are the checkpoint's

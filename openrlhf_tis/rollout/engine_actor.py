@@ -97,12 +97,17 @@ def worker_extension_override(requested: str | None, cuda: bool, quantized: bool
 
 def converts_to_checkpoint(model_dir: str) -> bool:
     """Whether the trainer's parameters of the model in `model_dir` are not its checkpoint's tensors (transformers 5
-    converts them on loading), so that a sync sent under the trainer's names must be converted back to load."""
+    converts them on loading), so that a sync sent under the trainer's names must be converted back to load. False
+    for a config transformers cannot read on its own (remote code): upstream's receive, as before."""
     from transformers import AutoConfig
 
     from openrlhf_tis.rollout.weight_sync.checkpoint_layout import EngineLayout
 
-    return EngineLayout(AutoConfig.from_pretrained(model_dir)).converts
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except ValueError:  # an unknown model_type, or code transformers may not run here
+        return False
+    return EngineLayout(config).converts
 
 
 def is_quantized_plan(model_dir: str) -> bool:
