@@ -76,6 +76,16 @@ def _log_probs(actor, sequences, mask) -> torch.Tensor:
     return actor(sequences, action_mask, attention_mask=mask)
 
 
+def _experience(sequences, mask, engine, gaps: tuple[float, float]) -> Experience:
+    """The two samples with 4 and 2 action tokens, the engine's routing, and log μ = log π_old + each sample's gap."""
+    old = -torch.rand(2, sequences.shape[1] - 1)
+    rollout = old + torch.tensor(gaps)[:, None]
+    action_mask = torch.zeros_like(old, dtype=torch.bool)
+    action_mask[0, 2:6], action_mask[1, 1:3] = True, True
+    return Experience(sequences=sequences, attention_mask=mask, action_mask=action_mask, action_log_probs=old,
+                      rollout_log_probs=rollout, info={ROUTED_EXPERTS: [e.short() for e in engine]})
+
+
 def test_a_padded_batch_replays_each_sample_on_its_own_tokens(actor):
     routing = ActorRouting(unwrapped_model(actor), packed=False)
     samples = _samples()
@@ -100,13 +110,7 @@ def test_a_training_step_replays_and_tallies_the_routers_own_choice(actor):
     own = [_own_routing(actor, routing, s) for s in samples]
     engine = [own[0], _other(own[1])]  # sample 0: the engine routed as the trainer; sample 1: never
     sequences, mask = _batch(samples)
-    old = -torch.rand(2, sequences.shape[1] - 1)
-    rollout = old + 0.1
-    action_mask = torch.zeros_like(old, dtype=torch.bool)
-    action_mask[0, 2:6], action_mask[1, 1:3] = True, True
-    experience = Experience(sequences=sequences, attention_mask=mask, action_mask=action_mask,
-                            action_log_probs=old, rollout_log_probs=rollout,
-                            info={ROUTED_EXPERTS: [e.short() for e in engine]})
+    experience = _experience(sequences, mask, engine, gaps=(0.1, 0.1))
     mismatch = []
 
     def step(batch):
@@ -143,14 +147,7 @@ def test_measure_routes_on_its_own_and_tallies_the_engines_routing_against_it(ac
     sequences, mask = _batch(samples)
     with torch.no_grad():
         unpatched = _log_probs(actor, sequences, mask)
-    old = -torch.rand(2, sequences.shape[1] - 1)
-    rollout = old.clone()
-    rollout[1] += 0.3  # the tokens routed differently carry the gap
-    action_mask = torch.zeros_like(old, dtype=torch.bool)
-    action_mask[0, 2:6], action_mask[1, 1:3] = True, True
-    experience = Experience(sequences=sequences, attention_mask=mask, action_mask=action_mask,
-                            action_log_probs=old, rollout_log_probs=rollout,
-                            info={ROUTED_EXPERTS: [e.short() for e in engine]})
+    experience = _experience(sequences, mask, engine, gaps=(0.0, 0.3))  # sample 1, routed differently, carries it
     seen = []
 
     def step(batch):
