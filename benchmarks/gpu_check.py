@@ -452,6 +452,12 @@ def check_fp8(args, sizes: Sizes) -> Iterator[Row]:
                   f"scales {'exact' if exact else 'DIFFER'}, max rel. error {rel:.3f}, "
                   f"{'within' if within else 'OUTSIDE'} e4m3's bound, zero block {'ok' if zero else 'NaN/non-zero'}",
                   "float64 CPU scales; |ΔW| ≤ max(|W|/16, s/1024)", "ok" if exact and within and zero else "MISMATCH")
+    try:
+        yield int8_host_plan_row(weights, args.device)
+    except ModuleNotFoundError as exc:  # the INT8 plan's module reads the flags, which need what a plain clone lacks
+        if not (missing := _missing_optional(exc)):
+            raise
+        yield Row("fp8", "int8 sync, plan on the host", "", "", f"skipped: {missing} not installed")
     layers = sizes.model["num_hidden_layers"]
     every = [w for _ in range(layers) for w in weights.values()]  # one sync: every projection of every layer
     sync = {"sync": lambda: [quantize_blocks(w, block) for w in every]}
@@ -459,6 +465,46 @@ def check_fp8(args, sizes: Sizes) -> Iterator[Row]:
     mib = sum(w.numel() * w.element_size() for w in every) / 2**20
     yield Row("fp8", f"one sync's quantization: {len(every)} projections, {mib:.1f} MiB bf16, blocks {bn}×{bk}",
               f"{seconds * 1e3:.1f} ms ({mib / seconds:.0f} MiB/s)", "", "info")
+
+
+def int8_host_plan_row(weights: dict[str, torch.Tensor], device: str) -> Row:
+    """INT8's re-quantization of one layer's projections on `device` with its plan read on the host, as a CUDA sync
+    runs it (smoothing factors, frozen scales and static input scales: checkpoint.load_int8_plan reads them on the
+    CPU), against the same on the CPU: every tensor it loads on the device, the int8 values within one step (a
+    quotient at a tie may round apart) and the scales equal."""
+    from openrlhf_tis.rollout.quantize import (
+        Int8Plan,
+        input_scale_name,
+        per_channel_scale,
+        quantize_named_weights,
+        scale_name,
+    )
+
+    g = torch.Generator().manual_seed(1)
+    hidden = weights["q_proj"].shape[1]
+    norms = {"input_layernorm": ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+             "post_attention_layernorm": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+    named, smoothing = [], {}
+    for norm, (block, projections) in norms.items():
+        name = f"model.layers.0.{norm}.weight"
+        smoothing[name] = 0.5 + torch.rand(hidden, generator=g)
+        named.append((name, torch.ones(hidden, dtype=torch.bfloat16, device=device)))
+        named += [(f"model.layers.0.{block}.{p}.weight", weights[p]) for p in projections]
+    projections = [n for n, _ in named if n.endswith("_proj.weight")]
+    frozen = {scale_name(n): per_channel_scale(w.float().cpu()) for n, w in named if n in projections}
+    plan = Int8Plan(scale_mode="frozen", smoothing=smoothing, frozen_scales=frozen, activations="static",
+                    input_scales={input_scale_name(n): torch.tensor([0.05]) for n in projections})
+    on_device, _ = quantize_named_weights(named, plan, torch.bfloat16)
+    on_cpu, _ = quantize_named_weights([(n, w.cpu()) for n, w in named], plan, torch.bfloat16)
+    pairs = [(a, b) for (_, a), (_, b) in zip(on_device, on_cpu, strict=True)]
+    placed = all(a.device == weights["q_proj"].device for a, _ in pairs)
+    steps = max(int((a.cpu().int() - b.int()).abs().max()) for a, b in pairs if a.dtype == torch.int8)
+    floats = all(torch.equal(a.cpu(), b) for a, b in pairs if a.dtype != torch.int8)
+    ok = placed and steps <= 1 and floats
+    return Row("fp8", f"int8 sync, plan on the host: {len(projections)} projections, smoothed, frozen + input scales",
+               f"{'on the device' if placed else 'NOT on the device'}, int8 within {steps} step(s) of the CPU's, "
+               f"scales and norms {'equal' if floats else 'DIFFER'}", "on the device; = CPU (int8 ±1)",
+               "ok" if ok else "MISMATCH")
 
 
 # ── cli: a 1-GPU run of the training command ─────────────────────────────────────────────────────────

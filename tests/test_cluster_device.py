@@ -129,6 +129,22 @@ def test_cuda_fp8_refuses_a_model_not_in_whole_blocks_naming_its_projections(val
     assert not (Path(valid_argv[valid_argv.index("--logger.run_dir") + 1]) / "rollout_model").exists()
 
 
+def test_cuda_fp8_refuses_a_mixture_of_experts_model(valid_argv, cluster_of, capsys, tmp_path):
+    """CUDA FP8 quantizes the dense projections into a block-FP8 checkpoint and keeps the experts bf16, which vLLM
+    0.29's Fp8Config would read as FP8 without a scale: refused before anything is written, naming the flag."""
+    from openrlhf_tis.demo.tiny_model import build_tiny_moe
+
+    model = str(build_tiny_moe(tmp_path / "mixtral", architecture="mixtral"))
+    i = valid_argv.index("--actor.model_name_or_path")
+    argv = [*valid_argv[:i + 1], model, *valid_argv[i + 2:], "--vllm.rollout_precision", "fp8"]
+    cluster_of(GPU_CLUSTER)
+    line = error_line(refused(argv, capsys))
+    assert line.startswith(f"--vllm.rollout_precision: fp8 on CUDA writes a block-FP8 checkpoint of the dense "
+                           f"projections, and {model} is a mixture-of-experts model")
+    assert line.endswith("use int8 (experts stay bf16) or bf16 rollouts")
+    assert not (Path(valid_argv[valid_argv.index("--logger.run_dir") + 1]) / "rollout_model").exists()
+
+
 @pytest.mark.parametrize("precision", ["fp8", "int8"])
 def test_cuda_quantized_rollouts_keep_every_sync_checked(valid_argv, cluster_of, capsys, precision):
     cluster_of(GPU_CLUSTER)

