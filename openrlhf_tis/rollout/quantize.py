@@ -213,8 +213,7 @@ def quantize_named_weights(named: Iterable[tuple[str, torch.Tensor]], plan: Int8
     smoothed norms get w / s before that cast. Order is preserved; each projection is followed by
     its `weight_scale`. The plan's tensors (read on the host, checkpoint.load_int8_plan) meet each weight on its
     own device: a CUDA sync's weights arrive on the GPU. For static activations each projection is *preceded* by
-    its stored
-    `input_scale`, for two reasons seen in vLLM 0.32's layerwise reload: it re-creates every parameter
+    its stored `input_scale`, for two reasons seen in vLLM 0.32's layerwise reload: it re-creates every parameter
     of a layer and leaves one that receives no tensor uninitialised, so the calibrated scales must
     travel with every sync (never recomputed from the weights); and it processes a fused layer
     (qkv_proj, gate_up_proj) as soon as it has counted its elements, so a shard's scale arriving after
