@@ -28,7 +28,7 @@ from _support import RAY, REWARD, free_port, ray_head
 
 from openrlhf_tis.demo.task import split, write_jsonl, write_prompts
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.extended]  # a Ray head and a launch: ≈ 7 min on 2 cores
 STEPS = 3
 EVAL_STEPS, EVAL_PROMPTS, EVAL_SAMPLES = 2, 6, 2
 # Logical slots the tiny run's placement asks for (cli/ray_cluster.declared_gpus: 1 actor + 1 vLLM engine; no

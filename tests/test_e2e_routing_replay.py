@@ -11,7 +11,10 @@ Measure (`measure`), 1 step: the engines' routing rides with the samples as for 
 logs the routing mismatch of a run without replay, with the k3 split by cause, and its dumps the differing layers.
 
 R2 (`r2`), 1 step of two policy updates, synchronous and async: the π_old forward's own routing comes back through Ray
-with the log-probs and the updates replay it; the step logs π_old-vs-π_θ agreement, without the k3 split by cause."""
+with the log-probs and the updates replay it; the step logs π_old-vs-π_θ agreement, without the k3 split by cause.
+
+A start of the tiny MoE's run costs ≈ 3 min on 2 cores: the README's suite runs R3's two, the measure and R2 runs are in
+the extended tier (`bash scripts/run_tests.sh extended`)."""
 
 from __future__ import annotations
 
@@ -82,6 +85,7 @@ def test_a_replay_run_logs_its_routing_mismatch_and_resumes_with_replay(tiny_moe
     _check_dumps_match_steps(tmp_path / "run", steps)
 
 
+@pytest.mark.extended  # a third start of the MoE run: R3's two cover capture and replay in the README's suite
 def test_a_measure_run_logs_the_routing_mismatch_without_replaying(tiny_moe_dir, tmp_path):
     write_prompts(tmp_path / "prompts.jsonl", 4)
     argv = train_argv(tiny_moe_dir, tmp_path, 1, dump_every=1, save_steps=-1, load=False)
@@ -94,6 +98,7 @@ def test_a_measure_run_logs_the_routing_mismatch_without_replaying(tiny_moe_dir,
     _check_dumps_match_steps(tmp_path / "run", steps)
 
 
+@pytest.mark.extended  # a fourth and fifth start of the MoE run
 @pytest.mark.parametrize("controller", [[], ["--train.async_enable", "--train.async_queue_size", "1"]],
                          ids=["sync", "async"])
 def test_an_r2_run_replays_pi_old_routing_in_its_updates(tiny_moe_dir, tmp_path, controller):

@@ -34,7 +34,7 @@ from openrlhf_tis.cli.train_ppo_ray import ACTOR_DIED_EXIT, STALLED_EXIT
 from openrlhf_tis.demo.task import write_prompts
 from openrlhf_tis.runs.repeat import first_divergence
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.extended]  # four starts of a run and a 30 s stall: ≈ 12.5 min on 2 cores
 
 STALL_S = 30  # the bound under test: a tiny model's stage takes a few seconds on 2 busy cores
 STOP_BOUND_S = STALL_S + 60  # the bound, the watch's poll, then Ray's shutdown on 2 busy cores

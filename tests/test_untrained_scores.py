@@ -1,7 +1,7 @@
 """The untrained scores' cache (trainer/untrained_scores.py, StartEvalPart): its key, its file, its reuse rule.
 
 The key is built from the real training command (TrainParams.argv through the fork's parser), so what a study
-varies between cells is tested as the CLI spells it. tests/test_e2e_untrained_scores.py shows on real runs that a
+varies between cells is tested as the CLI spells it. tests/test_e2e_repeat.py shows on real runs that a
 reused score is the one the run computes itself.
 """
 
