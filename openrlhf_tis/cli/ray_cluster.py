@@ -40,7 +40,11 @@ UPSTREAM_ENV = {"TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "RAY_ENA
 # engines) is a worker: beside any program at the default priority they get ~3% of a core each (CFS weights 36 vs
 # 1024) and a run stalls. Measured with a busy loop on each of 2 cores: the e2e runs made no step in 900 s at 15; at 0
 # they share the cores like the rest (docs/measurements.md, 2026-12-06). 0 keeps them at the driver's priority.
-RAY_START_ENV = {"RAY_agent_register_timeout_ms": "120000", "RAY_worker_niceness": "0"}
+# Ray also starts a default worker per CPU when the first driver connects; every actor of a run needs the run's
+# runtime_env (its env_vars and setup hook), which a default worker lacks, so those workers only import Ray and idle:
+# 2 x 7 s of CPU in the start of a run on 2 cores (docs/measurements.md, thirteenth sitting).
+RAY_START_ENV = {"RAY_agent_register_timeout_ms": "120000", "RAY_worker_niceness": "0",
+                 "RAY_prestart_worker_first_driver": "0"}
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
 
 
