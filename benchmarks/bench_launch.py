@@ -1,11 +1,15 @@
 """What a start of a run costs, and what two Ray-side settings of the set-up save, side by side.
 
 Why: on a 2-core machine a run of the tiny model spends ≈ 2–3 min starting and seconds per step, so the starts set the
-test suite's time (CI's bound is 90 min) and a study cell's. Two costs paid in every start were pure waste:
+test suite's time (CI's bound is 90 min) and a study cell's. Three costs paid in every start were pure waste:
 
 - Ray prestarts a default worker per CPU when the first driver connects; no actor of a run can use one (each needs the
   run's runtime_env), so they import Ray and idle. cli/ray_cluster.py sets `RAY_prestart_worker_first_driver=0`;
   the `prestart` variant sets it back to 1.
+- Bytecode: uv installs without .pyc files and this machine kind sets PYTHONDONTWRITEBYTECODE, so every process of a
+  run compiled vLLM, DeepSpeed, transformers and Ray from source at each import; scripts/setup_env.sh now compiles
+  the venv once. The `no_bytecode` variant points PYTHONPYCACHEPREFIX at an empty folder (with
+  PYTHONDONTWRITEBYTECODE=1), so no process finds a .pyc, as before.
 - jsonschema, which `import ray` imports, builds an Earley grammar at import when rfc3987-syntax is installed, in every
   Ray process (driver, agents, actors). scripts/setup_env.sh uninstalls it; the `iri_grammar` variant puts a copy of
   the package back on PYTHONPATH, which every process of the run inherits (`--iri_grammar_dir DIR`, a folder holding
@@ -40,7 +44,8 @@ from openrlhf_tis.demo.tiny_model import build_tiny_model  # noqa: E402
 
 def variants(iri_grammar_dir: Path | None) -> dict[str, dict[str, str]]:
     """Environment overrides per variant: the shipped settings, and each saving undone alone."""
-    found = {"shipped": {}, "prestart": {"RAY_prestart_worker_first_driver": "1"}}
+    found = {"shipped": {}, "prestart": {"RAY_prestart_worker_first_driver": "1"},
+             "no_bytecode": {"PYTHONPYCACHEPREFIX": tempfile.mkdtemp(prefix="no_pyc_"), "PYTHONDONTWRITEBYTECODE": "1"}}
     if iri_grammar_dir is not None:
         found["iri_grammar"] = {"PYTHONPATH": str(iri_grammar_dir)}
     return found

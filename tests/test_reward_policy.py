@@ -1,5 +1,6 @@
 """Bad rewards never train silently: `--reward.nonfinite fail|drop` on NaN/inf rewards, and a
-reward function that raises fails the run with its own exception and traceback."""
+reward function that raises fails the run with its own exception and traceback. The real run holding both (a NaN
+group dropped, then a raising reward) is in the extended tier (`bash scripts/run_tests.sh extended`)."""
 
 from __future__ import annotations
 
@@ -135,6 +136,7 @@ def reward_func(queries, prompts, labels):
 
 
 @pytest.mark.e2e
+@pytest.mark.extended  # a start of a run: the policy and the raising reward are checked above without one
 def test_nan_group_dropped_then_raising_reward_stops_the_run(tiny_model_dir, tmp_path):
     reward = tmp_path / "nan_then_raise.py"
     reward.write_text(NAN_THEN_RAISE)
