@@ -98,3 +98,14 @@ def test_the_venvs_ray_imports_no_iri_grammar():
     probe = "import sys, ray, jsonschema; print('rfc3987_syntax' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.split()[-1] == "False", proc.stderr
+
+
+def test_the_venvs_packages_are_compiled_once():
+    """The set-up compiles the venv: uv writes no .pyc and PYTHONDONTWRITEBYTECODE (set on this machine kind) keeps
+    Python from caching one, so without it every process compiled transformers and vLLM at each import (a start of a
+    run took 2.17x as long: docs/measurements.md)."""
+    import importlib.util
+
+    for name in ("transformers", "vllm", "deepspeed"):
+        source = importlib.util.find_spec(name).origin
+        assert Path(importlib.util.cache_from_source(source)).is_file(), f"{name}: no .pyc beside {source}"
