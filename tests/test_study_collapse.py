@@ -13,7 +13,7 @@ from scipy.stats import t as student_t
 from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.sweep import load_grid
 from openrlhf_tis.study import collapse
-from openrlhf_tis.viz.stats import detectable_effect
+from openrlhf_tis.viz.stats import detectable_effect, pairs_for_power
 
 
 def test_the_grid_is_seed_major_then_lr_with_the_reference_beside_each_pair(tmp_path):
@@ -67,7 +67,7 @@ def test_the_paired_comparison_reads_only_the_seeds_both_arms_ran():
     # falls: seeds 1, 2 uncorrected only, seed 3 TIS only: McNemar's exact p = P(binomial(3, 1/2) this far) = 1
     assert lines[2] == (f"| lr 0.0001, K = 8, off vs tis | 3 | {diff.mean():+.3f} [{diff.mean() - half:+.3f}, "
                         f"{diff.mean() + half:+.3f}] | {p:.3f} | {p:.3f} | {sd:.3f} | 0 / 2 / 1 / 0 | 1.000 | "
-                        f"{collapse.seeds_for_paired_power(sd)} |")  # one comparison: Holm's p is its own
+                        f"{pairs_for_power(sd, collapse.PAIRED_EFFECT)} |")  # one comparison: Holm's p is its own
 
 
 def _column(line: str, index: int) -> float:
@@ -96,12 +96,12 @@ def test_several_corrections_are_one_family_adjusted_by_holm():
     assert _column(by_name["lr 0.0001, K = 8, off vs token_mis"], 3) == pytest.approx(max(2 * p_tis, p_mask), abs=5e-4)
 
 
-def test_seeds_for_paired_power_is_the_first_that_detects_the_effect():
+def test_pairs_for_power_is_the_first_that_detects_the_effect():
     # one SD of differences as the effect (d = 1): the textbook paired t-test needs 10 pairs for 80% at 0.05
-    assert collapse.seeds_for_paired_power(0.1, effect=0.1) == 10
-    n = collapse.seeds_for_paired_power(0.25)
+    assert pairs_for_power(0.1, effect=0.1) == 10
+    n = pairs_for_power(0.25, collapse.PAIRED_EFFECT)
     assert detectable_effect(0.25, n) <= collapse.PAIRED_EFFECT < detectable_effect(0.25, n - 1)
-    assert collapse.seeds_for_paired_power(float("nan")) is None and collapse.seeds_for_paired_power(5.0) is None
+    assert pairs_for_power(float("nan"), 0.1) is None and pairs_for_power(5.0, 0.1) is None
 
 
 def test_a_paired_primary_is_fixed_like_the_endpoint(tmp_path):

@@ -46,9 +46,9 @@ from openrlhf_tis.study.dose_response import cell_count, estimate_seconds, rebui
 from openrlhf_tis.study.revision import check_revision, code_revision
 from openrlhf_tis.study.staleness import staleness_grid
 from openrlhf_tis.viz.stats import (
-    detectable_effect,
     fisher_p,
     holm,
+    pairs_for_power,
     rate_interval,
     runs_for_power,
     t_interval,
@@ -190,18 +190,6 @@ def _with_holm(rows: list[tuple[str, str]], p_values: list[float]) -> list[str]:
     return [f"{head} {adjusted:.3f} |{tail}" for (head, tail), adjusted in zip(rows, holm(p_values), strict=True)]
 
 
-def seeds_for_paired_power(sd: float, effect: float = PAIRED_EFFECT, most: int = 200) -> int | None:
-    """The fewest seeds at which a paired t-test over differences spread by `sd` detects `effect` with 80% power
-    (viz/stats.py detectable_effect), or None: not within `most`, or no spread measured."""
-    for n in range(2, most + 1):
-        detectable = detectable_effect(sd, n)
-        if not np.isfinite(detectable):
-            return None
-        if detectable <= effect:
-            return n
-    return None
-
-
 def paired_lines(by_seed: dict[Arm, dict[int, float]], endpoint: Endpoint) -> list[str]:
     """Each correction against K uncorrected over the seeds both ran: the gain difference with its t interval and
     p, the falls as pairs (both, uncorrected only, corrected only, neither) with the exact McNemar p of the discordant
@@ -227,7 +215,7 @@ def paired_lines(by_seed: dict[Arm, dict[int, float]], endpoint: Endpoint) -> li
         mcnemar = float(binomtest(off_only, discordant).pvalue) if discordant else 1.0
         gap, sd = t_interval(diff), float(diff.std(ddof=1)) if len(diff) > 1 else float("nan")
         spread = f"[{gap.low:+.3f}, {gap.high:+.3f}]" if gap.defined else "(one seed: no interval)"
-        needed = seeds_for_paired_power(sd)
+        needed = pairs_for_power(sd, PAIRED_EFFECT)
         p_values.append(t_test_p(diff))
         rows.append((f"| {_name((lr, every, 'off'))} vs {correction} | {len(seeds)} | {gap.estimate:+.3f} {spread} | "
                      f"{p_values[-1]:.3f} |", f" {sd:.3f} | {int((fell_off & fell_cor).sum())} / {off_only} / "

@@ -109,6 +109,19 @@ def detectable_effect(sd: float, n: int, level: float = LEVEL, power: float = PO
     return brentq(shortfall, 0.0, high, xtol=1e-12) * sd / math.sqrt(n)
 
 
+def pairs_for_power(sd: float, effect: float, most: int = 200, level: float = LEVEL,
+                    power: float = POWER) -> int | None:
+    """The fewest pairs at which a paired t-test over differences spread by `sd` detects `effect` with `power`
+    (`detectable_effect`), or None: not within `most`, or no spread measured."""
+    for n in range(2, most + 1):
+        detectable = detectable_effect(sd, n, level, power)
+        if not np.isfinite(detectable):
+            return None
+        if detectable <= effect:
+            return n
+    return None
+
+
 def holm(p_values: np.ndarray | list[float]) -> np.ndarray:
     """Holm-adjusted p-values of one family (Holm 1979): the i-th smallest of m is max over j <= i of
     min(1, (m − j + 1) · p_(j)); a comparison survives at α when its adjusted p is below α. NaNs (no test) are left
