@@ -95,6 +95,7 @@ def test_bad_input_is_refused_naming_the_flag(tmp_path, capsys):
     assert "--out" in capsys.readouterr().err
     folder = tmp_path / "copy"
     shutil.copytree(W5A8, folder)
+    (folder / "contrast_adaptive.md").unlink()  # the committed table: a refused call must not write one
     for argv, flag in ((["--arm", "token_mis", "--against", "tis"], "--arm token_mis"),
                        (["--arm", "adaptive", "--against", "tis", "icepop"], "--against icepop")):
         with pytest.raises(SystemExit):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,7 +38,7 @@ import numpy as np
 from openrlhf_tis.correction.config import PRESETS
 from openrlhf_tis.params import ParameterError
 from openrlhf_tis.pipeline.main_job import MODEL_HELP, check_model_option
-from openrlhf_tis.pipeline.sweep import SweepResult, recorded_cells, run_command
+from openrlhf_tis.pipeline.sweep import CellResult, SweepResult, recorded_cells, run_command
 from openrlhf_tis.pipeline.train_params import TrainParams
 from openrlhf_tis.runs.config import read_run_config
 from openrlhf_tis.runs.kept_score import read_kept_heldout
@@ -117,19 +118,23 @@ def collapse_grid(out: Path, model: str, lrs: list[float], every: int, seeds: li
 Arm = tuple[float, int, str]  # (lr, K, correction)
 
 
-def arm_outcomes(result: SweepResult) -> dict[Arm, dict[int, float]]:
-    """(lr, K, correction) -> seed -> the kept-policy gain of each finished run (runs without a kept score left
-    out)."""
-    arms: dict[Arm, dict[int, float]] = {}
+def finished_gains(result: SweepResult) -> Iterator[tuple[CellResult, TrainParams, float]]:
+    """Each finished run's cell, parameters and kept-policy gain (pass@1 after − before); runs without a kept score
+    left out."""
     for cell in result.results:
         if cell.status == "failed":
             continue
         kept = read_kept_heldout(cell.run_dir)
-        if kept is None:
-            continue
-        params = TrainParams(**cell.cell.params)
-        arms.setdefault((params.lr, params.sync_every, params.correction), {})[params.seed] = (
-            kept.after.pass1 - kept.before.pass1)
+        if kept is not None:
+            yield cell, TrainParams(**cell.cell.params), kept.after.pass1 - kept.before.pass1
+
+
+def arm_outcomes(result: SweepResult) -> dict[Arm, dict[int, float]]:
+    """(lr, K, correction) -> seed -> the kept-policy gain of each finished run (runs without a kept score left
+    out)."""
+    arms: dict[Arm, dict[int, float]] = {}
+    for _, params, gain in finished_gains(result):
+        arms.setdefault((params.lr, params.sync_every, params.correction), {})[params.seed] = gain
     return arms
 
 

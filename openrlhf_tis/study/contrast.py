@@ -26,10 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from openrlhf_tis.pipeline.sweep import SweepResult, recorded_cells
-from openrlhf_tis.pipeline.train_params import TrainParams
-from openrlhf_tis.runs.kept_score import read_kept_heldout
 from openrlhf_tis.runs.layout import atomic_write
-from openrlhf_tis.study.collapse import machine_lines
+from openrlhf_tis.study.collapse import finished_gains, machine_lines
 from openrlhf_tis.viz.stats import Interval, holm, pairs_for_power, t_interval, t_test_p
 
 MARGIN = 0.1  # one held-out question in ten: what the adaptive study fixed before its first cell
@@ -48,16 +46,9 @@ def kept_gains(result: SweepResult) -> tuple[Gains, dict[tuple[str, str, int], P
     without a kept score are left out)."""
     gains: Gains = {}
     runs: dict[tuple[str, str, int], Path] = {}
-    for cell in result.results:
-        if cell.status == "failed":
-            continue
-        kept = read_kept_heldout(cell.run_dir)
-        if kept is None:
-            continue
-        params = TrainParams(**cell.cell.params)
+    for cell, params, gain in finished_gains(result):
         setting = setting_of(cell.cell.name)
-        gains.setdefault(setting, {}).setdefault(params.correction, {})[params.seed] = (
-            kept.after.pass1 - kept.before.pass1)
+        gains.setdefault(setting, {}).setdefault(params.correction, {})[params.seed] = gain
         runs[(setting, params.correction, params.seed)] = cell.run_dir
     return gains, runs
 
