@@ -124,8 +124,8 @@ def test_quick_fits_an_hour_on_the_avx2_profile_and_the_dry_run_says_so(tmp_path
     grid = json.loads((tmp_path / "q" / "study_grid.json").read_text())
     assert grid["base"]["steps"] == study.QUICK_STEPS and study.cell_count(grid) == 6
     assert study.estimate_seconds(grid) <= study.QUICK_BUDGET_S
-    # by hand: 6 cells x (110 + 4 x 60 + 20 + 4 x 50) s
-    assert study.estimate_seconds(grid) == 6 * (110 + 240 + 20 + 200)
+    # by hand: 6 cells x (110 + 4 x 40 + 50 + 4 x 30) s
+    assert study.estimate_seconds(grid) == 6 * (110 + 160 + 50 + 120)
     assert "6 cells of 4 steps, trainer fp32, seeds [1, 2]" in capsys.readouterr().err
     assert not (tmp_path / "q" / "cells").exists()  # a dry run runs nothing
     study.main(["--out", str(tmp_path / "f"), "--model", "tiny", "--dry_run", "--doses", "none", "int8", "w4a8"])

@@ -96,10 +96,12 @@ class CellCost:
         return self.startup_s + self.scores * self.score_s + self.overhead_s + steps * self.step_s
 
 
-# Per trainer dtype, the parts of a cell as the earlier study's cells and the main job took them on this project's
-# 2-core machines (docs/measurements.md: fp32 on the AVX2 EPYC, bf16 on the AVX-512 BF16 one), rounded up so an
-# estimate errs long. The kept-policy scoring is costed like an engine pass (not yet timed).
-COSTS = {"fp32": CellCost(110, 60, 4, 50, 20), "bf16": CellCost(90, 25, 4, 9, 20)}
+# Per trainer dtype, the parts of a cell as this project's 2-core machines took them (docs/measurements.md), rounded
+# up so an estimate errs long: fp32 from the K = 4 adaptive study's first seed on an AVX2 Xeon with the venv's
+# bytecode (benchmarks/cell_phases.py: start 108 s, 30 s a step, held-out passes 25-42 s, the rest 50 s; 866-1031 s a
+# 24-step cell, estimated 1040), bf16 from the earlier study's cells on the AVX-512 BF16 one. Every cell is costed
+# four held-out passes, though a seed's untrained scores are computed once and shared.
+COSTS = {"fp32": CellCost(110, 40, 4, 30, 50), "bf16": CellCost(90, 25, 4, 9, 20)}
 
 
 def check_doses(doses: list[str], weight_bits_choices: tuple[str, ...], fp8_runs: bool) -> None:
